@@ -1,0 +1,32 @@
+"""distribute_utils: gather configs and tensor shards to one rank at the end of a distributed job."""
+
+from __future__ import annotations
+
+from .errors import (
+    DistributeError,
+    GatherError,
+    PayloadError,
+    PeerLostError,
+    SpaceError,
+    TransportUnavailableError,
+)
+from .layout import MeshLayout
+from .mesh import ProcessGroupMesh
+from .sync import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, barrier
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "TIMEOUT_ENV",
+    "DistributeError",
+    "GatherError",
+    "MeshLayout",
+    "PayloadError",
+    "PeerLostError",
+    "ProcessGroupMesh",
+    "SpaceError",
+    "TransportUnavailableError",
+    "__version__",
+    "barrier",
+]

@@ -1,0 +1,101 @@
+"""Facts about this process and its host: identity, shared-memory domain, liveness of peers.
+
+Two processes can share POSIX shared memory when they run on the same kernel (boot id) and
+see the same ``/dev/shm`` mount (its device number); the hostname alone is not enough
+(containers and simulated nodes share hostnames or boot ids). They can check each other's
+liveness by pid when they also share a pid namespace.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+from dataclasses import dataclass
+
+__all__ = ["SHM_DIR", "ProcessInfo", "process_alive", "this_process"]
+
+SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """Where a rank runs: enough to tell shared-memory peers and to check liveness."""
+
+    hostname: str
+    boot_id: str
+    shm_device: int
+    pid_namespace: int
+    pid: int
+    start_time: int
+
+    @property
+    def shm_domain(self) -> str:
+        """Equal for processes that see the same ``/dev/shm``."""
+        return f"{self.boot_id}:{self.shm_device}"
+
+    def can_watch(self, other: ProcessInfo) -> bool:
+        """Whether this process can tell by pid if ``other`` is alive."""
+        return (self.boot_id, self.pid_namespace) == (other.boot_id, other.pid_namespace)
+
+    def to_wire(self) -> list[object]:
+        return [self.hostname, self.boot_id, self.shm_device, self.pid_namespace, self.pid, self.start_time]
+
+    @classmethod
+    def from_wire(cls, items: list[object]) -> ProcessInfo:
+        hostname, boot_id, shm_device, pid_ns, pid, start = items
+        return cls(str(hostname), str(boot_id), int(shm_device), int(pid_ns), int(pid), int(start))
+
+
+def _read(path: str, default: str = "") -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
+def _start_time(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot, or -1 when it does not exist."""
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat:
+        return -1
+    # Field 22; the command name (field 2) may hold spaces, so split after its closing ')'.
+    fields = stat.rsplit(")", 1)[-1].split()
+    return int(fields[19])
+
+
+def _shm_device() -> int:
+    try:
+        return os.stat(SHM_DIR).st_dev
+    except OSError:
+        return -1
+
+
+@functools.lru_cache(maxsize=1)
+def _static_facts() -> tuple[str, str, int]:
+    boot_id = _read("/proc/sys/kernel/random/boot_id", default=f"no-boot-id:{socket.gethostname()}")
+    try:
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pid_ns = -1
+    return socket.gethostname(), boot_id, pid_ns
+
+
+def this_process() -> ProcessInfo:
+    """Facts about the calling process (the ``/dev/shm`` device is read afresh each call)."""
+    hostname, boot_id, pid_ns = _static_facts()
+    pid = os.getpid()
+    return ProcessInfo(hostname, boot_id, _shm_device(), pid_ns, pid, _start_time(pid))
+
+
+def process_alive(info: ProcessInfo) -> bool:
+    """Whether the process ``info`` describes still runs (same pid *and* start time).
+
+    Only meaningful when ``this_process().can_watch(info)``; a zombie counts as dead.
+    """
+    stat = _read(f"/proc/{info.pid}/stat")
+    if not stat:
+        return False
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[0] != "Z" and int(fields[19]) == info.start_time

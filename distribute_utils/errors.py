@@ -1,0 +1,52 @@
+"""One exception hierarchy for the whole package.
+
+Every error we raise on purpose derives from :class:`DistributeError`, and also from
+the built-in a caller would naturally catch (``ValueError``, ``TimeoutError``, ...).
+All of them survive pickling, so a worker's error can be re-raised in its parent.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DistributeError",
+    "GatherError",
+    "PayloadError",
+    "PeerLostError",
+    "SpaceError",
+    "TransportUnavailableError",
+]
+
+
+class DistributeError(Exception):
+    """Base of every error raised on purpose by ``distribute_utils``."""
+
+
+class GatherError(DistributeError, RuntimeError):
+    """A gather round failed on some rank (the message names which and why)."""
+
+
+class PeerLostError(DistributeError, TimeoutError):
+    """Peers did not arrive within the timeout, or their connection broke.
+
+    Attributes:
+        missing: global ranks that did not arrive (empty when unknown).
+    """
+
+    def __init__(self, message: str, missing: tuple[int, ...] | list[int] = ()) -> None:
+        super().__init__(message, tuple(missing))
+        self.missing = tuple(missing)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class PayloadError(DistributeError, ValueError):
+    """A payload is malformed, truncated, oversized or fails its checksum."""
+
+
+class SpaceError(DistributeError, OSError):
+    """Not enough room in ``/dev/shm`` or the workspace for a payload."""
+
+
+class TransportUnavailableError(DistributeError, ValueError):
+    """The requested transport cannot connect these ranks (e.g. ``shm`` across hosts)."""

@@ -1,0 +1,70 @@
+"""Shared fixtures: long-lived pools of real ranks, and a leak check on /dev/shm."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from harness import RankPool
+
+
+class PoolCache:
+    """One live :class:`RankPool` per world size; broken pools are replaced on demand."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world_size: int) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is None or pool.broken:
+            pool = self._pools[world_size] = RankPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+@pytest.fixture(scope="session")
+def pools() -> Iterator[PoolCache]:
+    cache = PoolCache()
+    yield cache
+    cache.close()
+
+
+@pytest.fixture
+def ranks4(pools: PoolCache) -> RankPool:
+    """Four live ranks in one gloo group (shared across tests)."""
+    return pools.get(4)
+
+
+@pytest.fixture
+def fresh_job() -> Iterator[Callable[[int], RankPool]]:
+    """Start dedicated ranks for one test (fault injection); always reaped afterwards."""
+    started: list[RankPool] = []
+
+    def start(world_size: int, env: dict[str, str] | None = None) -> RankPool:
+        pool = RankPool(world_size, env)
+        started.append(pool)
+        return pool
+
+    yield start
+    for pool in started:
+        pool.close(kill=True)
+
+
+def shm_entries(prefix: str = "du") -> set[str]:
+    """Names in /dev/shm that this package could have made."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(prefix)}
+
+
+@pytest.fixture
+def no_shm_leak() -> Iterator[None]:
+    """Fail the test if it leaves new segments of ours in /dev/shm."""
+    before = shm_entries()
+    yield
+    left = shm_entries() - before
+    assert not left, f"segments left in /dev/shm: {sorted(left)}"

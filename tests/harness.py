@@ -1,0 +1,162 @@
+"""Run test functions on real ranks: spawned processes joined in a real gloo process group.
+
+A :class:`RankPool` starts ``world_size`` processes once (spawn start method, gloo over a
+``TCPStore`` hosted by the parent, so a rank's death never takes the rendezvous with it) and
+runs one function after another on all of them. Spawning costs seconds on this machine, so
+the test suite keeps one pool per world size alive for the whole session (see conftest.py).
+
+- Child tracebacks come back to the parent and fail the test with every rank's traceback.
+- Every run has a hard timeout: on expiry the pool is killed (SIGKILL, process group) and
+  reaped, and the test fails naming the ranks that did not answer.
+- After any failure the pool is discarded and a fresh one is started for the next test, so
+  one broken test cannot poison the next.
+- ``run(..., expect_deaths=True)`` is for fault injection: ranks that die return a
+  :class:`Died` record instead of failing the test; the pool is discarded afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["Died", "RankFailure", "RankPool"]
+
+_SPAWN = mp.get_context("spawn")
+
+
+@dataclass(frozen=True)
+class Died:
+    """What a rank returned when its process died during the run."""
+
+    exitcode: int | None
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, died or did not answer; holds every rank's report."""
+
+
+def _worker_main(
+    rank: int, world_size: int, host: str, port: int, conn: Connection, env: dict[str, str]
+) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        while True:
+            task = conn.recv()
+            if task is None:
+                break
+            fn, args, kwargs = task
+            try:
+                reply: tuple[str, Any] = ("ok", fn(*args, **kwargs))
+                payload = pickle.dumps(reply)
+            except BaseException as exc:  # report everything, including test assertion errors
+                payload = pickle.dumps(("err", "".join(traceback.format_exception(exc))))
+            conn.send_bytes(payload)
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` live ranks in one gloo group, reused across runs."""
+
+    def __init__(self, world_size: int, env: dict[str, str] | None = None) -> None:
+        self.world_size = world_size
+        self._env = dict(env or {})
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        for rank in range(world_size):
+            parent, child = _SPAWN.Pipe()
+            proc = _SPAWN.Process(
+                target=_worker_main,
+                args=(rank, world_size, "127.0.0.1", self._store.port, child, self._env),
+                name=f"rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self.broken = False
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = 120.0,
+        expect_deaths: bool = False,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+
+        Raises:
+            RankFailure: a rank raised, died (unless ``expect_deaths``) or missed the timeout.
+        """
+        if self.broken:
+            raise RuntimeError("this pool is broken; start a new one")
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        pending = dict(enumerate(self._conns))
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for rank in [r for r, c in pending.items() if c in ready]:
+                try:
+                    kind, value = pickle.loads(pending[rank].recv_bytes())
+                except (EOFError, OSError):
+                    self._procs[rank].join(5)
+                    code = self._procs[rank].exitcode
+                    if expect_deaths:
+                        results[rank] = Died(code)
+                    else:
+                        errors[rank] = f"process died with exit code {code}"
+                else:
+                    (results if kind == "ok" else errors)[rank] = value
+                del pending[rank]
+        if pending:
+            errors.update({r: f"no answer within {timeout:g} s (killed)" for r in pending})
+        if errors or pending or expect_deaths:
+            self.close(kill=bool(pending) or expect_deaths)
+        if errors:
+            report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+            raise RankFailure(f"{len(errors)} of {self.world_size} ranks failed in {fn.__name__}:\n{report}")
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        """Stop every rank (politely unless ``kill``) and reap it. Idempotent."""
+        self.broken = True
+        if not kill:
+            for conn in self._conns:
+                with contextlib.suppress(OSError, ValueError):
+                    conn.send(None)
+            for proc in self._procs:
+                proc.join(10)
+        for proc in self._procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
+        for conn in self._conns:
+            conn.close()
+        self._conns = []

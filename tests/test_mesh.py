@@ -1,0 +1,227 @@
+"""ProcessGroupMesh and barriers on 4 real ranks in a gloo group."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distribute_utils import MeshLayout, PeerLostError, ProcessGroupMesh, barrier
+
+from harness import Died, RankPool
+
+
+def _groups_and_collectives() -> dict:
+    mesh = ProcessGroupMesh(1, 2, 2)
+    out: dict = {"coord": mesh.coordinate(), "size": mesh.size(), "size1": mesh.size(1)}
+    tp = mesh.get_group_along_axis(2)
+    pp = mesh.get_group_along_axis(1)
+    out["tp"], out["pp"] = mesh.get_ranks_in_group(tp), mesh.get_ranks_in_group(pp)
+    t = torch.tensor([mesh.rank])
+    dist.all_reduce(t, group=tp)
+    out["tp_sum"] = int(t)
+    # Cached: the same object on a second request; a different backend gives a different group.
+    out["cached"] = mesh.get_group_along_axis(2) is tp
+    again = mesh.create_group_along_axis(2)
+    out["create_again_cached"] = again is tp
+    mesh.destroy_mesh_process_groups()
+    mesh.destroy_mesh_process_groups()  # idempotent
+    return out
+
+
+def test_groups_created_cached_and_usable(ranks4: RankPool) -> None:
+    results = ranks4.run(_groups_and_collectives)
+    assert [r["coord"] for r in results] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert [r["tp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["pp"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["tp_sum"] for r in results] == [1, 1, 5, 5]
+    assert all(r["cached"] and r["create_again_cached"] for r in results)
+    assert results[0]["size"] == (1, 2, 2) and results[0]["size1"] == 2
+
+
+def _cache_keyed_by_backend() -> tuple[bool, str, str]:
+    mesh = ProcessGroupMesh(2, 2, axis_names=("pp", "tp"))
+    # The world is gloo, so the default-backend group and an explicit "gloo" request coincide;
+    # a request with another backend string must not return the cached one.
+    default = mesh.get_group_along_axis("tp")
+    gloo = mesh.get_group_along_axis("tp", backend="gloo")
+    other = mesh.get_group_along_axis("tp", backend="cpu:gloo")
+    result = (default is gloo, dist.get_backend(other), str(other is gloo))
+    mesh.destroy_mesh_process_groups()
+    return result
+
+
+def test_group_cache_is_keyed_by_backend(ranks4: RankPool) -> None:
+    for same, backend, other_is_gloo in ranks4.run(_cache_keyed_by_backend):
+        assert same and other_is_gloo == "False"
+        assert "gloo" in backend
+
+
+def _indices_and_names() -> dict:
+    mesh = ProcessGroupMesh(2, 2, axis_names=("pp", "tp"))
+    g = mesh.create_group_along_axis("pp", indices_at_axis=[0, 1])
+    return {
+        "ranks": mesh.get_ranks_in_group(g) if g is not None else None,
+        "coord_tp": mesh.coordinate("tp"),
+        "coords": ProcessGroupMesh.get_coords_along_axis((0, 1), 0, [0, 1]),
+        "ravel": ProcessGroupMesh.ravel((1, 1), (2, 2)),
+        "unravel": ProcessGroupMesh.unravel(3, (2, 2)),
+    }
+
+
+def test_names_indices_and_static_helpers(ranks4: RankPool) -> None:
+    results = ranks4.run(_indices_and_names)
+    assert [r["ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["coord_tp"] for r in results] == [0, 1, 0, 1]
+    assert results[0]["coords"] == [(0, 1), (1, 1)]
+    assert results[0]["ravel"] == 3 and results[0]["unravel"] == (1, 1)
+
+
+def _mesh_errors() -> list[str]:
+    messages = []
+    for make in (lambda: ProcessGroupMesh(2, 4), lambda: ProcessGroupMesh(2, 2, axis_names=("a", "a"))):
+        try:
+            make()
+        except ValueError as exc:
+            messages.append(str(exc))
+    mesh = ProcessGroupMesh(2, 2, axis_names=("pp", "tp"))
+    try:
+        mesh.get_group_along_axis("ep")
+    except KeyError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+def test_mesh_errors_name_what_is_valid(ranks4: RankPool) -> None:
+    for messages in ranks4.run(_mesh_errors):
+        assert "needs a world of at least 8 ranks, but the world size is 4" in messages[0]
+        assert "duplicate axis names" in messages[1]
+        assert "valid names: ['pp', 'tp']" in messages[2]
+
+
+def _disagreeing_shapes() -> str:
+    shape = (4,) if dist.get_rank() == 2 else (2, 2)
+    try:
+        ProcessGroupMesh(*shape, timeout=20)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_mesh_shapes_that_disagree_raise_everywhere(ranks4: RankPool) -> None:
+    for message in ranks4.run(_disagreeing_shapes, timeout=60):
+        assert "ranks disagree on the mesh" in message and "rank(s) [2] differ" in message
+
+
+def _partial_mesh() -> dict:
+    mesh = ProcessGroupMesh(3, rank_offset=1)
+    g = mesh.create_group_along_axis(0)
+    out: dict = {"member": g is not None}
+    try:
+        out["coord"] = mesh.coordinate()
+    except ValueError as exc:
+        out["coord"] = str(exc)
+    return out
+
+
+def test_mesh_inside_a_larger_world(ranks4: RankPool) -> None:
+    results = ranks4.run(_partial_mesh)
+    assert [r["member"] for r in results] == [False, True, True, True]
+    assert "rank 0 is not in" in results[0]["coord"]
+    assert [r["coord"] for r in results[1:]] == [(0,), (1,), (2,)]
+
+
+def _per_axis_barriers() -> list[float]:
+    mesh = ProcessGroupMesh(2, 2, axis_names=("pp", "tp"))
+    # Ranks 2 and 3 (pp=1) arrive late at the tp barrier: ranks 0 and 1 must not wait for them.
+    stamps = []
+    if mesh.coordinate("pp") == 1:
+        time.sleep(1.0)
+    start = time.monotonic()
+    mesh.barrier("tp", timeout=30)
+    stamps.append(time.monotonic() - start)
+    mesh.barrier("pp", timeout=30)
+    mesh.barrier(timeout=30)
+    barrier(timeout=30)
+    return stamps
+
+
+def test_barriers_per_axis_let_independent_groups_proceed(ranks4: RankPool) -> None:
+    results = ranks4.run(_per_axis_barriers)
+    assert all(stamps[0] < 0.5 for stamps in results)
+
+
+def _world_barrier_rounds(n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        barrier(timeout=30)
+    return (time.perf_counter() - start) / n
+
+
+def test_many_barriers_leave_no_keys_behind(ranks4: RankPool) -> None:
+    ranks4.run(_world_barrier_rounds, 200)
+    before = ranks4.run(_num_keys)[0]
+    ranks4.run(_world_barrier_rounds, 300)
+    after = ranks4.run(_num_keys)[0]
+    assert after - before < 20, (before, after)
+
+
+def _num_keys() -> int:
+    return dist.distributed_c10d._get_default_store().num_keys()
+
+
+def _missing_rank_barrier() -> str:
+    if dist.get_rank() == 3:
+        time.sleep(4.0)  # never arrives within the others' timeout
+        return "late"
+    start = time.monotonic()
+    try:
+        barrier(timeout=1.0)
+    except PeerLostError as exc:
+        assert isinstance(exc, TimeoutError)
+        return f"{time.monotonic() - start:.2f}|{exc.missing}|{exc}"
+    return "no error"
+
+
+def test_missing_rank_is_named_within_timeout(fresh_job) -> None:
+    pool = fresh_job(4)
+    results = pool.run(_missing_rank_barrier, timeout=60)
+    for r in results[:3]:
+        elapsed, missing, message = r.split("|", 2)
+        assert float(elapsed) < 3.0
+        assert missing == "(3,)"
+        assert "rank(s) [3] did not arrive within 1 s" in message
+    assert results[3] == "late"
+
+
+def _dead_rank_barrier() -> str:
+    if dist.get_rank() == 2:
+        barrier(timeout=30)  # everyone has met once, so peers know each other's pid
+        os._exit(1)
+    barrier(timeout=30)
+    start = time.monotonic()
+    try:
+        barrier(timeout=60)
+    except PeerLostError as exc:
+        return f"{time.monotonic() - start:.2f}|{exc}"
+    return "no error"
+
+
+def test_dead_local_rank_is_noticed_long_before_timeout(fresh_job) -> None:
+    pool = fresh_job(4)
+    results = pool.run(_dead_rank_barrier, timeout=60, expect_deaths=True)
+    assert isinstance(results[2], Died)
+    for r in (results[0], results[1], results[3]):
+        elapsed, message = r.split("|", 1)
+        assert float(elapsed) < 5.0, message
+        assert "rank(s) [2] exited" in message
+
+
+def test_layout_usable_without_distributed() -> None:
+    assert not dist.is_initialized()
+    assert MeshLayout((2, 2)).groups_along(0) == [[0, 2], [1, 3]]
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ProcessGroupMesh(2, 2)
