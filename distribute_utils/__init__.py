@@ -10,6 +10,7 @@ from .errors import (
     SpaceError,
     TransportUnavailableError,
 )
+from .gather import gather_configs, gather_tensors, get_configs_parallel, get_tensors_parallel
 from .layout import MeshLayout
 from .mesh import ProcessGroupMesh
 from .sync import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, barrier
@@ -29,4 +30,8 @@ __all__ = [
     "TransportUnavailableError",
     "__version__",
     "barrier",
+    "gather_configs",
+    "gather_tensors",
+    "get_configs_parallel",
+    "get_tensors_parallel",
 ]
