@@ -216,7 +216,7 @@ def _leaving(round_: sync.Round, first: int, seconds: float, what: str) -> Itera
         except Exception:
             logger.warning("%s: the first rank did not finish either", what, exc_info=True)
         raise
-    _expect_ok(round_.wait("done", [first], seconds, what)[0], first, "the first rank")
+    _expect_ok(round_.wait("done", [first], seconds, what)[0], f"the first rank ({first})")
 
 
 def _receive(
@@ -234,7 +234,7 @@ def _receive(
         if senders:
             statuses = round_.wait("pub", senders, seconds, what)
             for rank, status in zip(senders, statuses):
-                _expect_ok(status, rank, f"rank {rank}")
+                _expect_ok(status, f"rank {rank}")
         target = torch.device(device) if device is not None else None
         results = [own.to(target) if target is not None and isinstance(own, torch.Tensor) else own]
         for rank in senders:
@@ -253,9 +253,9 @@ def _status(exc: BaseException) -> bytes:
     return f"{type(exc).__name__}: {exc}".encode()[:4096] or b"error"
 
 
-def _expect_ok(status: bytes, rank: int, who: str) -> None:
+def _expect_ok(status: bytes, who: str) -> None:
     if status != _OK.encode():
-        raise GatherError(f"{who} (rank {rank}) failed: {status.decode(errors='replace')}")
+        raise GatherError(f"{who} failed: {status.decode(errors='replace')}")
 
 
 # -- public API ----------------------------------------------------------------------------------

@@ -35,10 +35,10 @@ def segment_path(token: str, rank: int, pid: int) -> str:
     return os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{token}_{rank}_{pid}")
 
 
-def shm_free_bytes() -> int:
-    """Bytes free in ``/dev/shm`` for this user."""
+def shm_space() -> tuple[int, int]:
+    """``(size, free bytes)`` of ``/dev/shm``."""
     st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
 class SharedMemoryTransport:
@@ -65,10 +65,11 @@ class SharedMemoryTransport:
                 os.posix_fallocate(fd, 0, payload.nbytes)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    size, free = shm_space()
                     raise SpaceError(
                         errno.ENOSPC,
-                        f"{SHM_DIR} has {shm_free_bytes():,} bytes free but rank {rank} needs "
-                        f"{payload.nbytes:,} bytes for its payload; enlarge {SHM_DIR} "
+                        f"{SHM_DIR} (size {size:,} bytes, {free:,} free now) cannot hold the "
+                        f"{payload.nbytes:,} bytes of rank {rank}'s payload; enlarge {SHM_DIR} "
                         "(e.g. docker --shm-size) or pass a workspace_path",
                     ) from None
                 raise
