@@ -1,0 +1,832 @@
+"""Streaming checkpoint writers and a zero-copy safetensors reader.
+
+A writer is created from the full, ordered list of :class:`TensorSpec` (known from metadata before any
+data arrives), so every file name and byte offset is fixed up front. Tensors are then written one at a
+time, in any order; the writer never holds the whole model:
+
+* :class:`SafetensorsWriter` writes each tensor straight to its offset with ``os.pwrite`` and keeps
+  nothing in memory;
+* :class:`TorchSaveWriter` (``torch.save`` format) has to pickle a file in one go, so it keeps the tensors
+  of each *incomplete* output file and flushes a file as soon as its last tensor arrives.
+
+Files are written under hidden temporary names in the output directory, fsynced, and renamed to their
+final names by :meth:`close` (index last). If anything fails, or :meth:`close` finds tensors that were
+never written, the temporaries are removed and nothing half-written is visible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import mmap as _mmap
+import os
+import re
+import struct
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import DistributeError
+
+if TYPE_CHECKING:
+    from .rules import MergeRule
+
+__all__ = [
+    "DTYPE_TO_SAFETENSORS",
+    "SAFETENSORS_TO_DTYPE",
+    "CheckpointFormatError",
+    "CheckpointWriter",
+    "SafetensorsWriter",
+    "TensorSpec",
+    "TorchSaveWriter",
+    "load_safetensors",
+    "open_writer",
+    "parse_size",
+    "read_safetensors_metadata",
+    "read_safetensors_specs",
+    "safetensors_dtype",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointFormatError(DistributeError, ValueError):
+    """A checkpoint file is malformed, or a tensor does not fit the format (dtype, spec)."""
+
+
+def _build_dtype_map() -> dict[torch.dtype, str]:
+    pairs: list[tuple[str, str]] = [
+        ("float64", "F64"),
+        ("float32", "F32"),
+        ("float16", "F16"),
+        ("bfloat16", "BF16"),
+        ("float8_e4m3fn", "F8_E4M3"),
+        ("float8_e5m2", "F8_E5M2"),
+        ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+        ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+        ("float8_e8m0fnu", "F8_E8M0"),
+        ("int64", "I64"),
+        ("int32", "I32"),
+        ("int16", "I16"),
+        ("int8", "I8"),
+        ("uint64", "U64"),
+        ("uint32", "U32"),
+        ("uint16", "U16"),
+        ("uint8", "U8"),
+        ("bool", "BOOL"),
+        ("complex64", "C64"),
+    ]
+    return {getattr(torch, t): s for t, s in pairs if isinstance(getattr(torch, t, None), torch.dtype)}
+
+
+#: torch dtype -> safetensors dtype string.
+DTYPE_TO_SAFETENSORS: dict[torch.dtype, str] = _build_dtype_map()
+#: safetensors dtype string -> torch dtype.
+SAFETENSORS_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_SAFETENSORS.items()}
+
+_MAX_HEADER_BYTES = 100_000_000
+_PWRITE_CHUNK = 1 << 30
+
+
+def safetensors_dtype(dtype: torch.dtype, name: str | None = None) -> str:
+    """Returns the safetensors dtype string for a torch dtype.
+
+    Raises:
+        CheckpointFormatError: unsupported dtype; the message lists the supported ones.
+    """
+    try:
+        return DTYPE_TO_SAFETENSORS[dtype]
+    except KeyError:
+        what = f"tensor '{name}' has dtype {dtype}" if name else f"dtype {dtype}"
+        valid = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_TO_SAFETENSORS)
+        raise CheckpointFormatError(f"{what}, which safetensors cannot store; supported: {valid}") from None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, dtype and shape of one tensor: everything needed to plan a file before data exists."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(d) for d in self.shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"tensor '{self.name}': negative dimension in shape {shape}")
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
+        return self.numel * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        """The spec of an existing tensor."""
+        return cls(name, tensor.dtype, tuple(tensor.shape))
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(size: int | str) -> int:
+    """Parses a byte size: ``1000000``, ``"500MB"`` (10**6), ``"500MiB"`` (2**20), ``"1.5GB"``.
+
+    Units (case-insensitive): B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024).
+
+    Raises:
+        ValueError: malformed, unknown unit, or not positive.
+    """
+    if isinstance(size, bool):
+        raise ValueError(f"bad size {size!r}")
+    if isinstance(size, int):
+        value = size
+    elif isinstance(size, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", size)
+        if m is None:
+            raise ValueError(f"bad size {size!r}: write a number with an optional unit, e.g. 5GB or 500MiB")
+        unit = m.group(2).lower()
+        if unit not in _UNITS:
+            raise ValueError(
+                f"bad size {size!r}: unknown unit {m.group(2)!r}; valid units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+            )
+        value = int(float(m.group(1)) * _UNITS[unit]) if "." in m.group(1) else int(m.group(1)) * _UNITS[unit]
+    else:
+        raise ValueError(f"bad size {size!r}: expected an int or a string like '5GB'")
+    if value <= 0:
+        raise ValueError(f"bad size {size!r}: must be positive")
+    return value
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A read-only view of a CPU tensor's bytes (copies only when not contiguous or not on CPU)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    pos = 0
+    while pos < len(data):
+        n = os.pwrite(fd, data[pos : pos + _PWRITE_CHUNK], offset + pos)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes")
+        pos += n
+
+
+def _iov_max() -> int:
+    try:
+        return max(16, int(os.sysconf("SC_IOV_MAX")))
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
+        return 1024
+
+
+_IOV_MAX = _iov_max()
+_MIN_SLICE = 4096
+
+
+def _pwritev_all(fd: int, bufs: Sequence[memoryview], offset: int) -> None:
+    """Writes consecutive buffers starting at ``offset``, handling short writes."""
+    pending = [b for b in bufs if len(b)]
+    if not hasattr(os, "pwritev"):  # pragma: no cover - non-Linux
+        for b in pending:
+            _pwrite_all(fd, b, offset)
+            offset += len(b)
+        return
+    i = 0
+    while i < len(pending):
+        batch: list[memoryview] = []
+        size = 0
+        for b in pending[i : i + _IOV_MAX]:
+            if batch and size + len(b) > _PWRITE_CHUNK:
+                break
+            batch.append(b)
+            size += len(b)
+        n = os.pwritev(fd, batch, offset)
+        if n <= 0:
+            raise OSError(f"pwritev wrote {n} bytes")
+        offset += n
+        while n > 0:
+            if n >= len(pending[i]):
+                n -= len(pending[i])
+                i += 1
+            else:
+                pending[i] = pending[i][n:]
+                n = 0
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _plan_shards(specs: Sequence[TensorSpec], max_shard_size: int | None) -> list[list[TensorSpec]]:
+    """Greedy split in spec order; a tensor larger than the limit gets a shard of its own."""
+    if max_shard_size is None:
+        return [list(specs)]
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+def _split_target(path_or_dir: str | os.PathLike[str], suffix: str, default_stem: str) -> tuple[Path, str]:
+    """``dir/`` -> ``(dir, default_stem)``; ``dir/name<suffix>`` -> ``(dir, name)``."""
+    p = Path(path_or_dir)
+    if p.name.endswith(suffix) and not p.is_dir():
+        return p.parent, p.name[: -len(suffix)]
+    return p, default_stem
+
+
+class CheckpointWriter:
+    """Base of the streaming writers: spec validation, sharding plan, temp files, close/abort.
+
+    Use as a context manager: leaving the block normally calls :meth:`close`, an exception calls
+    :meth:`abort`. Not thread-safe.
+    """
+
+    suffix: str = ""
+    default_stem: str = ""
+
+    def __init__(
+        self,
+        path_or_dir: str | os.PathLike[str],
+        specs: Sequence[TensorSpec],
+        max_shard_size: int | str | None = None,
+    ) -> None:
+        self.specs: tuple[TensorSpec, ...] = tuple(specs)
+        self._by_name: dict[str, TensorSpec] = {}
+        for s in self.specs:
+            if s.name in self._by_name:
+                raise ValueError(f"tensor '{s.name}' appears twice in the specs")
+            self._by_name[s.name] = s
+        self.max_shard_size = None if max_shard_size is None else parse_size(max_shard_size)
+        self.directory, self.stem = _split_target(path_or_dir, self.suffix, self.default_stem)
+        self.shards = _plan_shards(self.specs, self.max_shard_size)
+        n = len(self.shards)
+        if n == 1:
+            self.filenames = [f"{self.stem}{self.suffix}"]
+        else:
+            self.filenames = [f"{self.stem}-{i:05d}-of-{n:05d}{self.suffix}" for i in range(1, n + 1)]
+        self.index_name: str | None = f"{self.stem}{self.suffix}.index.json" if n > 1 else None
+        self._shard_of: dict[str, int] = {s.name: i for i, shard in enumerate(self.shards) for s in shard}
+        self._written: set[str] = set()
+        self._token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._temps: list[Path] = [self._temp_path(f) for f in self.filenames]
+        self._closed = False
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _temp_path(self, final: str) -> Path:
+        return self.directory / f".{final}.tmp-{self._token}"
+
+    @property
+    def paths(self) -> list[Path]:
+        """Final paths of the output files (index last, when sharded); they exist after :meth:`close`."""
+        out = [self.directory / f for f in self.filenames]
+        if self.index_name:
+            out.append(self.directory / self.index_name)
+        return out
+
+    @property
+    def total_size(self) -> int:
+        """Sum of the tensors' byte sizes."""
+        return sum(s.nbytes for s in self.specs)
+
+    @property
+    def missing(self) -> list[str]:
+        """Names not written yet, in spec order."""
+        return [s.name for s in self.specs if s.name not in self._written]
+
+    def _check_meta(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> TensorSpec:
+        if self._closed:
+            raise RuntimeError(f"cannot write tensor '{name}': the writer is closed")
+        spec = self._by_name.get(name)
+        if spec is None:
+            raise CheckpointFormatError(f"tensor '{name}' is not in this writer's specs")
+        if name in self._written:
+            raise CheckpointFormatError(f"tensor '{name}' was already written")
+        if dtype != spec.dtype or tuple(shape) != spec.shape:
+            raise CheckpointFormatError(
+                f"tensor '{name}' does not match its spec: got {dtype} {tuple(shape)}, "
+                f"expected {spec.dtype} {spec.shape}"
+            )
+        return spec
+
+    def _check(self, name: str, tensor: torch.Tensor) -> TensorSpec:
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointFormatError(
+                f"tensor '{name}': expected a torch.Tensor, got {type(tensor).__name__}"
+            )
+        return self._check_meta(name, tensor.dtype, tuple(tensor.shape))
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Writes one tensor; each spec'd tensor exactly once, in any order.
+
+        Raises:
+            CheckpointFormatError: unknown name, written twice, or dtype/shape not matching the spec.
+        """
+        raise NotImplementedError
+
+    def write_merged(
+        self,
+        name: str,
+        rule: MergeRule,
+        shards: Sequence[torch.Tensor],
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        """Merges the TP shards of one tensor with ``rule`` and writes the result.
+
+        The default merges then calls :meth:`write`; :class:`SafetensorsWriter` writes ``concat`` shards
+        straight to their places in the file, never building the merged tensor.
+
+        Raises:
+            MergeError: the rule rejects the shards (tensor and ranks named).
+            CheckpointFormatError: as :meth:`write`.
+        """
+        self.write(name, rule.merge(name, shards, ranks))
+
+    def _finish_files(self) -> None:
+        """Makes every temp file complete and durable (fsync); subclass hook."""
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Closes open descriptors and drops buffered tensors; subclass hook."""
+
+    def close(self) -> list[Path]:
+        """Checks that every tensor was written, then publishes the files (index last).
+
+        Returns:
+            The final paths.
+
+        Raises:
+            CheckpointFormatError: tensors were never written (named); nothing is left visible.
+        """
+        if self._closed:
+            return self.paths
+        missing = self.missing
+        if missing:
+            self.abort()
+            shown = ", ".join(f"'{m}'" for m in missing[:20])
+            more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+            raise CheckpointFormatError(
+                f"{len(missing)} of {len(self.specs)} tensors were never written: {shown}{more}; "
+                f"no output was written to {self.directory}"
+            )
+        try:
+            self._finish_files()
+            self._release()
+            for temp, final in zip(self._temps, self.filenames):
+                os.replace(temp, self.directory / final)
+            if self.index_name:
+                self._write_index()
+            _fsync_dir(self.directory)
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        logger.info(
+            "wrote %d tensors (%d bytes) to %d file(s) in %s",
+            len(self.specs),
+            self.total_size,
+            len(self.filenames),
+            self.directory,
+        )
+        return self.paths
+
+    def abort(self) -> None:
+        """Drops everything: closes files and removes the temporaries. Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+        for temp in self._temps:
+            try:
+                temp.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # pragma: no cover - best effort
+                logger.warning("could not remove temporary file %s: %s", temp, exc)
+
+    def _write_index(self) -> None:
+        assert self.index_name is not None
+        weight_map = {s.name: self.filenames[self._shard_of[s.name]] for s in self.specs}
+        index = {
+            "metadata": {"total_size": self.total_size},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        final = self.directory / self.index_name
+        temp = self._temp_path(self.index_name)
+        try:
+            with open(temp, "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, final)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            with contextlib.suppress(Exception):
+                self.abort()
+
+
+def _safetensors_header(
+    specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None
+) -> tuple[bytes, dict[str, int]]:
+    """Header bytes (length prefix + space-padded JSON) and the data offset of each tensor.
+
+    Tensors are laid out by decreasing item size (stable), so every tensor starts at a multiple of its item
+    size: the header is padded to 8 bytes and the data buffer has no holes, as the format requires.
+    """
+    offsets: dict[str, int] = {}
+    pos = 0
+    for s in sorted(specs, key=lambda s: -s.dtype.itemsize):
+        offsets[s.name] = pos
+        pos += s.nbytes
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    for s in specs:  # keys in spec order, data in alignment order
+        header[s.name] = {
+            "dtype": safetensors_dtype(s.dtype, s.name),
+            "shape": list(s.shape),
+            "data_offsets": [offsets[s.name], offsets[s.name] + s.nbytes],
+        }
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+class SafetensorsWriter(CheckpointWriter):
+    """Streams tensors into one ``model.safetensors`` or ``model-0000k-of-0000N.safetensors`` shards.
+
+    Each file's header is written when the writer is created; each tensor is then ``os.pwrite``-n at its
+    offset straight from the tensor's memory. When sharded (``max_shard_size`` given and exceeded), a
+    Hugging Face ``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {...}}``)
+    is written too; shard limits count tensor bytes only, in spec order, and a tensor larger than the limit
+    gets a shard of its own. If everything fits in one shard, the single file has no index (as in HF).
+    """
+
+    suffix = ".safetensors"
+    default_stem = "model"
+
+    def __init__(
+        self,
+        path_or_dir: str | os.PathLike[str],
+        specs: Sequence[TensorSpec],
+        max_shard_size: int | str | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        """Plans the files and writes their headers.
+
+        Args:
+            path_or_dir: an output directory (created if needed; files named ``model...``), or a path
+                ending in ``.safetensors`` whose name replaces ``model``.
+            specs: every tensor, in output order.
+            max_shard_size: bytes per shard (int or ``"5GB"``); ``None``: a single file.
+            metadata: ``__metadata__`` string map; default ``{"format": "pt"}`` (what transformers expects).
+        """
+        for s in specs:
+            safetensors_dtype(s.dtype, s.name)
+        meta = {"format": "pt"} if metadata is None else dict(metadata)
+        for k, v in meta.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise ValueError(f"safetensors metadata must map str to str, got {k!r}: {v!r}")
+        super().__init__(path_or_dir, specs, max_shard_size)
+        self.metadata = meta
+        self._fds: list[int] = []
+        self._where: dict[str, tuple[int, int]] = {}
+        try:
+            for i, shard in enumerate(self.shards):
+                head, offsets = _safetensors_header(shard, meta)
+                fd = os.open(
+                    self._temps[i], os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666
+                )
+                self._fds.append(fd)
+                _pwrite_all(fd, memoryview(head), 0)
+                os.ftruncate(fd, len(head) + sum(s.nbytes for s in shard))
+                for name, off in offsets.items():
+                    self._where[name] = (i, len(head) + off)
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Writes one tensor at its offset (see :meth:`CheckpointWriter.write`)."""
+        spec = self._check(name, tensor)
+        i, offset = self._where[name]
+        if spec.nbytes:
+            _pwrite_all(self._fds[i], _tensor_bytes(tensor), offset)
+        self._written.add(name)
+
+    def write_merged(
+        self,
+        name: str,
+        rule: MergeRule,
+        shards: Sequence[torch.Tensor],
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        """Like :meth:`CheckpointWriter.write_merged`; ``concat`` shards are written in place, zero-copy.
+
+        Along dim 0 (or any dim preceded by size-1 dims) each shard is one contiguous run of the output;
+        along a later dim the shards' slices are interleaved with ``os.pwritev``, as long as each slice is at
+        least 4 KiB (else the shards are concatenated in memory first).
+        """
+        from .rules import Concat  # rules imports this module
+
+        if isinstance(rule, Concat) and len(shards) > 1:
+            shape = rule.merged_shape(
+                name, [tuple(t.shape) for t in shards], ranks, [t.dtype for t in shards]
+            )
+            dim = rule.dim % len(shape)
+            leading = math.prod(shape[:dim])
+            itemsize = shards[0].dtype.itemsize
+            chunks = [math.prod(t.shape[dim:]) * itemsize for t in shards]
+            if leading == 1 or min(chunks) >= _MIN_SLICE:
+                self._check_meta(name, shards[0].dtype, shape)
+                file_index, offset = self._where[name]
+                views = [_tensor_bytes(t) for t in shards]
+                if leading == 1:
+                    iov = views
+                else:
+                    iov = [v[i * c : (i + 1) * c] for i in range(leading) for v, c in zip(views, chunks)]
+                _pwritev_all(self._fds[file_index], iov, offset)
+                self._written.add(name)
+                return
+        super().write_merged(name, rule, shards, ranks)
+
+    def _finish_files(self) -> None:
+        for fd in self._fds:
+            os.fsync(fd)
+
+    def _release(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _standalone(t: torch.Tensor) -> torch.Tensor:
+    """A tensor owning exactly its bytes, so ``torch.save`` does not write a larger base storage."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
+class TorchSaveWriter(CheckpointWriter):
+    """Writes ``torch.save`` files: ``pytorch_model.bin`` or ``pytorch_model-0000k-of-0000N.bin`` + index.
+
+    ``torch.save`` pickles a whole file at once, so this writer keeps the tensors of each output file in
+    memory until that file's last tensor arrives, then saves it (to a temp name) and drops them. With a
+    single file that means the whole model until the end; use ``max_shard_size`` (or safetensors) to bound
+    memory. Views are copied so that only their own bytes are saved.
+    """
+
+    suffix = ".bin"
+    default_stem = "pytorch_model"
+
+    def __init__(
+        self,
+        path_or_dir: str | os.PathLike[str],
+        specs: Sequence[TensorSpec],
+        max_shard_size: int | str | None = None,
+    ) -> None:
+        """Plans the files.
+
+        Args:
+            path_or_dir: an output directory (files named ``pytorch_model...``) or a path ending in ``.bin``.
+            specs: every tensor, in output order.
+            max_shard_size: bytes per shard (int or ``"5GB"``); ``None``: a single file.
+        """
+        super().__init__(path_or_dir, specs, max_shard_size)
+        self._pending: list[dict[str, torch.Tensor]] = [{} for _ in self.shards]
+        self._saved = [False] * len(self.shards)
+
+    def _save(self, i: int) -> None:
+        order = [s.name for s in self.shards[i]]
+        state = {n: self._pending[i][n] for n in order}
+        with open(self._temps[i], "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        self._pending[i] = {}
+        self._saved[i] = True
+        logger.debug("saved %s (%d tensors)", self.filenames[i], len(order))
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Buffers one tensor; saves its file once complete (see :meth:`CheckpointWriter.write`)."""
+        self._check(name, tensor)
+        i = self._shard_of[name]
+        self._pending[i][name] = _standalone(tensor)
+        self._written.add(name)
+        if len(self._pending[i]) == len(self.shards[i]):
+            self._save(i)
+
+    def _finish_files(self) -> None:
+        for i, saved in enumerate(self._saved):
+            if not saved:  # only an empty spec list gets here
+                self._save(i)
+
+    def _release(self) -> None:
+        self._pending = [{} for _ in self.shards]
+
+
+def open_writer(
+    format: str,
+    out: str | os.PathLike[str],
+    specs: Sequence[TensorSpec],
+    max_shard_size: int | str | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> CheckpointWriter:
+    """Creates a writer by format name.
+
+    Args:
+        format: ``"safetensors"`` or ``"torch"``.
+        out: output directory (or file path, see the writer classes).
+        specs: every tensor, in output order.
+        max_shard_size: bytes per shard (int or ``"5GB"``), or ``None`` for one file.
+        metadata: safetensors ``__metadata__`` (ignored by the torch writer).
+
+    Raises:
+        ValueError: unknown format (valid ones listed).
+    """
+    if format == "safetensors":
+        return SafetensorsWriter(out, specs, max_shard_size, metadata=metadata)
+    if format == "torch":
+        return TorchSaveWriter(out, specs, max_shard_size)
+    raise ValueError(f"unknown checkpoint format {format!r}; valid: safetensors, torch")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reading safetensors.
+
+
+def _read_header(path: Path, f: Any, file_size: int) -> tuple[dict[str, Any], int]:
+    if file_size < 8:
+        raise CheckpointFormatError(f"'{path}' is not a safetensors file: {file_size} bytes, need at least 8")
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n > _MAX_HEADER_BYTES or 8 + n > file_size:
+        raise CheckpointFormatError(
+            f"'{path}' is not a valid safetensors file: header length {n} does not fit the file ({file_size} bytes)"
+        )
+    try:
+        header = json.loads(f.read(n).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointFormatError(f"'{path}': safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(f"'{path}': safetensors header must be a JSON object")
+    return header, 8 + n
+
+
+def _parse_entries(path: Path, header: dict[str, Any], data_len: int) -> list[tuple[TensorSpec, int, int]]:
+    entries: list[tuple[TensorSpec, int, int]] = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = SAFETENSORS_TO_DTYPE[info["dtype"]]
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
+            if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)):
+                raise TypeError
+        except KeyError as exc:
+            if isinstance(info, dict) and "dtype" in info and exc.args[0] == info["dtype"]:
+                raise CheckpointFormatError(
+                    f"'{path}': tensor '{name}' has unsupported dtype {info['dtype']!r}; "
+                    f"supported: {', '.join(SAFETENSORS_TO_DTYPE)}"
+                ) from None
+            raise CheckpointFormatError(
+                f"'{path}': tensor '{name}' lacks dtype, shape or data_offsets"
+            ) from None
+        except (TypeError, ValueError):
+            raise CheckpointFormatError(f"'{path}': tensor '{name}' has a malformed entry {info!r}") from None
+        spec = TensorSpec(name, dtype, shape)
+        if end - begin != spec.nbytes:
+            raise CheckpointFormatError(
+                f"'{path}': tensor '{name}' spans {end - begin} bytes but {dtype} {shape} needs {spec.nbytes}"
+            )
+        entries.append((spec, begin, end))
+    pos = 0
+    for spec, begin, end in sorted(entries, key=lambda e: (e[1], e[2])):
+        if begin != pos:
+            raise CheckpointFormatError(
+                f"'{path}': tensor '{spec.name}' starts at byte {begin}, expected {pos} (overlap or hole in data)"
+            )
+        pos = end
+    if pos != data_len:
+        raise CheckpointFormatError(f"'{path}': tensors cover {pos} bytes of a {data_len}-byte data buffer")
+    return entries
+
+
+def read_safetensors_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+    """Returns the ``__metadata__`` map of a safetensors file (empty when absent)."""
+    p = Path(path)
+    with open(p, "rb") as f:
+        header, _ = _read_header(p, f, os.fstat(f.fileno()).st_size)
+    meta = header.get("__metadata__") or {}
+    return dict(meta)
+
+
+def read_safetensors_specs(path: str | os.PathLike[str]) -> list[TensorSpec]:
+    """Reads only the header of a safetensors file and returns its tensor specs, in header order.
+
+    Raises:
+        CheckpointFormatError: malformed header (the message says what is wrong).
+    """
+    p = Path(path)
+    with open(p, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        header, start = _read_header(p, f, size)
+    return [spec for spec, _, _ in _parse_entries(p, header, size - start)]
+
+
+def load_safetensors(path: str | os.PathLike[str], mmap: bool = True) -> dict[str, torch.Tensor]:
+    """Loads a safetensors file as ``{name: tensor}`` in header order.
+
+    With ``mmap=True`` (default) the tensors are zero-copy views of a private (copy-on-write) mapping of
+    the file: nothing is read until touched, and writing to a tensor never changes the file. The mapping
+    lives as long as any tensor does. With ``mmap=False`` the file is read into memory once.
+
+    Raises:
+        CheckpointFormatError: malformed header or offsets.
+    """
+    p = Path(path)
+    with open(p, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        header, start = _read_header(p, f, size)
+        entries = _parse_entries(p, header, size - start)
+        if mmap:
+            buf: Any = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
+        else:
+            f.seek(0)
+            buf = bytearray(f.read())
+    out: dict[str, torch.Tensor] = {}
+    for spec, begin, _end in entries:
+        if spec.numel == 0:
+            out[spec.name] = torch.empty(spec.shape, dtype=spec.dtype)
+            continue
+        t = torch.frombuffer(buf, dtype=spec.dtype, count=spec.numel, offset=start + begin)
+        out[spec.name] = t.reshape(spec.shape)
+    return out
