@@ -34,7 +34,7 @@ import torch.distributed as dist
 from . import sync, wire
 from .errors import GatherError, PayloadError, TransportUnavailableError
 from .mesh import ProcessGroupMesh
-from .transports import SharedMemoryTransport, Transport
+from .transports import CollectiveTransport, SharedMemoryTransport, Transport
 
 __all__ = [
     "TRANSPORTS",
@@ -46,7 +46,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "shm")
+TRANSPORTS = ("auto", "shm", "workspace", "collective")
 _OK = "ok"
 
 
@@ -130,21 +130,58 @@ def _agree(intents: list[_Intent], members: tuple[int, ...], me: int) -> _Intent
     return first
 
 
-def _choose_transport(requested: str, ranks: list[int], group: sync.GroupSync, timeout: float) -> Transport:
-    peers = dict(zip(group.ranks, group.peers(timeout)))
-    domains = {peers[r].shm_domain for r in ranks}
-    if len(domains) == 1:
-        return SharedMemoryTransport({r: peers[r].pid for r in ranks})
-    hosts = sorted({peers[r].hostname for r in ranks})
+@dataclass(frozen=True)
+class _Plan:
+    """Who sends to whom in one round; the same on every rank (derived from agreed inputs).
+
+    Participants on the first rank's host send to it through shared memory. On every other
+    host, the first participant leads: its host's other participants send to it through
+    shared memory, and it forwards one bundle for the whole host over the cross-host
+    transport. Forced ``workspace`` / ``collective`` transports make every sender its own
+    leader (flat: no shared-memory hop).
+    """
+
+    ranks: tuple[int, ...]
+    cross: str | None  # "workspace" | "collective" | None (everyone on one host)
+    hosts: dict[int, list[int]]  # leader -> participants on its host, leader first
+
+    @property
+    def first(self) -> int:
+        return self.ranks[0]
+
+    def leader_of(self, rank: int) -> int:
+        return next(leader for leader, host in self.hosts.items() if rank in host)
+
+    def describe(self) -> str:
+        if self.cross is None:
+            return "shm"
+        remote = [h for leader, h in self.hosts.items() if leader != self.first]
+        if all(len(h) == 1 for h in remote) and len(self.hosts[self.first]) == 1:
+            return self.cross
+        return f"shm within hosts + {self.cross} across {len(remote)} remote host(s)"
+
+
+def _plan(requested: str, ranks: list[int], peers: dict[int, Any], has_workspace: bool) -> _Plan:
+    """Choose the route of every payload (raises before anything is written)."""
+    first, order = ranks[0], tuple(ranks)
+    if requested in ("workspace", "collective"):
+        if requested == "workspace" and not has_workspace:
+            raise ValueError(
+                "transport='workspace' needs a workspace_path (a directory every rank can reach)"
+            )
+        return _Plan(order, requested, {r: [r] for r in ranks})
+    by_domain: dict[str, list[int]] = {}
+    for r in ranks:
+        by_domain.setdefault(peers[r].shm_domain, []).append(r)
+    if len(by_domain) == 1:
+        return _Plan(order, None, {first: list(ranks)})
+    hosts_named = sorted({peers[r].hostname for r in ranks})
     if requested == "shm":
         raise TransportUnavailableError(
             f"transport='shm' needs every participant on one host with one /dev/shm, but ranks {ranks} "
-            f"span {len(domains)} shared-memory domains (hosts {hosts}); use transport='auto'"
+            f"span {len(by_domain)} shared-memory domains (hosts {hosts_named}); use transport='auto'"
         )
-    raise TransportUnavailableError(
-        f"ranks {ranks} span {len(domains)} shared-memory domains (hosts {hosts}); no transport "
-        "available here can cross hosts yet"
-    )
+    return _Plan(order, "workspace" if has_workspace else "collective", {h[0]: h for h in by_domain.values()})
 
 
 @contextmanager
@@ -154,6 +191,7 @@ def _gather(
     group: dist.ProcessGroup | Sequence[int] | None,
     *,
     transport: str,
+    workspace_path: str | PathLike[str] | None,
     timeout: float | timedelta | None,
     device: str | torch.device | None,
     root: str,
@@ -163,90 +201,183 @@ def _gather(
         raise ValueError(f"unknown transport {transport!r}; valid: {list(TRANSPORTS)}")
     companion = sync.companion(group)
     members, me = companion.ranks, companion.rank
+    peers = dict(zip(members, companion.peers(seconds)))
 
     error: tuple[str, str] | None = None
     checked: list[int] | None = None
+    plan: _Plan | None = None
     payload: wire.EncodedPayload | None = None
     try:
         checked = _check_ranks(ranks, members)
+        plan = _plan(transport, checked, peers, workspace_path is not None)
         if me in checked[1:]:
-            payload = wire.encode(value, root=root)
+            direct_to_workspace = plan.cross == "workspace" and plan.hosts.get(me) == [me]
+            payload = wire.encode(value, root=root, checksum=direct_to_workspace)
     except (TypeError, ValueError) as exc:
         error = (type(exc).__name__, str(exc))
-    intent = _Intent(checked, _digest(checked), error, secrets.randbits(63), transport)
+    intent = _Intent(
+        checked, _digest(checked), error, secrets.randbits(63), f"{transport}:{workspace_path is not None}"
+    )
 
     round_ = companion.new_round()
     round_.post("agree", intent.pack())
     intents = [_Intent.unpack(v) for v in round_.wait("agree", members, seconds, "agreeing on a gather")]
     _agree(intents, members, me)
+    assert plan is not None and checked is not None  # _agree raised on every rank otherwise
     token = f"{intents[0].nonce:016x}"
-    first, senders = checked[0], checked[1:]  # type: ignore[index]  # _agree raised otherwise
-    carrier = _choose_transport(transport, checked, companion, seconds)  # type: ignore[arg-type]
-    what = f"gather to rank {first} over {carrier.name}"
+    route = _Route(plan, round_, token, seconds, companion, group, workspace_path, peers)
+    logger.debug("round %s: %s", token, route.what)
 
-    if me == first:
-        results = _receive(value, round_, carrier, token, senders, seconds, device, what)
-        yield results
-    elif payload is not None:
-        try:
-            carrier.publish(token, me, payload)
-        except Exception as exc:
-            round_.post("pub", _status(exc))
-            raise
-        del payload
-        round_.post("pub", _OK.encode())
-        try:
-            with _leaving(round_, first, seconds, what):
-                yield []
-        finally:
-            carrier.release(token, me)
+    if me == plan.first:
+        yield route.receive(value, device)
+    elif payload is None:  # not a participant
+        with route.leaving():
+            yield []
+    elif plan.leader_of(me) == me:
+        with route.forwarding(payload):
+            yield []
     else:
-        with _leaving(round_, first, seconds, what):
+        with route.sending_to_leader(payload):
             yield []
 
 
-@contextmanager
-def _leaving(round_: sync.Round, first: int, seconds: float, what: str) -> Iterator[None]:
-    """Run the caller's block, then wait for the first rank's "done" (never masking an error)."""
-    try:
-        yield
-    except BaseException:
+class _Route:
+    """Carries out one round's :class:`_Plan` on this rank (see the module doc for the steps)."""
+
+    def __init__(
+        self,
+        plan: _Plan,
+        round_: sync.Round,
+        token: str,
+        seconds: float,
+        companion: sync.GroupSync,
+        group: dist.ProcessGroup | Sequence[int] | None,
+        workspace_path: str | PathLike[str] | None,
+        peers: dict[int, Any],
+    ) -> None:
+        self.plan, self.round, self.token, self.seconds = plan, round_, token, seconds
+        self.me = companion.rank
+        self.what = f"gather to rank {plan.first} over {plan.describe()}"
+        self._companion, self._group, self._workspace_path = companion, group, workspace_path
+        self._local = SharedMemoryTransport({r: p.pid for r, p in peers.items()})
+        self._cross: Transport | None = None
+
+    @property
+    def cross(self) -> Transport:
+        """The transport between host leaders and the first rank (made on first use)."""
+        if self._cross is None:
+            if self.plan.cross == "workspace":
+                from .transports.workspace import WorkspaceTransport, job_token
+
+                self._cross = WorkspaceTransport(self._workspace_path, job_token(), self.seconds)
+            else:
+                self._cross = CollectiveTransport(_cpu_group(self._group), self.plan.first, self.seconds)
+        return self._cross
+
+    # -- senders -----------------------------------------------------------------------------------
+    @contextmanager
+    def sending_to_leader(self, payload: wire.EncodedPayload) -> Iterator[None]:
+        """A participant that is not a leader: publish into shared memory for its leader."""
         try:
-            round_.wait("done", [first], seconds, what)
-        except Exception:
-            logger.warning("%s: the first rank did not finish either", what, exc_info=True)
-        raise
-    _expect_ok(round_.wait("done", [first], seconds, what)[0], f"the first rank ({first})")
+            self._local.publish(self.token, self.me, payload)
+        except Exception as exc:
+            self.round.post("pub", _status(exc))
+            raise
+        del payload
+        self.round.post("pub", _OK.encode())
+        try:
+            with self.leaving():
+                yield
+        finally:
+            self._local.release(self.token, self.me)
 
+    @contextmanager
+    def forwarding(self, own: wire.EncodedPayload) -> Iterator[None]:
+        """A remote host's leader: collect its host's payloads and send one bundle across."""
+        host = self.plan.hosts[self.me]
+        try:
+            outgoing = own if len(host) == 1 else self._bundle(own, host[1:])
+            self.cross.publish(self.token, self.me, outgoing)
+        except Exception as exc:
+            self.round.post("xpub", _status(exc))
+            raise
+        self.round.post("xpub", _OK.encode())
+        try:
+            with self.leaving():
+                yield
+        finally:
+            self.cross.release(self.token, self.me)
 
-def _receive(
-    own: Any,
-    round_: sync.Round,
-    carrier: Transport,
-    token: str,
-    senders: list[int],
-    seconds: float,
-    device: str | torch.device | None,
-    what: str,
-) -> list[Any]:
-    """First rank: wait for the senders, fetch and decode their payloads, post "done"."""
-    try:
-        if senders:
-            statuses = round_.wait("pub", senders, seconds, what)
-            for rank, status in zip(senders, statuses):
-                _expect_ok(status, f"rank {rank}")
-        target = torch.device(device) if device is not None else None
-        results = [own.to(target) if target is not None and isinstance(own, torch.Tensor) else own]
-        for rank in senders:
+    def _bundle(self, own: wire.EncodedPayload, others: list[int]) -> wire.EncodedPayload:
+        """One payload holding the raw payloads of this host's participants (no decoding)."""
+        statuses = self.round.wait("pub", others, self.seconds, self.what)
+        for rank, status in zip(others, statuses):
+            _expect_ok(status, f"rank {rank}")
+        parts = [torch.frombuffer(bytearray(own.to_bytes()), dtype=torch.uint8)]
+        for rank in others:
+            parts.append(torch.frombuffer(self._local.fetch(self.token, rank), dtype=torch.uint8))
+        bundle = {"ranks": [self.me, *others], "parts": parts}
+        return wire.encode(bundle, root="bundle", checksum=self.plan.cross == "workspace")
+
+    @contextmanager
+    def leaving(self) -> Iterator[None]:
+        """Run the caller's block, then wait for the first rank's "done" (never masking an error)."""
+        first = self.plan.first
+        try:
+            yield
+        except BaseException:
             try:
-                results.append(wire.decode(carrier.fetch(token, rank), device=target))
-            except PayloadError as exc:
-                raise PayloadError(f"payload of rank {rank} is unusable: {exc}") from None
-    except BaseException as exc:
-        round_.post("done", _status(exc))
-        raise
-    round_.post("done", _OK.encode())
-    return results
+                self.round.wait("done", [first], self.seconds, self.what)
+            except Exception:
+                logger.warning("%s: the first rank did not finish either", self.what, exc_info=True)
+            raise
+        _expect_ok(self.round.wait("done", [first], self.seconds, self.what)[0], f"the first rank ({first})")
+
+    # -- the first rank ------------------------------------------------------------------------------
+    def receive(self, own: Any, device: str | torch.device | None) -> list[Any]:
+        """Wait for every payload, decode them in ``ranks`` order, post "done"."""
+        plan = self.plan
+        target = torch.device(device) if device is not None else None
+        found: dict[int, Any] = {
+            plan.first: own.to(target) if target is not None and isinstance(own, torch.Tensor) else own
+        }
+        try:
+            local = plan.hosts[plan.first][1:]
+            leaders = [leader for leader in plan.hosts if leader != plan.first]
+            for tag, who in (("pub", local), ("xpub", leaders)):
+                if who:
+                    for rank, status in zip(who, self.round.wait(tag, who, self.seconds, self.what)):
+                        _expect_ok(status, f"rank {rank}")
+            for rank in local:
+                found[rank] = self._decode(self._local.fetch(self.token, rank), rank, target)
+            for leader in leaders:
+                value = self._decode(self.cross.fetch(self.token, leader), leader, None)
+                if len(plan.hosts[leader]) == 1:
+                    found[leader] = (
+                        value.to(target) if target is not None and isinstance(value, torch.Tensor) else value
+                    )
+                    continue
+                for rank, part in zip(value["ranks"], value["parts"]):
+                    found[rank] = self._decode(wire.tensor_buffer(part), rank, target)
+        except BaseException as exc:
+            self.round.post("done", _status(exc))
+            raise
+        self.round.post("done", _OK.encode())
+        return [found[r] for r in plan.ranks]
+
+    @staticmethod
+    def _decode(buffer: Any, rank: int, target: torch.device | None) -> Any:
+        try:
+            return wire.decode(buffer, device=target)
+        except PayloadError as exc:
+            raise PayloadError(f"payload of rank {rank} is unusable: {exc}") from None
+
+
+def _cpu_group(group: dist.ProcessGroup | Sequence[int] | None) -> dist.ProcessGroup | None:
+    """A gloo group for point-to-point messages among ``group``'s ranks."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return sync.cpu_group(group)
+    return sync.cpu_group_of(group)
 
 
 def _status(exc: BaseException) -> bytes:
@@ -259,6 +390,9 @@ def _expect_ok(status: bytes, who: str) -> None:
 
 
 # -- public API ----------------------------------------------------------------------------------
+Workspace = str | PathLike[str] | None
+
+
 def _check_tensor(tensor: Any) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"get_tensors_parallel gathers a torch.Tensor; got {type(tensor).__name__}")
@@ -270,7 +404,7 @@ def get_tensors_parallel(
     ranks: Sequence[int],
     group: dist.ProcessGroup | None = None,
     *,
-    workspace_path: str | PathLike[str] | None = None,
+    workspace_path: Workspace = None,
     transport: str = "auto",
     timeout: float | timedelta | None = None,
     device: str | torch.device | None = None,
@@ -284,26 +418,26 @@ def get_tensors_parallel(
         tensor: this rank's tensor: any dtype, shape, strides or device.
         ranks: participating global ranks; ``ranks[0]`` receives. The same list everywhere.
         group: the group whose ranks synchronise (the world when None).
-        workspace_path: shared directory for ranks on different hosts (multi-node).
-        transport: ``"auto"`` or ``"shm"``.
+        workspace_path: a directory every rank can reach (NFS), used between hosts.
+        transport: ``"auto"`` (shared memory within a host; between hosts the workspace when
+            given, else the collective), ``"shm"``, ``"workspace"`` or ``"collective"``.
         timeout: bound on every wait, in seconds or a timedelta (default
             ``$DISTRIBUTE_UTILS_TIMEOUT`` or 600 s).
         device: where the first rank wants the results (default: CPU; its own tensor as is).
 
     Yields:
         On ``ranks[0]``: one tensor per entry of ``ranks``, its own first; valid after the
-        block (they are views of private mappings). Elsewhere: ``[]``.
+        block. Elsewhere: ``[]``.
 
     Raises:
         ValueError: bad or disagreeing ``ranks``, unknown transport (on every rank).
+        TransportUnavailableError: ``"shm"`` across hosts.
         PeerLostError: a rank did not arrive within ``timeout`` (named).
-        SpaceError: ``/dev/shm`` too small for a payload.
+        SpaceError: no room for a payload in ``/dev/shm`` or the workspace.
     """
     _check_tensor(tensor)
-    del workspace_path  # used by the multi-node transports
-    with _gather(
-        tensor, ranks, group, transport=transport, timeout=timeout, device=device, root="tensor"
-    ) as out:
+    options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
+    with _gather(tensor, ranks, group, root="tensor", **options) as out:
         yield out
 
 
@@ -312,7 +446,7 @@ def get_configs_parallel(
     config: Any,
     ranks: Sequence[int],
     group: dist.ProcessGroup | None = None,
-    workspace_path: str | PathLike[str] | None = None,
+    workspace_path: Workspace = None,
     *,
     transport: str = "auto",
     timeout: float | timedelta | None = None,
@@ -324,13 +458,11 @@ def get_configs_parallel(
     ``None`` yields ``None`` at its position, so positions always match ``ranks``.
 
     Raises:
-        TypeError: a value that cannot travel, named by its path (``config.layers[3].act])``),
-            before any rank writes anything.
+        TypeError: a value that cannot travel, named by its path (``config['layers'][3]``),
+            on every rank before any rank writes anything.
     """
-    del workspace_path
-    with _gather(
-        config, ranks, group, transport=transport, timeout=timeout, device=device, root="config"
-    ) as out:
+    options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
+    with _gather(config, ranks, group, root="config", **options) as out:
         yield out
 
 
@@ -340,6 +472,7 @@ def gather_tensors(
     mesh: ProcessGroupMesh,
     axis: int | str,
     *,
+    workspace_path: Workspace = None,
     transport: str = "auto",
     timeout: float | timedelta | None = None,
     device: str | torch.device | None = None,
@@ -347,12 +480,12 @@ def gather_tensors(
     """Gather ``tensor`` to the first rank of this rank's group along ``axis`` of ``mesh``.
 
     Must be entered on every rank of that group; groups along the axis proceed independently.
+    Options as in :func:`get_tensors_parallel`.
     """
     _check_tensor(tensor)
     ranks = mesh.ranks_along_axis(axis)
-    with _gather(
-        tensor, ranks, ranks, transport=transport, timeout=timeout, device=device, root="tensor"
-    ) as out:
+    options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
+    with _gather(tensor, ranks, ranks, root="tensor", **options) as out:
         yield out
 
 
@@ -362,13 +495,16 @@ def gather_configs(
     mesh: ProcessGroupMesh,
     axis: int | str,
     *,
+    workspace_path: Workspace = None,
     transport: str = "auto",
     timeout: float | timedelta | None = None,
     device: str | torch.device | None = None,
 ) -> Iterator[list[Any]]:
-    """Gather ``config`` to the first rank of this rank's group along ``axis`` of ``mesh``."""
+    """Gather ``config`` to the first rank of this rank's group along ``axis`` of ``mesh``.
+
+    Must be entered on every rank of that group. Options as in :func:`get_configs_parallel`.
+    """
     ranks = mesh.ranks_along_axis(axis)
-    with _gather(
-        config, ranks, ranks, transport=transport, timeout=timeout, device=device, root="config"
-    ) as out:
+    options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
+    with _gather(config, ranks, ranks, root="config", **options) as out:
         yield out

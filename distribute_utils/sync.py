@@ -40,6 +40,7 @@ __all__ = [
     "barrier",
     "companion",
     "cpu_group",
+    "cpu_group_of",
     "group_ranks",
     "resolve_timeout",
 ]

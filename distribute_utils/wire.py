@@ -19,6 +19,7 @@ Typical use::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import importlib
@@ -28,7 +29,7 @@ import struct
 import sys
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -184,7 +185,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
-def _crc(segments: Iterator[memoryview] | list[memoryview], value: int = 0) -> int:
+def _crc(segments: Iterable[memoryview], value: int = 0) -> int:
     for seg in segments:
         value = zlib.crc32(seg, value)
     return value
@@ -225,7 +226,8 @@ class EncodedPayload:
         Padding is written too, so the target need not be zeroed first.
 
         Args:
-            fd: a file descriptor open for writing (a file, a shared-memory segment).
+            fd: a file descriptor open for writing (a file, a shared-memory segment), not
+                with ``O_APPEND`` (Linux then ignores the offset of ``pwrite``).
             base: where the payload's byte 0 goes.
 
         Raises:
@@ -273,16 +275,18 @@ class EncodedPayload:
             TypeError: ``buf`` is read-only or not bytes-like.
             ValueError: ``buf`` is shorter than :attr:`nbytes`.
         """
-        mv = _bytes_view(buf)
-        if mv.readonly:
-            raise TypeError("write_into needs a writable buffer (bytearray, writable mmap, memoryview)")
-        if mv.nbytes < self.nbytes:
-            raise ValueError(f"buffer of {mv.nbytes} bytes is too small for a payload of {self.nbytes} bytes")
-        pos = 0
-        for seg in self._segments:
-            n = seg.nbytes
-            mv[pos : pos + n] = seg
-            pos += n
+        with _bytes_view(buf) as mv:  # released on exit, so an mmap can be closed right after
+            if mv.readonly:
+                raise TypeError("write_into needs a writable buffer (bytearray, writable mmap, memoryview)")
+            if mv.nbytes < self.nbytes:
+                raise ValueError(
+                    f"buffer of {mv.nbytes} bytes is too small for a payload of {self.nbytes} bytes"
+                )
+            pos = 0
+            for seg in self._segments:
+                n = seg.nbytes
+                mv[pos : pos + n] = seg
+                pos += n
 
     def to_bytes(self) -> bytes:
         """The whole payload as one ``bytes`` object (one copy)."""
@@ -410,7 +414,7 @@ class _Encoder:
             f"{self.path()}: cannot encode a value of type {_type_name(tp)}; {_SUPPORTED_TEXT}{_hint(tp)}"
         )
 
-    def _dataclass(self, obj: object, tp: type) -> msgpack.ExtType:
+    def _dataclass(self, obj: object, tp: type) -> list[Any]:
         module, qualname = tp.__module__, tp.__qualname__
         if "<" in qualname:
             raise TypeError(
@@ -596,10 +600,12 @@ def read_prefix(buf: Any, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -
         PayloadError: fewer than 32 bytes, bad magic, unsupported version, unknown flags, a
             checksum field without its flag, or inconsistent lengths.
     """
-    mv = _bytes_view(buf)
-    if mv.nbytes < PREFIX_SIZE:
-        raise PayloadError(f"truncated: payload prefix needs {PREFIX_SIZE} bytes, got {mv.nbytes}")
-    magic, version, flags, header_len, total_len, checksum = _PREFIX.unpack_from(mv)
+    with _bytes_view(buf) as mv:  # released before any error, so an mmap can be closed after one
+        nbytes = mv.nbytes
+        fields = _PREFIX.unpack_from(mv) if nbytes >= PREFIX_SIZE else None
+    if fields is None:
+        raise PayloadError(f"truncated: payload prefix needs {PREFIX_SIZE} bytes, got {nbytes}")
+    magic, version, flags, header_len, total_len, checksum = fields
     if magic != MAGIC:
         raise PayloadError(
             f"bad magic {magic!r}: expected {MAGIC!r}; this is not a distribute_utils payload "
@@ -663,6 +669,18 @@ def decode(
             version, or names a dataclass that cannot be found.
     """
     mv = _bytes_view(buf)
+    try:
+        return _decode(mv, device, verify, max_header_bytes)
+    except PayloadError as e:
+        error = PayloadError(*e.args)
+    # The failed attempt's frames (and any views or tensors they held) died with the traceback
+    # above; release our view too, so the caller can close an mmap in its ``except`` block.
+    with contextlib.suppress(BufferError):
+        mv.release()
+    raise error
+
+
+def _decode(mv: memoryview, device: str | torch.device | None, verify: bool, max_header_bytes: int) -> object:
     flags, header_len, total_len, checksum = read_prefix(mv, max_header_bytes=max_header_bytes)
     if mv.nbytes < total_len:
         raise PayloadError(f"truncated: payload says {total_len} bytes, got {mv.nbytes}")
@@ -805,8 +823,10 @@ def _build_tensors(
     if dev is not None and dev.type == "cpu":
         dev = None
     out: list[torch.Tensor] = []
-    with warnings.catch_warnings():
-        if mv.readonly:  # torch warns once per read-only buffer; the docstring says it already
+    # torch warns about read-only buffers; decode's docstring says it instead. catch_warnings
+    # touches global state, so only enter it when needed.
+    with warnings.catch_warnings() if mv.readonly else contextlib.nullcontext():
+        if mv.readonly:
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
         for offset, _nbytes, i, dtype, shape, numel in checked:
             try:
@@ -955,3 +975,16 @@ def _find_dataclass(module: str, qualname: str) -> type:
             f"{full} is a {_type_name(type(obj))}, expected a dataclass type; refusing to build it"
         )
     return obj
+
+
+def tensor_buffer(t: torch.Tensor) -> Any:
+    """A bytes-like view of a contiguous CPU tensor's memory that keeps the tensor alive.
+
+    For decoding a payload that arrived in a tensor (a collective's receive buffer, a part of
+    a bundle): views made from the returned buffer hold it, and it holds ``t``.
+    """
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("tensor_buffer needs a contiguous CPU tensor")
+    buf = (ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    buf._owner = t  # type: ignore[attr-defined]
+    return buf

@@ -260,7 +260,9 @@ def _unknown_transport() -> str:
 
 def test_unknown_transport(ranks4: RankPool) -> None:
     for message in ranks4.run(_unknown_transport):
-        assert "unknown transport 'carrier-pigeon'; valid: ['auto', 'shm']" in message
+        assert (
+            "unknown transport 'carrier-pigeon'; valid: ['auto', 'shm', 'workspace', 'collective']" in message
+        )
 
 
 def _kept_after_block_and_body_errors() -> dict:
@@ -410,3 +412,38 @@ def test_two_jobs_on_one_host_do_not_interfere(pools, no_shm_leak: None) -> None
         a.close()
         b.close()
     assert results == {1: [[], []], 2: [[], []]}
+
+
+def _collective_transport() -> list[str]:
+    rank = dist.get_rank()
+    problems = []
+    shapes = [(3, 5), (), (0,), (1000,)]
+    for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64]):
+        mine = _sample(rank, dtype, shapes[(i + rank) % 4])
+        config = {"t": mine, "view": torch.arange(64.0).reshape(8, 8)[::2, 1::3], "r": rank, "none": None}
+        with get_configs_parallel(config, [3, 0, 1, 2], transport="collective", timeout=30) as got:
+            if rank == 3:
+                for r, c in zip([3, 0, 1, 2], got):
+                    if not _same_bits(c["t"], _sample(r, dtype, shapes[(i + r) % 4])) or c["r"] != r:
+                        problems.append(f"{dtype} from {r}")
+                    if not torch.equal(c["view"], torch.arange(64.0).reshape(8, 8)[::2, 1::3]):
+                        problems.append(f"view from {r}")
+    return problems
+
+
+def test_collective_transport_carries_ragged_payloads_exactly(ranks4: RankPool, no_shm_leak: None) -> None:
+    assert ranks4.run(_collective_transport) == [[], [], [], []]
+
+
+def _workspace_without_path() -> str:
+    try:
+        with get_tensors_parallel(torch.ones(2), [0, 1, 2, 3], transport="workspace", timeout=30):
+            pass
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_workspace_transport_without_path_is_refused_everywhere(ranks4: RankPool) -> None:
+    for message in ranks4.run(_workspace_without_path):
+        assert "transport='workspace' needs a workspace_path" in message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import Transport
+from .collective import CollectiveTransport
 from .shm import SharedMemoryTransport
 
-__all__ = ["SharedMemoryTransport", "Transport"]
+__all__ = ["CollectiveTransport", "SharedMemoryTransport", "Transport"]

@@ -1,0 +1,103 @@
+"""Collective transport: point-to-point sends over a ``torch.distributed`` group.
+
+The fallback when ranks share neither a host nor a workspace. Each sender sends its payload
+to the first rank as a few messages, sizes first (so ragged payloads need no padding):
+
+1. ``int64[3]``: total length, head length, number of chunks;
+2. ``int64[2 * n]``: offset and length of every chunk;
+3. the head bytes (prefix + header);
+4. every chunk's bytes, straight from the tensor's memory (no staging copy).
+
+The first rank receives into one buffer of the exact total length, so the payload decodes
+zero-copy like any other. Sends are asynchronous (``isend``), so ``publish`` returns at once
+and the gather module can post "published"; ``release`` waits for them to complete.
+
+On a gloo group this moves CPU bytes. On an NCCL group the same messages travel as CUDA
+tensors, straight from and into GPU memory (the GPU fallback).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..wire import EncodedPayload, tensor_buffer
+
+__all__ = ["CollectiveTransport"]
+
+logger = logging.getLogger(__name__)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's memory."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class CollectiveTransport:
+    """Moves payloads to ``first`` with point-to-point messages over ``group``.
+
+    Args:
+        group: a process group holding every participant (its backend decides the device).
+        first: global rank of the receiver.
+        timeout: bound on waiting for sends to complete in ``release``.
+    """
+
+    name = "collective"
+
+    def __init__(self, group: dist.ProcessGroup | None, first: int, timeout: float) -> None:
+        self._group = group
+        self._first = first
+        self._timeout = timeout
+        backend = str(dist.get_backend(group))
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        )
+        self._pending: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
+
+    def publish(self, token: str, rank: int, payload: EncodedPayload) -> None:
+        del token  # messages are matched by sender and order within the group
+        chunks = [(off, t) for off, t in payload.chunks if t.numel()]
+        sizes = torch.tensor([payload.nbytes, len(payload.head), len(chunks)], dtype=torch.int64)
+        layout = torch.tensor(
+            [v for off, t in chunks for v in (off, t.numel() * t.element_size())], dtype=torch.int64
+        )
+        head = torch.frombuffer(bytearray(payload.head), dtype=torch.uint8)
+        messages = [sizes, layout, head, *(_as_bytes(t) for _, t in chunks)]
+        messages = [m.to(self._device) for m in messages if m.numel()]
+        works = [dist.isend(m, dst=self._first, group=self._group) for m in messages]
+        self._pending[rank] = (works, messages)
+
+    def fetch(self, token: str, rank: int) -> Any:
+        del token
+        sizes = self._recv(torch.empty(3, dtype=torch.int64), rank)
+        total, head_len, count = (int(v) for v in sizes)
+        layout = self._recv(torch.empty(2 * count, dtype=torch.int64), rank) if count else sizes[:0]
+        buffer = torch.empty(total, dtype=torch.uint8, device=self._device)
+        self._recv(buffer[:head_len], rank)
+        pairs = layout.view(-1, 2).tolist()
+        for offset, length in pairs:
+            self._recv(buffer[offset : offset + length], rank)
+        if self._device.type != "cpu":
+            return buffer  # decoded by the caller from device memory
+        return tensor_buffer(buffer)
+
+    def _recv(self, into: torch.Tensor, rank: int) -> torch.Tensor:
+        target = into if into.device == self._device else into.to(self._device)
+        if target.numel():
+            dist.recv(target, src=rank, group=self._group)
+        return target.cpu() if target.dtype == torch.int64 else target
+
+    def release(self, token: str, rank: int) -> None:
+        del token
+        works, _messages = self._pending.pop(rank, ([], []))
+        for work in works:
+            try:
+                work.wait(timedelta(seconds=self._timeout))
+            except RuntimeError:
+                logger.warning(
+                    "a send of rank %d to rank %d did not complete", rank, self._first, exc_info=True
+                )
