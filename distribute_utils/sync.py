@@ -322,12 +322,21 @@ def cpu_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     _require_initialized()
     if dist.get_backend(group) == "gloo":
         return group
-    ranks = group_ranks(group)
-    found = _CPU_GROUPS.get(ranks)
+    return cpu_group_of(group_ranks(group))
+
+
+def cpu_group_of(ranks: Sequence[int]) -> dist.ProcessGroup | None:
+    """A gloo group of ``ranks``, created once and cached (None stands for a gloo world).
+
+    Must be called on every rank of ``ranks`` (only they take part in the creation, through
+    ``use_local_synchronization``), in the same order everywhere.
+    """
+    key = tuple(ranks)
+    if key == tuple(range(dist.get_world_size())) and dist.get_backend() == "gloo":
+        return None
+    found = _CPU_GROUPS.get(key)
     if found is None:
-        found = _CPU_GROUPS[ranks] = dist.new_group(
-            list(ranks), backend="gloo", use_local_synchronization=True
-        )
+        found = _CPU_GROUPS[key] = dist.new_group(list(key), backend="gloo", use_local_synchronization=True)
     return found
 
 

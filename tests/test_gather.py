@@ -447,3 +447,19 @@ def _workspace_without_path() -> str:
 def test_workspace_transport_without_path_is_refused_everywhere(ranks4: RankPool) -> None:
     for message in ranks4.run(_workspace_without_path):
         assert "transport='workspace' needs a workspace_path" in message
+
+
+def _mesh_collective() -> list:
+    mesh = ProcessGroupMesh(2, 2, axis_names=("pp", "tp"))
+    rank = dist.get_rank()
+    out = []
+    for _ in range(2):  # the second round reuses the cached gloo group of the axis
+        with gather_tensors(torch.tensor([rank, rank]), mesh, "pp", transport="collective", timeout=30) as got:
+            out.append([t.tolist() for t in got])
+    return out
+
+
+def test_mesh_gather_over_the_collective_transport(ranks4: RankPool) -> None:
+    results = ranks4.run(_mesh_collective)
+    assert results[0] == [[[0, 0], [2, 2]]] * 2 and results[1] == [[[1, 1], [3, 3]]] * 2
+    assert results[2] == [[], []] and results[3] == [[], []]
