@@ -227,6 +227,8 @@ def _gather(
     token = f"{intents[0].nonce:016x}"
     route = _Route(plan, round_, token, seconds, companion, group, workspace_path, peers)
     logger.debug("round %s: %s", token, route.what)
+    if plan.cross == "collective":
+        route.cross  # noqa: B018  # every rank of the group joins the creation of its gloo group
 
     if me == plan.first:
         yield route.receive(value, device)

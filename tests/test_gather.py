@@ -454,7 +454,9 @@ def _mesh_collective() -> list:
     rank = dist.get_rank()
     out = []
     for _ in range(2):  # the second round reuses the cached gloo group of the axis
-        with gather_tensors(torch.tensor([rank, rank]), mesh, "pp", transport="collective", timeout=30) as got:
+        with gather_tensors(
+            torch.tensor([rank, rank]), mesh, "pp", transport="collective", timeout=30
+        ) as got:
             out.append([t.tolist() for t in got])
     return out
 
