@@ -9,11 +9,13 @@ from .errors import (
     PeerLostError,
     SpaceError,
     TransportUnavailableError,
+    WorkspaceError,
 )
 from .gather import gather_configs, gather_tensors, get_configs_parallel, get_tensors_parallel
 from .layout import MeshLayout
 from .mesh import ProcessGroupMesh
 from .sync import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, barrier
+from .transports import NFSWorkspace
 
 __version__ = "0.1.0"
 
@@ -23,11 +25,13 @@ __all__ = [
     "DistributeError",
     "GatherError",
     "MeshLayout",
+    "NFSWorkspace",
     "PayloadError",
     "PeerLostError",
     "ProcessGroupMesh",
     "SpaceError",
     "TransportUnavailableError",
+    "WorkspaceError",
     "__version__",
     "barrier",
     "gather_configs",

@@ -14,6 +14,7 @@ __all__ = [
     "PeerLostError",
     "SpaceError",
     "TransportUnavailableError",
+    "WorkspaceError",
 ]
 
 
@@ -50,3 +51,7 @@ class SpaceError(DistributeError, OSError):
 
 class TransportUnavailableError(DistributeError, ValueError):
     """The requested transport cannot connect these ranks (e.g. ``shm`` across hosts)."""
+
+
+class WorkspaceError(DistributeError, OSError):
+    """The workspace directory cannot be used: missing, not a directory, or not writable."""

@@ -59,17 +59,17 @@ class _Intent:
     error: tuple[str, str] | None  # (exception type name, message)
     nonce: int
     transport: str
+    on_device: bool  # its payload's tensors all live on an accelerator (NCCL can send them)
 
     def pack(self) -> bytes:
         shown = self.ranks if self.ranks is not None and len(self.ranks) <= 64 else None
-        return msgpack.packb(
-            [shown, self.digest, list(self.error) if self.error else None, self.nonce, self.transport]
-        )
+        error = list(self.error) if self.error else None
+        return msgpack.packb([shown, self.digest, error, self.nonce, self.transport, self.on_device])
 
     @classmethod
     def unpack(cls, data: bytes) -> _Intent:
-        shown, digest, error, nonce, transport = msgpack.unpackb(data)
-        return cls(shown, digest, tuple(error) if error else None, nonce, transport)
+        shown, digest, error, nonce, transport, on_device = msgpack.unpackb(data)
+        return cls(shown, digest, tuple(error) if error else None, nonce, transport, on_device)
 
 
 _RAISABLE: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError}
@@ -149,6 +149,13 @@ class _Plan:
     def first(self) -> int:
         return self.ranks[0]
 
+    @property
+    def flat(self) -> bool:
+        """Every participant sends on its own (no shared-memory hop to a host leader)."""
+        return all(len(host) == 1 for leader, host in self.hosts.items() if leader != self.first) and (
+            self.cross is None or len(self.hosts[self.first]) == 1
+        )
+
     def leader_of(self, rank: int) -> int:
         return next(leader for leader, host in self.hosts.items() if rank in host)
 
@@ -211,13 +218,20 @@ def _gather(
         checked = _check_ranks(ranks, members)
         plan = _plan(transport, checked, peers, workspace_path is not None)
         if me in checked[1:]:
-            direct_to_workspace = plan.cross == "workspace" and plan.hosts.get(me) == [me]
-            payload = wire.encode(value, root=root, checksum=direct_to_workspace)
+            direct = plan.hosts.get(me) == [me]
+            payload = wire.encode(
+                value,
+                root=root,
+                checksum=direct and plan.cross == "workspace",
+                keep_device=direct
+                and plan.cross == "collective"
+                and _collective_route(group, True)[1].type != "cpu",
+            )
     except (TypeError, ValueError) as exc:
         error = (type(exc).__name__, str(exc))
-    intent = _Intent(
-        checked, _digest(checked), error, secrets.randbits(63), f"{transport}:{workspace_path is not None}"
-    )
+    on_device = payload is not None and payload.device_resident
+    mode = f"{transport}:{workspace_path is not None}"
+    intent = _Intent(checked, _digest(checked), error, secrets.randbits(63), mode, on_device)
 
     round_ = companion.new_round()
     round_.post("agree", intent.pack())
@@ -225,10 +239,15 @@ def _gather(
     _agree(intents, members, me)
     assert plan is not None and checked is not None  # _agree raised on every rank otherwise
     token = f"{intents[0].nonce:016x}"
-    route = _Route(plan, round_, token, seconds, companion, group, workspace_path, peers)
+    by_rank = dict(zip(members, intents))
+    on_device = plan.flat and all(by_rank[r].on_device for r in plan.ranks[1:])
+    carrier_group, carrier_device = _collective_route(group, on_device)
+    if payload is not None and carrier_device.type == "cpu":
+        payload = payload.to_cpu()
+    route = _Route(
+        plan, round_, token, seconds, companion, (carrier_group, carrier_device), workspace_path, peers
+    )
     logger.debug("round %s: %s", token, route.what)
-    if plan.cross == "collective":
-        route.cross  # noqa: B018  # every rank of the group joins the creation of its gloo group
 
     if me == plan.first:
         yield route.receive(value, device)
@@ -253,14 +272,14 @@ class _Route:
         token: str,
         seconds: float,
         companion: sync.GroupSync,
-        group: dist.ProcessGroup | Sequence[int] | None,
+        carrier: tuple[dist.ProcessGroup | None, torch.device],
         workspace_path: str | PathLike[str] | None,
         peers: dict[int, Any],
     ) -> None:
         self.plan, self.round, self.token, self.seconds = plan, round_, token, seconds
         self.me = companion.rank
         self.what = f"gather to rank {plan.first} over {plan.describe()}"
-        self._companion, self._group, self._workspace_path = companion, group, workspace_path
+        self._companion, self._carrier, self._workspace_path = companion, carrier, workspace_path
         self._local = SharedMemoryTransport({r: p.pid for r, p in peers.items()})
         self._cross: Transport | None = None
 
@@ -273,7 +292,8 @@ class _Route:
 
                 self._cross = WorkspaceTransport(self._workspace_path, job_token(), self.seconds)
             else:
-                self._cross = CollectiveTransport(_cpu_group(self._group), self.plan.first, self.seconds)
+                group, device = self._carrier
+                self._cross = CollectiveTransport(group, self.plan.first, self.seconds, device)
         return self._cross
 
     # -- senders -----------------------------------------------------------------------------------
@@ -375,11 +395,21 @@ class _Route:
             raise PayloadError(f"payload of rank {rank} is unusable: {exc}") from None
 
 
-def _cpu_group(group: dist.ProcessGroup | Sequence[int] | None) -> dist.ProcessGroup | None:
-    """A gloo group for point-to-point messages among ``group``'s ranks."""
-    if group is None or isinstance(group, dist.ProcessGroup):
-        return sync.cpu_group(group)
-    return sync.cpu_group_of(group)
+def _collective_route(
+    group: dist.ProcessGroup | Sequence[int] | None, on_device: bool
+) -> tuple[dist.ProcessGroup | None, torch.device]:
+    """The group and device the collective transport sends on; no group is ever created.
+
+    Point-to-point messages need no other rank's help, so they travel over ``group`` itself
+    (the world for a mesh's rank list). A backend with gloo carries CPU bytes; with NCCL
+    only, or when every sender's tensors already live on the GPU, messages go through GPU
+    memory (the GPU fallback).
+    """
+    pg = group if group is None or isinstance(group, dist.ProcessGroup) else None
+    backend = str(dist.get_backend(pg))
+    if "nccl" in backend and (on_device or "gloo" not in backend):
+        return pg, torch.device("cuda", torch.cuda.current_device())
+    return pg, torch.device("cpu")
 
 
 def _status(exc: BaseException) -> bytes:
@@ -486,8 +516,9 @@ def gather_tensors(
     """
     _check_tensor(tensor)
     ranks = mesh.ranks_along_axis(axis)
+    group = mesh.cached_group_along_axis(axis) or ranks
     options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
-    with _gather(tensor, ranks, ranks, root="tensor", **options) as out:
+    with _gather(tensor, ranks, group, root="tensor", **options) as out:
         yield out
 
 
@@ -507,6 +538,7 @@ def gather_configs(
     Must be entered on every rank of that group. Options as in :func:`get_configs_parallel`.
     """
     ranks = mesh.ranks_along_axis(axis)
+    group = mesh.cached_group_along_axis(axis) or ranks
     options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
-    with _gather(config, ranks, ranks, root="config", **options) as out:
+    with _gather(config, ranks, group, root="config", **options) as out:
         yield out

@@ -211,6 +211,16 @@ class ProcessGroupMesh:
             return self._ranks_to_group[key]
         return self.create_group_along_axis(axis, indices_at_axis, backend)
 
+    def cached_group_along_axis(
+        self,
+        axis: AxisSpec | Sequence[AxisSpec],
+        indices_at_axis: IndicesAtAxis = None,
+        backend: str | None = None,
+    ) -> dist.ProcessGroup | None:
+        """This rank's group along ``axis`` if it was created already, else None (no communication)."""
+        key = (tuple(self.ranks_along_axis(axis, indices_at_axis)), self._resolve_backend(backend))
+        return self._ranks_to_group.get(key)
+
     def ranks_along_axis(
         self, axis: AxisSpec | Sequence[AxisSpec], indices_at_axis: IndicesAtAxis = None
     ) -> list[int]:

@@ -39,8 +39,6 @@ __all__ = [
     "Round",
     "barrier",
     "companion",
-    "cpu_group",
-    "cpu_group_of",
     "group_ranks",
     "resolve_timeout",
 ]
@@ -275,7 +273,6 @@ class GroupSync:
 
 
 _COMPANIONS: dict[tuple[int, ...], GroupSync] = {}
-_CPU_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def companion(ranks: Sequence[int] | dist.ProcessGroup | None) -> GroupSync:
@@ -311,33 +308,6 @@ def barrier(
     """
     sync = companion(group)
     sync.barrier(resolve_timeout(timeout), what=f"barrier over ranks {_short(sync.ranks)}")
-
-
-def cpu_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A gloo group of the same ranks as ``group``, for CPU tensors; created once and cached.
-
-    Returns ``group`` itself when it already runs on gloo. Must be called on every rank of
-    ``group`` (only its members take part in the creation), in the same order everywhere.
-    """
-    _require_initialized()
-    if dist.get_backend(group) == "gloo":
-        return group
-    return cpu_group_of(group_ranks(group))
-
-
-def cpu_group_of(ranks: Sequence[int]) -> dist.ProcessGroup | None:
-    """A gloo group of ``ranks``, created once and cached (None stands for a gloo world).
-
-    Must be called on every rank of ``ranks`` (only they take part in the creation, through
-    ``use_local_synchronization``), in the same order everywhere.
-    """
-    key = tuple(ranks)
-    if key == tuple(range(dist.get_world_size())) and dist.get_backend() == "gloo":
-        return None
-    found = _CPU_GROUPS.get(key)
-    if found is None:
-        found = _CPU_GROUPS[key] = dist.new_group(list(key), backend="gloo", use_local_synchronization=True)
-    return found
 
 
 def _short(ranks: Sequence[int]) -> str:

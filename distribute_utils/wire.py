@@ -212,10 +212,30 @@ class EncodedPayload:
     nbytes: int
     head: bytes
     chunks: tuple[tuple[int, torch.Tensor], ...] = ()
-    _segments: tuple[memoryview, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    _cache: dict[str, tuple[memoryview, ...]] = dataclasses.field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_segments", tuple(_layout_segments(self.head, self.chunks, self.nbytes)))
+    @property
+    def _segments(self) -> tuple[memoryview, ...]:
+        """Byte views covering the whole payload (needs every chunk on the CPU)."""
+        found = self._cache.get("segments")
+        if found is None:
+            found = self._cache["segments"] = tuple(_layout_segments(self.head, self.chunks, self.nbytes))
+        return found
+
+    @property
+    def device_resident(self) -> bool:
+        """Whether every tensor chunk lives on an accelerator (there is at least one chunk)."""
+        return bool(self.chunks) and all(t.device.type != "cpu" for _, t in self.chunks)
+
+    def to_cpu(self) -> EncodedPayload:
+        """The same payload with every chunk on the CPU (``self`` when they already are)."""
+        if all(t.device.type == "cpu" for _, t in self.chunks):
+            return self
+        return EncodedPayload(
+            self.nbytes, self.head, tuple((o, _contiguous(t, False)) for o, t in self.chunks)
+        )
 
     def write_to_fd(self, fd: int, base: int = 0) -> None:
         """Write the payload at byte ``base`` of an open file descriptor.
@@ -328,10 +348,11 @@ def _zeros(n: int) -> memoryview:
 class _Encoder:
     """Turns a config tree into msgpack-native values, collecting tensors and checking types."""
 
-    __slots__ = ("_active", "_ids", "_keep", "_path", "_root", "tensors")
+    __slots__ = ("_active", "_ids", "_keep", "_path", "_root", "keep_device", "tensors")
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, keep_device: bool = False) -> None:
         self._root = root
+        self.keep_device = keep_device
         self._path: list[Any] = []  # int: sequence index; (key,): dict key; str: dataclass field
         self._active: dict[int, int] = {}  # id of each container on the current path -> its depth
         self._ids: dict[int, int] = {}  # id(tensor) -> index in self.tensors
@@ -456,7 +477,7 @@ class _Encoder:
         if t.device.type == "meta":
             raise TypeError(f"{self.path()}: a meta tensor has no data to send")
         index = len(self.tensors)
-        self.tensors.append(_contiguous_cpu(t))
+        self.tensors.append(_contiguous(t, self.keep_device))
         self._ids[id(t)] = index
         self._keep.append(t)
         return index
@@ -487,25 +508,30 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def _contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
-    """A detached, contiguous CPU tensor with only ``t``'s elements (never its base storage)."""
+def _contiguous(t: torch.Tensor, keep_device: bool) -> torch.Tensor:
+    """A detached, contiguous tensor with only ``t``'s elements (never its base storage).
+
+    On the CPU, unless ``keep_device`` leaves it on its accelerator.
+    """
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    if t.device.type == "cpu" and t.is_contiguous():
+    if t.is_contiguous() and (t.device.type == "cpu" or keep_device):
         return t
     dtype = t.dtype
     carrier = _CARRIERS.get(t.element_size(), dtype)
     c = t.view(carrier) if carrier != dtype else t
     c = c.contiguous()
-    if c.device.type != "cpu":
+    if c.device.type != "cpu" and not keep_device:
         c = c.to("cpu")
     return c.view(dtype) if carrier != dtype else c
 
 
-def encode(obj: object, *, root: str = "config", checksum: bool = False) -> EncodedPayload:
+def encode(
+    obj: object, *, root: str = "config", checksum: bool = False, keep_device: bool = False
+) -> EncodedPayload:
     """Encode a config tree (with tensors anywhere in it) into a payload.
 
     Tensors are detached, made contiguous (only a view's own elements are stored, never its
@@ -521,6 +547,9 @@ def encode(obj: object, *, root: str = "config", checksum: bool = False) -> Enco
         root: name of ``obj`` in error messages, e.g. ``config['layers'][3].act_fn``.
         checksum: store the CRC-32 of every byte after the prefix (costs one read of the
             tensor bytes, about 6.7 GB/s).
+        keep_device: leave accelerator tensors where they are (for a transport that sends
+            from device memory, e.g. NCCL); :meth:`EncodedPayload.to_cpu` moves them later.
+            Not together with ``checksum``.
 
     Returns:
         The payload, with its exact length in :attr:`EncodedPayload.nbytes`.
@@ -529,7 +558,9 @@ def encode(obj: object, *, root: str = "config", checksum: bool = False) -> Enco
         TypeError: a value, dict key or tensor kind is not supported, a reference cycle, or
             nesting deeper than :data:`MAX_DEPTH`; the message names the path inside ``obj``.
     """
-    enc = _Encoder(root)
+    if checksum and keep_device:
+        raise ValueError("encode: checksum needs the bytes on the CPU; do not combine it with keep_device")
+    enc = _Encoder(root, keep_device)
     tree = enc.walk(obj)
     try:
         v_bytes = _pack(tree)
@@ -668,9 +699,19 @@ def decode(
         PayloadError: the payload is truncated, corrupt, malformed, from another format
             version, or names a dataclass that cannot be found.
     """
+    data: torch.Tensor | None = None
+    if isinstance(buf, torch.Tensor):
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise TypeError("decode takes a flat, contiguous uint8 tensor")
+        if buf.device.type == "cpu":
+            buf = tensor_buffer(buf)
+        else:  # device memory: read the header on the host, build tensors as device views
+            data = buf
+            head_len = read_prefix(bytes(tensor_buffer(buf[:PREFIX_SIZE].cpu()))).header_len
+            buf = bytes(tensor_buffer(buf[: PREFIX_SIZE + head_len].cpu()))
     mv = _bytes_view(buf)
     try:
-        return _decode(mv, device, verify, max_header_bytes)
+        return _decode(mv, device, verify, max_header_bytes, data)
     except PayloadError as e:
         error = PayloadError(*e.args)
     # The failed attempt's frames (and any views or tensors they held) died with the traceback
@@ -680,10 +721,19 @@ def decode(
     raise error
 
 
-def _decode(mv: memoryview, device: str | torch.device | None, verify: bool, max_header_bytes: int) -> object:
+def _decode(
+    mv: memoryview,
+    device: str | torch.device | None,
+    verify: bool,
+    max_header_bytes: int,
+    data: torch.Tensor | None = None,
+) -> object:
     flags, header_len, total_len, checksum = read_prefix(mv, max_header_bytes=max_header_bytes)
-    if mv.nbytes < total_len:
-        raise PayloadError(f"truncated: payload says {total_len} bytes, got {mv.nbytes}")
+    have = mv.nbytes if data is None else data.numel()
+    if have < total_len:
+        raise PayloadError(f"truncated: payload says {total_len} bytes, got {have}")
+    if data is not None and flags & FLAG_CHECKSUM:
+        raise PayloadError("a payload in device memory cannot carry a checksum")
     if verify and flags & FLAG_CHECKSUM:
         computed = zlib.crc32(mv[PREFIX_SIZE:total_len])
         if computed != checksum:
@@ -694,7 +744,7 @@ def _decode(mv: memoryview, device: str | torch.device | None, verify: bool, max
     header_end = PREFIX_SIZE + header_len
     header = mv[PREFIX_SIZE:header_end]
     entries, v_span = _parse_header(header, header_len)
-    tensors = _build_tensors(mv, entries, header_end, total_len, device)
+    tensors = _build_tensors(mv, entries, header_end, total_len, device, data)
     return _decode_tree(header[v_span[0] : v_span[1]], tensors)
 
 
@@ -761,6 +811,7 @@ def _build_tensors(
     header_end: int,
     total_len: int,
     device: str | torch.device | None,
+    data: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     if type(entries) is not list:
         raise PayloadError(f'malformed header: "t" is a {type(entries).__name__}, expected a list')
@@ -831,7 +882,11 @@ def _build_tensors(
         for offset, _nbytes, i, dtype, shape, numel in checked:
             try:
                 if numel == 0:
-                    t = torch.empty(shape, dtype=dtype, device=dev)
+                    t = torch.empty(shape, dtype=dtype, device=dev if data is None else data.device)
+                elif data is not None:
+                    t = _view_bytes(data[offset : offset + _nbytes], dtype).view(shape)
+                    if dev is not None:
+                        t = _to_device(t, dev)
                 else:
                     t = torch.frombuffer(mv, dtype=dtype, count=numel, offset=offset).view(shape)
                     if dev is not None:
@@ -840,6 +895,15 @@ def _build_tensors(
                 raise PayloadError(f"tensor {i}: cannot build {dtype} of shape {shape}: {e}") from None
             out.append(t)
     return out
+
+
+def _view_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``raw`` (flat uint8) reinterpreted as ``dtype``, through a same-size carrier if needed."""
+    carrier = _CARRIERS.get(torch.empty((), dtype=dtype).element_size(), dtype)
+    try:
+        return raw.view(dtype)
+    except RuntimeError:
+        return raw.view(carrier).view(dtype)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

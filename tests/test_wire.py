@@ -954,3 +954,45 @@ def test_property_corruption_raises_only_payload_error(
 def test_property_truncation_always_detected(cut: int) -> None:
     with pytest.raises(PayloadError):
         decode(CORRUPT_BASE[:cut])
+
+
+def test_decode_from_a_separate_data_tensor_builds_views_of_it() -> None:
+    # The path device buffers take (NCCL receives): header read from host bytes, tensors as
+    # views of the data tensor. Exercised here with a CPU tensor standing in for the device.
+    tree = {
+        "w": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t(),
+        "b": torch.tensor([True, False]),
+        "e": torch.zeros(0, 2),
+        "c": torch.tensor([1 + 2j], dtype=torch.complex64),
+    }
+    payload = wire.encode(tree)
+    data = torch.frombuffer(bytearray(payload.to_bytes()), dtype=torch.uint8)
+    head = bytes(payload.head)
+    out = wire._decode(memoryview(head), None, True, wire.DEFAULT_MAX_HEADER_BYTES, data)
+    for key, value in tree.items():
+        assert out[key].dtype == value.dtype and out[key].shape == value.shape
+        assert torch.equal(
+            out[key].reshape(-1).view(torch.uint8), value.contiguous().reshape(-1).view(torch.uint8)
+        )
+    assert out["w"].untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+    with pytest.raises(PayloadError, match="truncated"):
+        wire._decode(memoryview(head), None, True, wire.DEFAULT_MAX_HEADER_BYTES, data[:-1])
+
+
+def test_decode_accepts_a_cpu_uint8_tensor_zero_copy() -> None:
+    payload = wire.encode({"x": torch.arange(5)})
+    buf = torch.frombuffer(bytearray(payload.to_bytes()), dtype=torch.uint8)
+    out = wire.decode(buf)
+    buf[payload.chunks[0][0]] = 9
+    assert int(out["x"][0]) == 9
+    with pytest.raises(TypeError, match="flat, contiguous uint8"):
+        wire.decode(buf.view(torch.int8))
+
+
+def test_keep_device_and_to_cpu() -> None:
+    t = torch.arange(6.0).reshape(2, 3)
+    payload = wire.encode({"t": t.t()}, keep_device=True)
+    assert not payload.device_resident  # CPU tensors are not device-resident
+    assert payload.to_cpu() is payload
+    with pytest.raises(ValueError, match="checksum"):
+        wire.encode({"t": t}, checksum=True, keep_device=True)

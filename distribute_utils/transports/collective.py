@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..wire import EncodedPayload, tensor_buffer
+from ..wire import EncodedPayload
 
 __all__ = ["CollectiveTransport"]
 
@@ -41,21 +41,19 @@ class CollectiveTransport:
     """Moves payloads to ``first`` with point-to-point messages over ``group``.
 
     Args:
-        group: a process group holding every participant (its backend decides the device).
+        group: a process group holding every participant (None: the world).
         first: global rank of the receiver.
         timeout: bound on waiting for sends to complete in ``release``.
+        device: where messages travel from and to: the CPU (gloo) or a GPU (NCCL).
     """
 
     name = "collective"
 
-    def __init__(self, group: dist.ProcessGroup | None, first: int, timeout: float) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, first: int, timeout: float, device: torch.device) -> None:
         self._group = group
         self._first = first
         self._timeout = timeout
-        backend = str(dist.get_backend(group))
-        self._device = (
-            torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-        )
+        self._device = device
         self._pending: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> None:
@@ -81,9 +79,7 @@ class CollectiveTransport:
         pairs = layout.view(-1, 2).tolist()
         for offset, length in pairs:
             self._recv(buffer[offset : offset + length], rank)
-        if self._device.type != "cpu":
-            return buffer  # decoded by the caller from device memory
-        return tensor_buffer(buffer)
+        return buffer  # wire.decode reads it in place, on the CPU or the GPU
 
     def _recv(self, into: torch.Tensor, rank: int) -> torch.Tensor:
         target = into if into.device == self._device else into.to(self._device)

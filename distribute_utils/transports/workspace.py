@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .._host import ProcessInfo, process_alive, this_process
-from ..errors import DistributeError, PayloadError, SpaceError
+from ..errors import DistributeError, PayloadError, SpaceError, WorkspaceError
 from ..wire import FLAG_CHECKSUM, PREFIX_SIZE, EncodedPayload, decode, encode, read_prefix
 
 __all__ = [
@@ -91,10 +91,6 @@ _NO_RESERVE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENOTTY)
 _LOCAL_FS = frozenset(
     {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "overlay", "zfs", "f2fs", "bcachefs", "jfs"}
 )
-
-
-class WorkspaceError(DistributeError, OSError):
-    """The workspace directory cannot be used: missing, not a directory, or not writable."""
 
 
 # -- small helpers -------------------------------------------------------------------------------
@@ -821,6 +817,8 @@ class NFSWorkspace:
     def _require(self) -> _RankState:
         if self._state is None:
             raise ValueError("NFSWorkspace is not initialized: pass a workspace_path")
+        if self._ns.closed or self._ns.pid != os.getpid():  # rejoin after close()
+            self._ns = _open_namespace(self._ns.workspace, self._ns.token, self._timeout)
         return self._state
 
     def write_configs_and_weights(self, config_json: Any, weights: dict[str, Any] | None) -> None:
