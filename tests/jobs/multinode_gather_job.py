@@ -1,0 +1,99 @@
+"""torchrun job for simulated nodes: many gather rounds across hosts, checked bit for bit.
+
+Every rank writes a JSON report to ``$DU_RESULTS/rank<r>.json``: wrong results seen (on
+receivers), the routes the gathers took, and any segment of ours left in its /dev/shm.
+Arguments: ``--rounds N --mode auto|collective|workspace``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from distribute_utils import get_configs_parallel, get_tensors_parallel
+
+DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float8_e4m3fn, torch.bool]
+
+
+def sample(rank: int, round_: int) -> torch.Tensor:
+    """Deterministic tensor whose size and dtype vary with the rank and the round."""
+    dtype = DTYPES[(rank + round_) % len(DTYPES)]
+    n = (rank + 1) * ((round_ * 7919) % 5000) + round_
+    gen = torch.Generator().manual_seed(round_ * 100 + rank)
+    raw = torch.randint(
+        0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8, generator=gen
+    )
+    if dtype == torch.bool:
+        raw %= 2
+    return raw.view(dtype)
+
+
+class Routes(logging.Handler):
+    """Collects the route each gather took (logged by distribute_utils.gather at debug level)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.seen: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("round "):
+            route = message.split(": ", 1)[1].split(" over ", 1)[1]
+            self.seen[route] = self.seen.get(route, 0) + 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--mode", choices=["auto", "collective", "workspace"], default="auto")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    routes = Routes()
+    logger = logging.getLogger("distribute_utils.gather")
+    logger.addHandler(routes)
+    logger.setLevel(logging.DEBUG)
+    workspace = None if args.mode == "collective" else os.environ.get("DU_WORKSPACE")
+    transport = "auto" if args.mode != "workspace" else "workspace"
+    everyone = list(range(world))
+    wrong: list[str] = []
+    for i in range(args.rounds):
+        order = everyone[i % world :] + everyone[: i % world]  # every rank receives in turn
+        with get_tensors_parallel(
+            sample(rank, i), order, workspace_path=workspace, transport=transport, timeout=120
+        ) as got:
+            for r, t in zip(order, got):
+                want = sample(r, i)
+                if t.dtype != want.dtype or not torch.equal(t.view(torch.uint8), want.view(torch.uint8)):
+                    wrong.append(f"round {i} tensor from {r}")
+        config = {"round": i, "rank": rank, "t": sample(rank, i + 1)[:10], "none": None} if rank % 3 else None
+        with get_configs_parallel(config, order, None, workspace, transport=transport, timeout=120) as got:
+            for r, c in zip(order, got):
+                if (c is None) != (r % 3 == 0) or (c is not None and (c["rank"] != r or c["round"] != i)):
+                    wrong.append(f"round {i} config from {r}")
+    # Pairs inside one node and across nodes (ranks 0,1 on node 0; 2,3 on node 1).
+    for pair in ([0, 1], [2, 3], [0, 2]):
+        with get_tensors_parallel(
+            torch.tensor([rank]), pair, workspace_path=workspace, transport=transport, timeout=120
+        ) as got:
+            if got and [int(t) for t in got] != pair:
+                wrong.append(f"pair {pair}: {got}")
+    dist.barrier()
+    report = {
+        "rank": rank,
+        "wrong": wrong,
+        "routes": routes.seen,
+        "shm_left": sorted(n for n in os.listdir("/dev/shm") if n.startswith("du_")),
+    }
+    with open(os.path.join(os.environ["DU_RESULTS"], f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

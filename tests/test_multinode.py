@@ -1,0 +1,92 @@
+"""Gathers across simulated hosts: private /dev/shm per node, workspace over a real network FS.
+
+2 nodes x 2 ranks (``scripts/simulate_nodes.py``: unshare namespaces + torchrun), 100 rounds
+of tensors and configs of varying sizes and dtypes, every rank receiving in turn; zero wrong
+results, nothing left in any /dev/shm or in the workspace. Needs root (CI runs as root).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "tests" / "jobs" / "multinode_gather_job.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("simulate_nodes", ROOT / "scripts" / "simulate_nodes.py")
+    assert spec is not None and spec.loader is not None
+    module = sys.modules.get("simulate_nodes") or importlib.util.module_from_spec(spec)
+    if "simulate_nodes" not in sys.modules:
+        sys.modules["simulate_nodes"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+sn = _load()
+pytestmark = pytest.mark.root
+
+
+def _run(tmp_path: Path, workspace: str, mode: str, rounds: int) -> tuple[list[dict], Path]:
+    reason = sn.require_simulation_support(workspace)
+    if reason is not None:
+        pytest.skip(f"simulated nodes unavailable: {reason}")
+    results = tmp_path / "results"
+    results.mkdir()
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    outcome = sn.run_simulated(
+        JOB,
+        ["--rounds", str(rounds), "--mode", mode],
+        nodes=2,
+        nproc_per_node=2,
+        workspace=workspace,
+        timeout=240,
+        backing_dir=backing,
+        env={"DU_RESULTS": str(results)},
+    )
+    assert outcome.returncode == 0, outcome.format_outputs()[-6000:]
+    reports = [json.loads((results / f"rank{r}.json").read_text()) for r in range(4)]
+    return reports, backing
+
+
+def _check_clean(reports: list[dict], backing: Path) -> None:
+    assert all(r["wrong"] == [] for r in reports), [r["wrong"][:5] for r in reports]
+    assert all(r["shm_left"] == [] for r in reports)
+    left = sorted(str(p.relative_to(backing)) for p in backing.rglob("*"))
+    assert left == [] or all(name.startswith(".du-sweep") for name in left), left
+
+
+@pytest.mark.parametrize("workspace", ["dir", "sshfs"])
+def test_hierarchical_gather_over_workspace(tmp_path: Path, workspace: str) -> None:
+    reports, backing = _run(tmp_path, workspace, "auto", rounds=100)
+    _check_clean(reports, backing)
+    routes: dict[str, int] = {}
+    for r in reports:
+        for route, n in r["routes"].items():
+            routes[route] = routes.get(route, 0) + n
+    # All four ranks: shm inside each node, one bundle per remote host over the workspace.
+    assert routes["shm within hosts + workspace across 1 remote host(s)"] == 4 * 200
+    assert routes["shm"] == 4 * 2  # the pairs inside one node (every rank of the world logs)
+    assert routes["workspace"] == 4  # the cross-node pair: one file, no shm hop
+
+
+def test_collective_fallback_without_workspace(tmp_path: Path) -> None:
+    reports, backing = _run(tmp_path, "none", "collective", rounds=30)
+    _check_clean(reports, backing)
+    routes = {k for r in reports for k in r["routes"]}
+    assert "shm within hosts + collective across 1 remote host(s)" in routes
+    assert "collective" in routes
+
+
+def test_forced_workspace_transport_is_flat(tmp_path: Path) -> None:
+    reports, backing = _run(tmp_path, "sshfs", "workspace", rounds=30)
+    _check_clean(reports, backing)
+    routes = {k for r in reports for k in r["routes"]}
+    assert routes == {"workspace"}
