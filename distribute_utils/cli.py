@@ -7,16 +7,24 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import re
 import sys
-import time
+import textwrap
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
 from . import __version__
-from .launch import LaunchError, run_local
+from .launch import LaunchError
+
+if TYPE_CHECKING:
+    from .consolidate.layouts import CheckpointLayout
+    from .consolidate.tp_pp import ConsolidationReport
 
 __all__ = ["main"]
 
@@ -24,55 +32,169 @@ logger = logging.getLogger("distribute_utils.cli")
 
 
 # -- demo ------------------------------------------------------------------------------------------
-def _demo_mesh_rank(tp: int, pp: int) -> dict:
-    """One rank of the mesh part of the demo: groups, a collective and a barrier per axis."""
-    from .gather import gather_configs
-    from .mesh import ProcessGroupMesh
-
-    mesh = ProcessGroupMesh(pp, tp, axis_names=("pp", "tp"))
-    report: dict = {"rank": mesh.rank, "coord": mesh.coordinate(), "axes": {}}
-    for axis in ("pp", "tp"):
-        group = mesh.get_group_along_axis(axis)
-        value = torch.tensor([mesh.rank], dtype=torch.int64)
-        start = time.perf_counter()
-        dist.all_reduce(value, group=group)
-        mesh.barrier(axis, timeout=60)
-        report["axes"][axis] = {
-            "ranks": mesh.get_ranks_in_group(group),
-            "all_reduce_sum": int(value),
-            "ms": (time.perf_counter() - start) * 1e3,
-        }
-    with gather_configs(report, mesh, "tp", timeout=60) as tp_reports:
-        merged = tp_reports
-    with gather_configs(merged, mesh, "pp", timeout=60) as stage_reports:
-        everything = [r for stage in stage_reports for r in stage]
-    mesh.destroy_mesh_process_groups()
-    return {"layout": repr(mesh.layout), "reports": everything}
-
-
-def _print_mesh_report(result: dict) -> None:
-    print(f"mesh: {result['layout']}")
-    for report in sorted(result["reports"], key=lambda r: r["rank"]):
-        parts = [
-            f"{axis} group {info['ranks']}: all_reduce sum {info['all_reduce_sum']}, barrier ok ({info['ms']:.1f} ms)"
-            for axis, info in report["axes"].items()
-        ]
-        print(f"  rank {report['rank']} at {tuple(report['coord'])}: " + "; ".join(parts))
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
-    if args.tp * args.pp != args.nproc:
+    from .demo import format_demo, run_demo
+
+    if args.tp < 1 or args.pp < 1 or args.tp * args.pp != args.nproc:
         raise _UsageError(
             f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp}, but --nproc is {args.nproc}"
         )
-    results = run_local(_demo_mesh_rank, args.nproc, args.tp, args.pp, timeout=600)
-    _print_mesh_report(results[0])
+    if not args.size_mb > 0:
+        raise _UsageError(f"--size-mb must be positive, got {args.size_mb}")
+    result = run_demo(args.nproc, args.tp, args.pp, size_mb=args.size_mb, keep=args.keep)
+    print(format_demo(result))
+    return 0
+
+
+# -- consolidate -----------------------------------------------------------------------------------
+_CHECKPOINT_MARKERS = re.compile(
+    r"mp_rank_\d{2}(_\d{3})?|iter_\d{7}|release|latest_checkpointed_iteration\.txt"
+)
+
+
+def _size_arg(text: str) -> int:
+    from .consolidate.writers import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _open_input(path: str) -> CheckpointLayout:
+    """Opens INPUT; what is not a checkpoint at all is a usage error, a broken checkpoint a failure."""
+    from .consolidate.layouts import MESH_FILE, LayoutError, open_checkpoint
+
+    root = Path(path)
+    if not root.exists():
+        raise _UsageError(f"input '{root}' does not exist")
+    if not root.is_dir():
+        raise _UsageError(f"input '{root}' is not a directory: give the checkpoint directory")
+    try:
+        return open_checkpoint(root)
+    except LayoutError:
+        recognised = (root / MESH_FILE).exists() or any(
+            _CHECKPOINT_MARKERS.fullmatch(p.name) for p in root.iterdir()
+        )
+        if not recognised:
+            raise _UsageError(
+                f"input '{root}' is not a checkpoint: expected mesh.json (distribute_utils layout) or "
+                "mp_rank_XX[_YYY]/model_optim_rng.pt directories (Megatron-LM legacy)"
+            ) from None
+        raise
+
+
+def _consolidate_options(args: argparse.Namespace) -> dict[str, Any]:
+    from .consolidate.rules import RuleSyntaxError
+    from .consolidate.tp_pp import resolve_rules
+
+    try:
+        resolve_rules(args.rules, args.quant_format)
+    except (OSError, RuleSyntaxError) as exc:
+        raise _UsageError(f"--rules: {_one_line(exc)}") from None
+    return {
+        "format": args.format,
+        "rules": args.rules,
+        "quant_format": args.quant_format,
+        "max_shard_size": args.max_shard_size,
+        "workspace_path": args.workspace,
+        "timeout": args.timeout,
+        "progress": not args.quiet,
+    }
+
+
+def _print_consolidation(report: ConsolidationReport, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.summary())
+
+
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    from .consolidate.tp_pp import consolidate_checkpoint, consolidate_local, plan_checkpoint
+    from .launch import under_torchrun
+
+    options = _consolidate_options(args)
+    layout = _open_input(args.input)
+    needed = layout.tp * layout.pp
+    try:
+        if under_torchrun():
+            world = int(os.environ["WORLD_SIZE"])
+            if world not in (needed, 1) or (args.nproc is not None and args.nproc != world):
+                raise _UsageError(
+                    f"'{args.input}' is TP {layout.tp} x PP {layout.pp}: start {needed} ranks "
+                    f"(torchrun --nproc-per-node {needed}), not {world}"
+                )
+            created = not dist.is_initialized()
+            if created:
+                dist.init_process_group("gloo")
+            try:
+                report = consolidate_checkpoint(args.input, args.output, **options)
+            finally:
+                if created:
+                    dist.destroy_process_group()
+            if report.rank == 0:
+                _print_consolidation(report, args.json)
+            return 0
+        nproc = needed if args.nproc is None else args.nproc
+        if nproc not in (needed, 1):
+            raise _UsageError(
+                f"--nproc {nproc} does not fit '{args.input}': a TP {layout.tp} x PP {layout.pp} checkpoint "
+                f"needs {needed} ranks (or 1 to consolidate in this process)"
+            )
+        plan_checkpoint(args.input, options["rules"], quant_format=args.quant_format)  # fail fast, no spawn
+        report = consolidate_local(args.input, args.output, nproc=nproc, **options)
+    except (LaunchError, OSError, ValueError, RuntimeError) as exc:
+        print(f"distribute-utils consolidate: error: {_one_line(exc)}", file=sys.stderr)
+        logger.debug("failure", exc_info=True)
+        return 1
+    _print_consolidation(report, args.json)
     return 0
 
 
 # -- plumbing --------------------------------------------------------------------------------------
 class _UsageError(Exception):
     """Arguments that parse but do not make sense together (exit code 2)."""
+
+
+_CONSOLIDATE_EPILOG = """\
+input layouts (detected):
+  own                mesh.json + one file per rank (safetensors or torch.save), see docs/consolidation.md
+  Megatron-LM legacy mp_rank_XX/model_optim_rng.pt (TP only) or mp_rank_XX_YYY/... (TP x PP),
+                     optionally under iter_NNNNNNN/ named by latest_checkpointed_iteration.txt
+
+ranks:
+  Not under torchrun: spawns N = TP x PP local ranks (gloo, /dev/shm); --nproc 1 runs in this process.
+  Under torchrun: start exactly TP x PP ranks; rank (pp, tp) = pp * TP + tp reads shard (tp, pp).
+
+merge rules (built-in, Megatron names): column-parallel weights/biases concat:0, row-parallel weights
+  concat:1, everything else must be identical on every TP rank (same). --rules FILE adds patterns first.
+
+exit codes:
+  0  ok; the report goes to stdout (--json for JSON)
+  1  failure: one-line cause on stderr (a missing shard file, tensors that cannot be merged, a full disk,
+     a rank that died); no partial output file is left
+  2  usage error: bad options or --max-shard-size, --nproc not TP x PP (or 1), INPUT not a checkpoint
+
+examples:
+  distribute-utils consolidate ckpt/ out/
+  distribute-utils consolidate ckpt/iter_0001200 out/ --max-shard-size 5GB --quant-format fp8
+  torchrun --nproc-per-node 4 -m distribute_utils consolidate ckpt/ out/
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,13 +214,111 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="run the built-in end-to-end demo on local processes",
-        description="Start N local ranks (gloo, shared memory), build a TP x PP mesh, create its groups, run a "
-        "collective and a barrier per axis, and print what each group did.",
+        description="Start N local ranks (gloo, shared memory). Part 1: build a TP x PP mesh, create its "
+        "groups, run a collective and a barrier per axis. Part 2: shard a synthetic GPT-like model TP x PP "
+        "into a temporary directory, consolidate it on the same ranks with the code path of `consolidate`, "
+        "verify every tensor bit for bit against the unsharded original, and print a short report.",
+        epilog="Exit codes: 0 ok, 1 failure (one-line cause on stderr), 2 usage error.",
     )
     demo.add_argument("--nproc", type=int, default=4, help="number of local ranks (default 4)")
     demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     demo.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default 2)")
+    demo.add_argument(
+        "--size-mb",
+        type=float,
+        default=64.0,
+        metavar="M",
+        help="approximate size of the synthetic model in MB (default 64)",
+    )
+    demo.add_argument(
+        "--keep",
+        metavar="DIR",
+        default=None,
+        help="keep the sharded checkpoint (DIR/checkpoint) and the output (DIR/consolidated) instead of "
+        "removing a temporary directory",
+    )
     demo.set_defaults(handler=_cmd_demo)
+
+    cons = sub.add_parser(
+        "consolidate",
+        help="merge a TP x PP sharded checkpoint into one checkpoint",
+        description=textwrap.fill(
+            "Merge a tensor-parallel x pipeline-parallel checkpoint into one safetensors (or torch.save) "
+            "checkpoint. Every rank reads only its own shard (memory-mapped); each TP group gathers its "
+            "shards to its first rank, which merges them by rule; stages send their tensors to rank 0, which "
+            "writes each one as it arrives (layers renumbered), so no rank ever holds the model. Started "
+            "under torchrun, this process is one rank of that job; otherwise it spawns N local ranks (gloo, "
+            "shared memory).",
+            width=100,
+        ),
+        epilog=_CONSOLIDATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cons.add_argument("input", metavar="INPUT", help="the sharded checkpoint directory")
+    cons.add_argument(
+        "output",
+        metavar="OUTPUT",
+        help="output directory (files model.safetensors or model-0000k-of-0000N.safetensors + index; "
+        "pytorch_model*.bin for --format torch), or a file path ending in .safetensors / .bin",
+    )
+    cons.add_argument(
+        "--format",
+        choices=("safetensors", "torch"),
+        default="safetensors",
+        help="output format (default safetensors; torch holds each output file in memory until complete)",
+    )
+    cons.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="local ranks to spawn: TP x PP of the input (the default) or 1 (consolidate in this process); "
+        "ignored under torchrun except that it must match the world size",
+    )
+    cons.add_argument(
+        "--workspace",
+        metavar="DIR",
+        default=None,
+        help="a directory every rank can reach (NFS), used between hosts (default: none; on one host "
+        "shards travel through /dev/shm)",
+    )
+    cons.add_argument(
+        "--rules",
+        metavar="FILE",
+        default=None,
+        help="merge rules file (lines 'PATTERN RULE', first match wins), tried before the built-in "
+        "Megatron rules (default: built-in rules only)",
+    )
+    cons.add_argument(
+        "--quant-format",
+        choices=("fp8", "int8_sq", "int4_awq"),
+        default=None,
+        help="add the built-in rules for ModelOpt quantization scales of this format (default: none)",
+    )
+    cons.add_argument(
+        "--max-shard-size",
+        type=_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="split the output into files of at most SIZE tensor bytes, e.g. 5GB or 500MiB, with a Hugging "
+        "Face index json (default: one file)",
+    )
+    cons.add_argument(
+        "--timeout",
+        type=_seconds_arg,
+        default=None,
+        metavar="S",
+        help="seconds any rank waits for another before failing (default $DISTRIBUTE_UTILS_TIMEOUT or 600)",
+    )
+    cons.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="no progress bar, warnings and errors only",
+    )
+    cons.add_argument("--json", action="store_true", help="print the report as JSON")
+    cons.set_defaults(handler=_cmd_consolidate)
     return parser
 
 

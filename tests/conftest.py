@@ -15,11 +15,13 @@ class PoolCache:
 
     def __init__(self) -> None:
         self._pools: dict[int, RankPool] = {}
+        self.pids: set[int] = set()
 
     def get(self, world_size: int) -> RankPool:
         pool = self._pools.get(world_size)
         if pool is None or pool.broken:
             pool = self._pools[world_size] = RankPool(world_size)
+            self.pids.update(pool.pids)
         return pool
 
     def close(self) -> None:
@@ -56,15 +58,22 @@ def fresh_job() -> Iterator[Callable[[int], RankPool]]:
         pool.close(kill=True)
 
 
-def shm_entries(prefix: str = "du") -> set[str]:
-    """Names in /dev/shm that this package could have made."""
-    return {name for name in os.listdir("/dev/shm") if name.startswith(prefix)}
+def shm_entries(pids: set[int]) -> set[str]:
+    """Segments in /dev/shm made by processes ``pids`` (names end in ``_<pid>``)."""
+    return {
+        name
+        for name in os.listdir("/dev/shm")
+        if name.startswith("du_") and name.rsplit("_", 1)[-1].isdigit() and int(name.rsplit("_", 1)[-1]) in pids
+    }
 
 
 @pytest.fixture
-def no_shm_leak() -> Iterator[None]:
-    """Fail the test if it leaves new segments of ours in /dev/shm."""
-    before = shm_entries()
+def no_shm_leak(pools: PoolCache) -> Iterator[None]:
+    """Fail the test if the session's ranks leave segments in /dev/shm.
+
+    Only segments of this session's rank processes count: other jobs on the machine may have
+    live segments of their own.
+    """
     yield
-    left = shm_entries() - before
+    left = shm_entries(pools.pids)
     assert not left, f"segments left in /dev/shm: {sorted(left)}"

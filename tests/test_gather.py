@@ -396,6 +396,7 @@ def _concurrent_job(tag: int) -> list[str]:
 
 def test_two_jobs_on_one_host_do_not_interfere(pools, no_shm_leak: None) -> None:
     a, b = RankPool(2), RankPool(2)
+    pools.pids.update(a.pids + b.pids)
     results: dict[int, list] = {}
     try:
         threads = [

@@ -6,7 +6,9 @@
   :func:`load_safetensors` (zero-copy mmap reader);
 * :mod:`.layouts`: :func:`open_checkpoint` for the own ``mesh.json`` layout and Megatron-LM legacy
   checkpoints, :func:`plan_merge` from metadata;
-* :mod:`.synthetic`: deterministic GPT-like state dicts and their TP x PP sharding.
+* :mod:`.synthetic`: deterministic GPT-like state dicts and their TP x PP sharding;
+* :mod:`.tp_pp`: :func:`consolidate_checkpoint`, the distributed driver (every rank reads its own shard,
+  TP groups merge, stages stream to rank 0, which writes), and :func:`consolidate_local` (spawns the ranks).
 """
 
 from __future__ import annotations
@@ -53,6 +55,17 @@ from .synthetic import (
     shard_state_dict,
     synthetic_size_for,
 )
+from .tp_pp import (
+    DEFAULT_BATCH_BYTES,
+    OUTPUT_FORMATS,
+    ConsolidationError,
+    ConsolidationReport,
+    consolidate_checkpoint,
+    consolidate_local,
+    peak_rss_bytes,
+    plan_checkpoint,
+    resolve_rules,
+)
 from .writers import (
     DTYPE_TO_SAFETENSORS,
     SAFETENSORS_TO_DTYPE,
@@ -71,9 +84,11 @@ from .writers import (
 
 __all__ = [
     "COLUMN_PARALLEL_LAYERS",
+    "DEFAULT_BATCH_BYTES",
     "DTYPE_TO_SAFETENSORS",
     "MEGATRON_FILE",
     "MESH_FILE",
+    "OUTPUT_FORMATS",
     "QUANT_FORMATS",
     "ROW_PARALLEL_LAYERS",
     "RULE_NAMES",
@@ -83,6 +98,8 @@ __all__ = [
     "CheckpointLayout",
     "CheckpointWriter",
     "Concat",
+    "ConsolidationError",
+    "ConsolidationReport",
     "First",
     "LayoutError",
     "Max",
@@ -101,6 +118,8 @@ __all__ = [
     "TensorSpec",
     "TorchSaveWriter",
     "balanced_layers_per_stage",
+    "consolidate_checkpoint",
+    "consolidate_local",
     "global_layer_name",
     "gpt_specs",
     "load_safetensors",
@@ -109,10 +128,13 @@ __all__ = [
     "open_writer",
     "parse_rule",
     "parse_size",
+    "peak_rss_bytes",
+    "plan_checkpoint",
     "plan_merge",
     "quantized_rule",
     "read_safetensors_metadata",
     "read_safetensors_specs",
+    "resolve_rules",
     "safe_torch_load",
     "safetensors_dtype",
     "shard_state_dict",
