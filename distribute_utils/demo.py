@@ -1,0 +1,220 @@
+"""The built-in demo (``distribute-utils demo``): a mesh tour, then a real checkpoint consolidation.
+
+One spawn of ``nproc`` local ranks (gloo, shared memory) does both parts:
+
+1. **mesh**: every rank builds a ``ProcessGroupMesh(pp, tp)``, creates the group of each axis, runs an
+   ``all_reduce`` and a barrier on it, and the reports are gathered to rank 0 (TP, then PP);
+2. **consolidation**: a synthetic GPT-like model (:mod:`distribute_utils.consolidate.synthetic`) sharded
+   TP x PP into a temporary directory in the own layout is consolidated by
+   :func:`~distribute_utils.consolidate.consolidate_checkpoint` on the same ranks (the code path of
+   ``distribute-utils consolidate``), and the output is compared bit for bit with the unsharded original.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DemoResult", "format_demo", "mesh_rank", "run_demo"]
+
+logger = logging.getLogger(__name__)
+
+
+def mesh_rank(tp: int, pp: int) -> dict[str, Any]:
+    """One rank of the mesh part: groups, a collective and a barrier per axis; reports gathered to rank 0.
+
+    Must be called on every rank of a job of ``tp * pp`` ranks.
+
+    Returns:
+        On rank 0 ``{"layout": str, "reports": [one dict per rank]}``; elsewhere the same with
+        ``reports == []``.
+    """
+    from .gather import gather_configs
+    from .mesh import ProcessGroupMesh
+
+    mesh = ProcessGroupMesh(pp, tp, axis_names=("pp", "tp"))
+    report: dict[str, Any] = {"rank": mesh.rank, "coord": mesh.coordinate(), "axes": {}}
+    for axis in ("pp", "tp"):
+        group = mesh.get_group_along_axis(axis)
+        value = torch.tensor([mesh.rank], dtype=torch.int64)
+        start = time.perf_counter()
+        dist.all_reduce(value, group=group)
+        mesh.barrier(axis, timeout=60)
+        report["axes"][axis] = {
+            "ranks": mesh.get_ranks_in_group(group),
+            "all_reduce_sum": int(value),
+            "ms": (time.perf_counter() - start) * 1e3,
+        }
+    with gather_configs(report, mesh, "tp", timeout=60) as tp_reports:
+        merged = tp_reports
+    with gather_configs(merged, mesh, "pp", timeout=60) as stage_reports:
+        everything = [r for stage in stage_reports for r in stage]
+    mesh.destroy_mesh_process_groups()
+    return {"layout": repr(mesh.layout), "reports": everything}
+
+
+def _mesh_lines(result: dict[str, Any]) -> list[str]:
+    lines = [f"  mesh: {result['layout']}"]
+    for report in sorted(result["reports"], key=lambda r: r["rank"]):
+        parts = [
+            f"{axis} group {info['ranks']}: all_reduce sum {info['all_reduce_sum']}, "
+            f"barrier ok ({info['ms']:.1f} ms)"
+            for axis, info in report["axes"].items()
+        ]
+        lines.append(f"  rank {report['rank']} at {tuple(report['coord'])}: " + "; ".join(parts))
+    return lines
+
+
+@dataclass
+class DemoResult:
+    """What :func:`run_demo` did.
+
+    Attributes:
+        nproc: ranks spawned.
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        mesh: rank 0's result of :func:`mesh_rank`.
+        report: rank 0's consolidation report.
+        model: a one-line description of the synthetic model.
+        model_bytes: its size in bytes.
+        layers_per_stage: decoder layers per PP stage of the sharded checkpoint.
+        verified: tensors found bit-identical to the original.
+        seconds: wall time of the whole demo (spawn included).
+        kept: where the checkpoint and output were kept, or ``None`` (removed).
+    """
+
+    nproc: int
+    tp: int
+    pp: int
+    mesh: dict[str, Any]
+    report: Any
+    model: str
+    model_bytes: int
+    layers_per_stage: list[int]
+    verified: int
+    seconds: float
+    kept: str | None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def run_demo(
+    nproc: int = 4,
+    tp: int = 2,
+    pp: int = 2,
+    size_mb: float = 64.0,
+    keep: str | os.PathLike[str] | None = None,
+) -> DemoResult:
+    """Runs the demo on ``nproc`` freshly spawned local ranks; call it in a plain process.
+
+    Args:
+        nproc: ranks to spawn; must equal ``tp * pp``.
+        tp: tensor-parallel size (the synthetic dims are multiples of 128, so up to 128).
+        pp: pipeline-parallel size.
+        size_mb: approximate model size in MB (10**6 bytes).
+        keep: keep the sharded checkpoint (``DIR/checkpoint``) and the output (``DIR/consolidated``) here;
+            ``None``: a temporary directory, removed at the end.
+
+    Raises:
+        ValueError: ``tp * pp != nproc`` or a non-positive size.
+        ConsolidationError: the consolidation failed (cause and rank named).
+        AssertionError: never expected: the output differs from the original (tensor named).
+    """
+    from .consolidate import load_safetensors, make_gpt_state_dict, shard_state_dict, write_own_layout
+    from .consolidate.synthetic import balanced_layers_per_stage, synthetic_size_for
+    from .consolidate.tp_pp import ConsolidationReport, _raise_origin, _rank_main
+    from .launch import run_local
+
+    if tp < 1 or pp < 1 or tp * pp != nproc:
+        raise ValueError(f"--tp {tp} x --pp {pp} = {tp * pp}, but --nproc is {nproc}")
+    if not size_mb > 0:
+        raise ValueError(f"size_mb must be positive, got {size_mb}")
+    start = time.perf_counter()
+    root = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="du_demo_"))
+    try:
+        num_layers = max(8, pp)
+        dims = synthetic_size_for(int(size_mb * 1e6), num_layers=num_layers)
+        original = make_gpt_state_dict(**dims.as_kwargs())  # type: ignore[arg-type]
+        layers = balanced_layers_per_stage(num_layers, pp)
+        ckpt, out = root / "checkpoint", root / "consolidated"
+        for d in (ckpt, out):
+            if d.exists():
+                shutil.rmtree(d)
+        write_own_layout(
+            ckpt, shard_state_dict(original, tp, pp, layers_per_stage=layers), layers_per_stage=layers
+        )
+        options = {"progress": False, "timeout": 120}
+        before = functools.partial(mesh_rank, tp, pp)
+        results = run_local(_rank_main, nproc, os.fspath(ckpt), os.fspath(out), options, before, timeout=600)
+        _raise_origin(results)
+        report = ConsolidationReport.from_dict(results[0]["report"])
+        merged = load_safetensors(report.files[0])
+        if set(merged) != set(original):
+            raise AssertionError(f"output names differ: {sorted(set(merged) ^ set(original))[:5]}")
+        verified = 0
+        for name, tensor in original.items():
+            got = merged[name]
+            if (
+                got.dtype != tensor.dtype
+                or got.shape != tensor.shape
+                or not torch.equal(_bits(got), _bits(tensor))
+            ):
+                raise AssertionError(f"tensor '{name}' of the output differs from the original")
+            verified += 1
+        del merged
+        model = (
+            f"synthetic GPT, {dims.num_layers} layers, hidden {dims.hidden}, ffn {dims.ffn_hidden}, "
+            f"vocab {dims.vocab}, {str(dims.dtype).removeprefix('torch.')}"
+        )
+        return DemoResult(
+            nproc=nproc,
+            tp=tp,
+            pp=pp,
+            mesh=results[0]["before"],
+            report=report,
+            model=model,
+            model_bytes=dims.nbytes,
+            layers_per_stage=layers,
+            verified=verified,
+            seconds=time.perf_counter() - start,
+            kept=os.fspath(root) if keep is not None else None,
+        )
+    finally:
+        if keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def format_demo(result: DemoResult) -> str:
+    """The demo's printed report."""
+    r = result.report
+    lines = [
+        f"distribute-utils demo: {result.nproc} local ranks (gloo + shared memory), TP {result.tp} x PP {result.pp}",
+        "",
+        "[1/2] mesh: groups, a collective and a barrier per axis",
+        *_mesh_lines(result.mesh),
+        "",
+        "[2/2] checkpoint consolidation (the code path of `distribute-utils consolidate`)",
+        f"  model:      {result.model}: {r.tensors} tensors, {result.model_bytes / 1e6:.1f} MB",
+        f"  layout:     own (mesh.json), safetensors shards, TP {r.tp} x PP {r.pp}, "
+        f"layers per stage {result.layers_per_stage}",
+        f"  transport:  {r.transport} ({r.rounds} rounds of <= {r.batch_bytes / 2**20:.0f} MiB per stage)",
+        f"  moved:      {r.tensors} tensors, {r.bytes / 1e6:.1f} MB in {r.seconds:.2f} s ({r.gb_per_s:.2f} GB/s)",
+        f"  peak memory of rank 0 (VmHWM): {r.peak_rss_bytes / 2**20:.0f} MiB",
+        f"  verified bit-exact: {result.verified} tensors",
+    ]
+    if result.kept is not None:
+        lines.append(f"  kept in:    {result.kept} (checkpoint/, consolidated/)")
+    lines.append(f"done in {result.seconds:.1f} s")
+    return "\n".join(lines)

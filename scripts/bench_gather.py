@@ -1,0 +1,1351 @@
+#!/usr/bin/env python3
+"""Benchmark the shared-memory gather against ``torch.distributed`` and NVIDIA ModelOpt.
+
+One invocation spawns ``--nproc`` local ranks (spawn start method, gloo over a ``TCPStore``
+that this process hosts on a free port of 127.0.0.1) and measures, on the same ranks in one
+run, every method barrier to barrier: a ``dist.barrier()`` before each timed repetition, the
+time taken on rank 0 from after that barrier to the end of the method on rank 0 (the
+method's own synchronisation included), median of the repetitions.
+
+1. **bulk**: every rank holds one float32 tensor (64 MiB) that goes to rank 0: ours
+   (``get_tensors_parallel``, ``transport="shm"``), ``dist.gather`` into preallocated outputs
+   and into outputs allocated per call, ``dist.gather_object`` and ModelOpt's
+   ``get_tensors_parallel``. Rank 0 touches one element of every received tensor (and, in the
+   "+ read every byte" rows, all of them). Ours is checked bit for bit once.
+2. **layer config**: per rank and layer a dict of 64 small tensors ((4096,), (128, 128), 0-d,
+   bfloat16 (128,)) and scalar entries, gathered for 32 layers in a row, as ModelOpt's
+   ``postprocess_model_config`` does; the time per layer. ModelOpt's helper carries only its
+   own ``ModelConfig`` types, so it gets the same tensors inside a ``DecoderLayerConfig`` (ours
+   is timed on those very objects too). It fails on 64 tensors (its segment size estimate
+   leaves more than 64 KiB of slack and ``torch.load`` cannot find the zip directory): the
+   row says so, and the case is repeated with 32 tensors, the most it carries.
+3. **small round trip**: ``{"a": 1}`` on every rank, 200 rounds (ModelOpt: a
+   ``LayernormConfig`` with a 1-element weight, its smallest config that works).
+4. **memory**: rank 0's peak RSS growth during one bulk gather, over the bytes it receives.
+   The kernel's high-water mark (``VmHWM``) is reset through ``/proc/self/clear_refs`` just
+   before the call and read after it, so the peak is exact, not sampled.
+
+``--breakdown`` (on by default in a full run) times the phases of our rounds on rank 0 and on
+a sender (store round trips, encode, ``posix_fallocate``, ``pwritev``, mmap, decode) by
+wrapping the library's functions in this process, and the latency of single store operations.
+
+Usage::
+
+    python scripts/bench_gather.py --json gather.json     # full run, a few minutes on 2 cores
+    python scripts/bench_gather.py --quick                # small sizes, no ModelOpt, < 60 s
+
+The tables and PASS/FAIL lines against the targets go to stdout; ``--json`` writes everything
+(every repetition's time, the memory breakdown, the environment). The exit status is 0 when
+the benchmark ran, whatever the targets say. Segments left in ``/dev/shm`` by a crashed rank
+(ours, or ModelOpt's fixed ``rank_*`` names) are removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import datetime
+import functools
+import gc
+import json
+import mmap
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+
+import distribute_utils
+from distribute_utils import barrier as store_barrier
+from distribute_utils import get_configs_parallel, get_tensors_parallel
+
+MIB = 2**20
+SHM_DIR = "/dev/shm"
+_MADV_POPULATE_READ = 22  # Linux >= 5.14; not in Python's mmap module before 3.13
+LAYER_TENSORS = 64
+_LAYER_SHAPES: tuple[tuple[int, ...], ...] = ((4096,), (128, 128), (), (128,))
+_LAYER_DTYPES = (torch.float32, torch.float32, torch.float32, torch.bfloat16)
+
+# Where the 64 layer tensors go in a ModelOpt DecoderLayerConfig: 7 linears x 7 tensor fields,
+# 5 layernorms x 2, the KV-cache scales and biases, and one gate tensor.
+_MO_LINEARS = (
+    "attention.qkv.q",
+    "attention.qkv.k",
+    "attention.qkv.v",
+    "attention.dense",
+    "mlp.fc",
+    "mlp.gate",
+    "mlp.proj",
+)
+_MO_LINEAR_FIELDS = (
+    "weight",
+    "bias",
+    "activation_scaling_factor",
+    "weights_scaling_factor",
+    "weights_scaling_factor_2",
+    "prequant_scaling_factor",
+    "per_channel_scale",
+)
+_MO_LAYERNORMS = (
+    "input_layernorm",
+    "post_layernorm",
+    "mlp_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+_MO_SLOTS: tuple[str, ...] = (
+    *(f"{linear}.{name}" for linear in _MO_LINEARS for name in _MO_LINEAR_FIELDS),
+    *(f"{norm}.{name}" for norm in _MO_LAYERNORMS for name in ("weight", "bias")),
+    "attention.k_cache_bias",
+    "attention.v_cache_bias",
+    "attention.k_cache_scaling_factor",
+    "attention.v_cache_scaling_factor",
+    "gate_ffwd",
+)
+assert len(_MO_SLOTS) == LAYER_TENSORS
+
+TARGETS = {
+    "bulk_vs_modelopt": 6.0,
+    "bulk_vs_dist_gather": 4.0,
+    "layer_vs_modelopt": 3.0,
+    "small_max_ms": 3.0,
+    "memory_max_ratio": 1.2,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What one run measures; the same object reaches every rank."""
+
+    nproc: int
+    repeats: int
+    warmup: int
+    bulk_bytes: int
+    layers: int
+    small_rounds: int
+    modelopt: bool
+    breakdown: bool
+    quick: bool
+    timeout_s: float
+
+
+@dataclasses.dataclass
+class Row:
+    """One timed method of one case (times are rank 0's, in seconds)."""
+
+    case: str
+    key: str
+    method: str
+    times_s: list[float]
+    compare_to: str | None = None
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The row with its times in ms; ``median_ms`` is None when the method failed (see note)."""
+        times_ms = [t * 1e3 for t in self.times_s]
+        return {
+            "case": self.case,
+            "key": self.key,
+            "method": self.method,
+            "compare_to": self.compare_to,
+            "note": self.note,
+            "n": len(times_ms),
+            "median_ms": statistics.median(times_ms) if times_ms else None,
+            "min_ms": min(times_ms, default=None),
+            "max_ms": max(times_ms, default=None),
+            "times_ms": times_ms,
+        }
+
+
+@dataclasses.dataclass
+class RankContext:
+    """What every rank's measurement code needs."""
+
+    rank: int
+    world: int
+    settings: Settings
+    mo_distribute: Any | None = None  # modelopt.torch.export.distribute, when importable
+    mo_config: Any | None = None  # modelopt.torch.export.model_config
+    rows: list[Row] = dataclasses.field(default_factory=list)
+    report: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(self.world))
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    def add(self, row: Row) -> None:
+        if self.first:
+            self.rows.append(row)
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def measure(fn: Callable[[], None], repeats: int, warmup: int) -> list[float]:
+    """Run ``fn`` on every rank, a gloo barrier before each run; this rank's times after warm-up.
+
+    Must be called on every rank. Each time runs from the end of the barrier to the end of
+    ``fn`` on this rank.
+    """
+    times = []
+    for i in range(warmup + repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        if i >= warmup:
+            times.append(elapsed)
+    return times
+
+
+def touch(tensors: Sequence[torch.Tensor]) -> float:
+    """Read one element (the last) of every tensor, so that results are really there."""
+    return sum(float(t.reshape(-1)[-1]) for t in tensors if t.numel())
+
+
+def read_all(tensors: Sequence[torch.Tensor]) -> int:
+    """Read every byte of every 4-byte tensor (a max over its bits: no temporary tensor)."""
+    return sum(int(t.view(torch.int32).max()) for t in tensors if t.numel())
+
+
+def bulk_tensor(rank: int, nbytes: int) -> torch.Tensor:
+    """Rank ``rank``'s bulk tensor: random float32 bit patterns (NaNs and all), reproducible."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    bits = torch.randint(-(2**31), 2**31, (nbytes // 4,), dtype=torch.int32, generator=gen)
+    return bits.view(torch.float32)
+
+
+def layer_config(rank: int, layer: int, n_tensors: int = LAYER_TENSORS) -> dict[str, Any]:
+    """Rank ``rank``'s config of decoder layer ``layer``: ``n_tensors`` small tensors, scalar entries."""
+    gen = torch.Generator().manual_seed(rank * 100_003 + layer)
+    config: dict[str, Any] = {
+        "name": f"layers.{layer}",
+        "decoder_type": "llama",
+        "hidden_act": "silu",
+        "quantization": "fp8",
+        "num_attention_heads": 32,
+        "num_kv_heads": 8,
+        "tp_rank": rank,
+        "rotary_base": 10000.0,
+        "eps": 1e-5,
+    }
+    for j in range(n_tensors):
+        shape, dtype = _LAYER_SHAPES[j % 4], _LAYER_DTYPES[j % 4]
+        config[f"tensor_{j:02d}"] = torch.randn(shape, generator=gen).to(dtype)
+    return config
+
+
+def layer_tensors(config: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors of a :func:`layer_config`, in order."""
+    return [value for key, value in config.items() if key.startswith("tensor_")]
+
+
+def modelopt_layer(config: dict[str, Any], mc: Any) -> Any:
+    """The same tensors and scalars inside ModelOpt's ``DecoderLayerConfig`` (first slots first)."""
+    layer = mc.DecoderLayerConfig(
+        decoder_type=config["decoder_type"],
+        num_attention_heads=config["num_attention_heads"],
+        num_kv_heads=config["num_kv_heads"],
+        rotary_base=int(config["rotary_base"]),
+    )
+    layer.attention = mc.AttentionConfig(
+        qkv=mc.QKVConfig(q=mc.LinearConfig(), k=mc.LinearConfig(), v=mc.LinearConfig()),
+        dense=mc.LinearConfig(),
+    )
+    layer.mlp = mc.MLPConfig(
+        fc=mc.LinearConfig(), gate=mc.LinearConfig(), proj=mc.LinearConfig(), hidden_act="silu"
+    )
+    for norm in _MO_LAYERNORMS:
+        setattr(layer, norm, mc.LayernormConfig(eps=config["eps"]))
+    for slot, tensor in zip(_MO_SLOTS, layer_tensors(config)):
+        *parents, name = slot.split(".")
+        setattr(functools.reduce(getattr, parents, layer), name, tensor)
+    return layer
+
+
+def modelopt_touch(layers: Sequence[Any], n_tensors: int) -> float:
+    """Touch the first and last tensor of each ModelOpt-shaped layer."""
+    last = _MO_SLOTS[n_tensors - 1].split(".")
+    return touch(
+        [
+            t
+            for layer in layers
+            for t in (layer.attention.qkv.q.weight, functools.reduce(getattr, last, layer))
+        ]
+    )
+
+
+def dict_touch(configs: Sequence[dict[str, Any]], n_tensors: int) -> float:
+    """Touch the first and last tensor of each dict-shaped layer."""
+    last = f"tensor_{n_tensors - 1:02d}"
+    return touch([t for config in configs for t in (config["tensor_00"], config[last])])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (NaN payloads included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def proc_status() -> dict[str, int]:
+    """This process's memory counters from ``/proc/self/status``, in bytes."""
+    wanted = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+    found: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in wanted:
+                found[key] = int(value.split()[0]) * 1024
+    return found
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's ``VmHWM`` to its current RSS (Linux >= 4.0); False when refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def exact_malloc_accounting() -> Any | None:
+    """Make glibc map every allocation of 1 MiB or more and unmap it on free; return libc.
+
+    glibc's adaptive threshold otherwise serves 8-32 MiB buffers from a heap whose freed pages
+    stay resident, so a later buffer reuses them and the RSS does not grow by its size. Called
+    only before the memory case, after every timed case. None where this is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_mmap_threshold = -3
+        if not libc.mallopt(m_mmap_threshold, 1 * MIB):
+            return None
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def import_modelopt() -> tuple[Any, Any] | str:
+    """ModelOpt's ``distribute`` and ``model_config`` modules, or why they cannot be imported."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from modelopt.torch.export import distribute, model_config
+    except Exception as exc:  # any import-time failure means "not available here"
+        return f"{type(exc).__name__}: {exc}"
+    return distribute, model_config
+
+
+def median_ms(times: Sequence[float]) -> float:
+    """Median of ``times`` (seconds), in milliseconds."""
+    return statistics.median(times) * 1e3
+
+
+# ---------------------------------------------------------------------------------- cases
+
+
+def bench_bulk(ctx: RankContext) -> None:
+    """Case 1: one large float32 tensor per rank to rank 0."""
+    s, rank, ranks = ctx.settings, ctx.rank, ctx.ranks
+    tensor = bulk_tensor(rank, s.bulk_bytes)
+    case = f"bulk {ctx.world}x{s.bulk_bytes // MIB}MiB"
+
+    # Correctness of ours, once, bit for bit.
+    with get_tensors_parallel(tensor, ranks, transport="shm") as got:
+        if ctx.first:
+            exact = len(got) == ctx.world and all(
+                same_bits(got[r], bulk_tensor(r, s.bulk_bytes)) for r in range(1, ctx.world)
+            )
+            ctx.report["verified_bulk_bit_exact"] = exact
+            if not exact:
+                raise AssertionError("ours returned different bytes than the ranks sent (bulk)")
+            del got[:]
+
+    def ours(consume: Callable[[Sequence[torch.Tensor]], object]) -> Callable[[], None]:
+        def run() -> None:
+            with get_tensors_parallel(tensor, ranks, transport="shm") as got:
+                if got:
+                    consume(got)
+
+        return run
+
+    outputs = [torch.empty_like(tensor) for _ in ranks] if ctx.first else None
+    if outputs is not None:
+        for out in outputs:
+            out.zero_()  # fault the pages in once: "preallocated"
+
+    def gather(consume: Callable[[Sequence[torch.Tensor]], object]) -> Callable[[], None]:
+        def run() -> None:
+            dist.gather(tensor, outputs, dst=0)
+            if outputs is not None:
+                consume(outputs)
+
+        return run
+
+    def gather_fresh() -> None:
+        fresh = [torch.empty_like(tensor) for _ in ranks] if ctx.first else None
+        dist.gather(tensor, fresh, dst=0)
+        if fresh is not None:
+            touch(fresh)
+
+    def gather_object() -> None:
+        objects: list[Any] | None = [None] * ctx.world if ctx.first else None
+        dist.gather_object(tensor, objects, dst=0)
+        if objects is not None:
+            touch(objects)
+
+    reps, warm = s.repeats, s.warmup
+    ctx.add(Row(case, "ours", "ours get_tensors_parallel (shm)", measure(ours(touch), reps, warm)))
+    ctx.add(
+        Row(case, "gather", "dist.gather (gloo, preallocated)", measure(gather(touch), reps, warm), "ours")
+    )
+    ctx.add(
+        Row(
+            case,
+            "gather_fresh",
+            "dist.gather (gloo, outputs allocated per call)",
+            measure(gather_fresh, reps, warm),
+            "ours",
+        )
+    )
+    ctx.add(Row(case, "gather_object", "dist.gather_object", measure(gather_object, reps, warm), "ours"))
+    if ctx.mo_distribute is not None:
+        mo = ctx.mo_distribute
+
+        def modelopt() -> None:
+            with mo.get_tensors_parallel(tensor, ranks, None) as got:
+                if got:
+                    touch(got)
+
+        ctx.add(Row(case, "modelopt", "ModelOpt get_tensors_parallel", measure(modelopt, reps, warm), "ours"))
+    ctx.add(Row(case, "ours_read", "ours + read every byte", measure(ours(read_all), reps, warm)))
+    ctx.add(
+        Row(
+            case,
+            "gather_read",
+            "dist.gather + read every byte",
+            measure(gather(read_all), reps, warm),
+            "ours_read",
+        )
+    )
+
+
+def bench_layers(ctx: RankContext, n_tensors: int) -> None:
+    """Case 2: ``layers`` decoder-layer configs in a row, ``n_tensors`` tensors each; time per layer."""
+    s, rank, ranks = ctx.settings, ctx.rank, ctx.ranks
+    configs = [layer_config(rank, i, n_tensors) for i in range(s.layers)]
+    case = f"layer config ({n_tensors} tensors), per layer"
+
+    with get_configs_parallel(configs[0], ranks, None, transport="shm") as got:
+        if ctx.first:
+            exact = len(got) == ctx.world
+            for r in range(1, ctx.world):
+                want = layer_config(r, 0, n_tensors)
+                exact = exact and list(got[r]) == list(want)
+                for key, value in want.items():
+                    mine = got[r][key]
+                    ok = same_bits(mine, value) if isinstance(value, torch.Tensor) else mine == value
+                    exact = exact and ok
+            ctx.report[f"verified_layer_{n_tensors}_bit_exact"] = exact
+            if not exact:
+                raise AssertionError(f"ours returned a different config than the ranks sent ({case})")
+
+    def per_layer(fn: Callable[[], None]) -> list[float]:
+        return [t / s.layers for t in measure(fn, s.repeats, s.warmup)]
+
+    def ours() -> None:
+        for config in configs:
+            with get_configs_parallel(config, ranks, None, transport="shm") as got:
+                if got:
+                    dict_touch(got, n_tensors)
+
+    def gather_object() -> None:
+        for config in configs:
+            objects: list[Any] | None = [None] * ctx.world if ctx.first else None
+            dist.gather_object(config, objects, dst=0)
+            if objects is not None:
+                dict_touch(objects, n_tensors)
+
+    ctx.add(Row(case, "ours", "ours get_configs_parallel (dict)", per_layer(ours)))
+    ctx.add(Row(case, "gather_object", "dist.gather_object (dict)", per_layer(gather_object), "ours"))
+    if ctx.mo_distribute is None:
+        return
+    mo, mc = ctx.mo_distribute, ctx.mo_config
+    mo_layers = [modelopt_layer(config, mc) for config in configs]
+
+    def ours_dataclass() -> None:
+        for layer in mo_layers:
+            with get_configs_parallel(layer, ranks, None, transport="shm") as got:
+                if got:
+                    modelopt_touch(got, n_tensors)
+
+    ctx.add(
+        Row(
+            case,
+            "ours_dc",
+            "ours get_configs_parallel (DecoderLayerConfig)",
+            per_layer(ours_dataclass),
+            note="the very objects ModelOpt gets",
+        )
+    )
+
+    def modelopt() -> None:
+        for layer in mo_layers:
+            with mo.get_configs_parallel(layer, ranks, None) as got:
+                if got:
+                    modelopt_touch(got, n_tensors)
+
+    label = "ModelOpt get_configs_parallel (DecoderLayerConfig)"
+    error = modelopt_attempt(ctx, lambda: modelopt_config_round(mo, mo_layers[0], ranks))
+    if error is None:
+        ctx.add(Row(case, "modelopt", label, per_layer(modelopt), "ours_dc"))
+    else:
+        ctx.add(Row(case, "modelopt", label, [], "ours_dc", note=f"fails: {error}"))
+
+
+def modelopt_config_round(mo: Any, config: Any, ranks: list[int]) -> None:
+    """One ModelOpt ``get_configs_parallel`` round, recovering the ranks when rank 0's read fails.
+
+    ModelOpt sizes its segment by estimate (2 KiB per tensor); ``torch.load`` looks for the zip
+    directory in the last 64 KiB and fails on a config of more than ~36 tensors ("failed finding
+    central directory"). The failure is raised on rank 0 inside ModelOpt's ``__enter__``, while
+    the senders already wait in its closing barrier: rank 0 joins that barrier, so the senders
+    unlink their segments, and re-raises.
+    """
+    try:
+        with mo.get_configs_parallel(config, ranks, None):
+            pass
+    except Exception:
+        if dist.get_rank() == ranks[0]:
+            dist.barrier()
+        raise
+
+
+def modelopt_attempt(ctx: RankContext, attempt: Callable[[], None]) -> str | None:
+    """Run ``attempt`` on every rank; the first error any rank saw (agreed everywhere), or None."""
+    error = None
+    try:
+        attempt()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0].split('. ')[0][:160]}"
+    errors: list[str | None] = [None] * ctx.world
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+def bench_small(ctx: RankContext) -> None:
+    """Case 3: a tiny config, many rounds, each timed barrier to barrier."""
+    s, ranks = ctx.settings, ctx.ranks
+    case = "small round trip"
+    small = {"a": 1}
+    rounds, warm = s.small_rounds, max(5, s.warmup)
+
+    def ours() -> None:
+        with get_configs_parallel(small, ranks, None, transport="shm") as got:
+            if got and got[-1] != small:
+                raise AssertionError(f"ours returned {got[-1]!r} for {small!r}")
+
+    def gather_object() -> None:
+        objects: list[Any] | None = [None] * ctx.world if ctx.first else None
+        dist.gather_object(small, objects, dst=0)
+
+    ctx.add(Row(case, "ours", 'ours get_configs_parallel {"a": 1}', measure(ours, rounds, warm)))
+    ctx.add(Row(case, "gather_object", "dist.gather_object", measure(gather_object, rounds, warm), "ours"))
+    if ctx.mo_distribute is not None:
+        # ModelOpt sizes the segment of a config without tensors with no room for the torch.save
+        # of its (empty) weights and fails ("data out of range"): give it one 1-element tensor.
+        mo, tiny = ctx.mo_distribute, ctx.mo_config.LayernormConfig(weight=torch.ones(1), eps=1e-5)
+
+        def modelopt() -> None:
+            with mo.get_configs_parallel(tiny, ranks, None) as got:
+                if got:
+                    _ = got[-1].eps
+
+        ctx.add(
+            Row(
+                case,
+                "modelopt",
+                "ModelOpt get_configs_parallel",
+                measure(modelopt, rounds, warm),
+                "ours",
+                note="LayernormConfig with a 1-element weight: it carries ModelConfig types only",
+            )
+        )
+    ctx.add(Row(case, "gloo_barrier", "reference: dist.barrier (gloo)", measure(dist.barrier, rounds, warm)))
+    ctx.add(
+        Row(
+            case,
+            "store_barrier",
+            "reference: distribute_utils.barrier (store)",
+            measure(store_barrier, rounds, warm),
+        )
+    )
+
+
+def bench_memory(ctx: RankContext) -> None:
+    """Case 4: rank 0's peak RSS growth during one bulk gather, per received byte."""
+    s, rank, ranks = ctx.settings, ctx.rank, ctx.ranks
+    tensor = bulk_tensor(rank, s.bulk_bytes)
+    received = (ctx.world - 1) * s.bulk_bytes
+    results: list[dict[str, Any]] = []
+    libc = exact_malloc_accounting()
+
+    def one(key: str, method: str, run: Callable[[Callable[..., None]], None]) -> None:
+        held: dict[str, int] = {}
+
+        def consume(tensors: Sequence[torch.Tensor], *, everything: bool = True) -> None:
+            if everything:
+                read_all(tensors)
+            else:
+                touch(tensors)
+            held.update(proc_status())
+
+        gc.collect()
+        if libc is not None:
+            libc.malloc_trim(0)
+        dist.barrier()
+        base = proc_status()
+        exact = reset_peak_rss() if ctx.first else False
+        run(consume)
+        after = proc_status()
+        dist.barrier()
+        if not ctx.first:
+            return
+        peak = (after["VmHWM"] if exact else max(held.get("VmRSS", 0), after["VmRSS"])) - base["VmRSS"]
+        results.append(
+            {
+                "key": key,
+                "method": method,
+                "received_bytes": received,
+                "peak_growth_bytes": peak,
+                "ratio": peak / received,
+                "peak_exact": exact,
+                "held_anon_bytes": held.get("RssAnon", 0) - base["RssAnon"],
+                "held_shmem_bytes": held.get("RssShmem", 0) - base["RssShmem"],
+                "left_after_bytes": after["VmRSS"] - base["VmRSS"],
+            }
+        )
+
+    def ours(everything: bool) -> Callable[[Callable[..., None]], None]:
+        def run(consume: Callable[..., None]) -> None:
+            with get_tensors_parallel(tensor, ranks, transport="shm") as got:
+                if got:
+                    consume(got[1:], everything=everything)
+
+        return run
+
+    def gather(consume: Callable[..., None]) -> None:
+        outputs = [torch.empty_like(tensor) for _ in ranks] if ctx.first else None
+        dist.gather(tensor, outputs, dst=0)
+        if outputs is not None:
+            consume(outputs[1:])
+
+    def gather_object(consume: Callable[..., None]) -> None:
+        objects: list[Any] | None = [None] * ctx.world if ctx.first else None
+        dist.gather_object(tensor, objects, dst=0)
+        if objects is not None:
+            consume(objects[1:])
+
+    one("ours", "ours get_tensors_parallel, reads every byte", ours(True))
+    one("ours_touch", "ours get_tensors_parallel, touches one element", ours(False))
+    one("gather", "dist.gather (outputs allocated in the call)", gather)
+    one("gather_object", "dist.gather_object", gather_object)
+    if ctx.mo_distribute is not None:
+        mo = ctx.mo_distribute
+
+        def modelopt(consume: Callable[..., None]) -> None:
+            with mo.get_tensors_parallel(tensor, ranks, None) as got:
+                if got:
+                    consume(got[1:])
+
+        one("modelopt", "ModelOpt get_tensors_parallel", modelopt)
+    if ctx.first:
+        ctx.report["memory"] = results
+
+
+# ---------------------------------------------------------------------------------- breakdown
+
+
+class PhaseTimer:
+    """Wraps functions and methods in place and adds up the seconds spent in each."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._undo: list[tuple[Any, str, Any, bool]] = []
+        self.active = False
+
+    def wrap(self, owner: Any, attr: str, label: str) -> None:
+        original = getattr(owner, attr)
+        own = isinstance(owner, type) or attr in vars(owner)  # else an instance borrows it
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return original(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - start
+                self.calls[label] += 1
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, original, own))
+
+    def restore(self) -> None:
+        for owner, attr, original, own in reversed(self._undo):
+            if own:
+                setattr(owner, attr, original)
+            else:
+                delattr(owner, attr)
+        self._undo.clear()
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+class TimedStore:
+    """A proxy of a ``dist.Store`` that times every operation by name."""
+
+    def __init__(self, store: dist.Store, timer: PhaseTimer) -> None:
+        self._store = store
+        self._timer = timer
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr) or name == "clone":
+            return attr
+        timer = self._timer
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not timer.active:
+                return attr(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                timer.seconds[f"store.{name}"] += time.perf_counter() - start
+                timer.calls[f"store.{name}"] += 1
+
+        return timed
+
+
+_POST = "sync: post (store set)"
+_WAIT = "sync: wait (store wait + multi_get, incl. waiting for peers)"
+_PUBLISH = "publish (shm: open, fallocate, pwritev, close)"
+
+
+def _phases() -> list[tuple[Any, str, str, str | None]]:
+    """(owner, attribute, label, parent label) of the phases to time; a phase nests in its parent.
+
+    Names the library does not have (it changes) are skipped by :func:`_breakdown_rounds`.
+    """
+    from distribute_utils import gather as g
+    from distribute_utils import sync, wire
+    from distribute_utils.transports import shm
+
+    return [
+        (sync.Round, "post", _POST, None),
+        (sync.Round, "wait", _WAIT, None),
+        (sync.GroupSync, "_forget_before", "delete the previous round's keys", _WAIT),
+        (sync._WATCHDOG, "start_watching", "watchdog start/stop", _WAIT),
+        (sync._WATCHDOG, "stop_watching", "watchdog start/stop", _WAIT),
+        (g, "_check_ranks", "check ranks", None),
+        (g, "_plan", "plan the route", None),
+        (g, "_choose_transport", "choose transport", None),
+        (wire, "encode", "encode (wire)", None),
+        (shm.SharedMemoryTransport, "publish", _PUBLISH, None),
+        (os, "posix_fallocate", "posix_fallocate", _PUBLISH),
+        (wire.EncodedPayload, "write_to_fd", "pwritev", _PUBLISH),
+        (shm.SharedMemoryTransport, "fetch", "fetch (shm: open, fstat, mmap, unlink)", None),
+        (wire, "decode", "decode (wire)", None),
+        (shm.SharedMemoryTransport, "release", "release (unlink if left)", None),
+    ]
+
+
+def _breakdown_rounds(ctx: RankContext, label: str, values: Sequence[Any], warmup: int) -> dict[str, Any]:
+    """Time the phases of one of our gathers per value (a gloo barrier before each).
+
+    Tensors go through ``get_tensors_parallel``, anything else through ``get_configs_parallel``;
+    the first ``warmup`` values are gathered once more, untimed, before the timed rounds. Each
+    phase's time is its median over the rounds (so the phases need not add up to the round).
+    """
+    from distribute_utils import sync
+
+    timer = PhaseTimer()
+    phases = [phase for phase in _phases() if hasattr(phase[0], phase[1])]
+    for owner, attr, name, _ in phases:
+        timer.wrap(owner, attr, name)
+    group = sync.companion(None)
+    real_store = group.store
+    group.store = TimedStore(real_store, timer)  # type: ignore[assignment]
+    totals: list[float] = []
+    per_round: list[dict[str, float]] = []
+    calls: list[dict[str, int]] = []
+    try:
+        for i, value in enumerate([*values[:warmup], *values]):
+            gather = get_tensors_parallel if isinstance(value, torch.Tensor) else get_configs_parallel
+            dist.barrier()
+            timer.active = i >= warmup
+            start = time.perf_counter()
+            with gather(value, ctx.ranks, None, transport="shm") as got:
+                if got and isinstance(got[-1], torch.Tensor):
+                    touch(got)
+                elif got and isinstance(got[-1], dict) and "tensor_00" in got[-1]:
+                    touch([config["tensor_00"] for config in got])
+            if timer.active:
+                totals.append(time.perf_counter() - start)
+                per_round.append(dict(timer.seconds))
+                calls.append(dict(timer.calls))
+                timer.reset()
+            timer.active = False
+    finally:
+        group.store = real_store
+        timer.restore()
+    labels = {label for seconds in per_round for label in seconds}
+    parents = {name: parent for _, _, name, parent in phases}
+    order: list[str] = []
+    for name, parent in parents.items():
+        if parent is None:
+            order.append(name)
+            order += [child for child, above in parents.items() if above == name]
+    return {
+        "case": label,
+        "rank": ctx.rank,
+        "rounds": len(values),
+        "round_median_ms": median_ms(totals),
+        "phases_ms": {label: median_ms([r.get(label, 0.0) for r in per_round]) for label in labels},
+        "calls_per_round": {label: statistics.fmean(c.get(label, 0) for c in calls) for label in labels},
+        "parents": parents,
+        "order": list(dict.fromkeys(order)),
+    }
+
+
+def _store_latency(ctx: RankContext, ops: int) -> dict[str, float]:
+    """Rank 0 alone: the latency of single store operations (others wait in a barrier)."""
+    from distribute_utils import sync
+
+    result: dict[str, float] = {}
+    if ctx.first:
+        store = sync.companion(None).store
+        keys = [f"bench_gather/latency/{i}" for i in range(ctx.world)]
+        for key in keys:
+            store.set(key, b"1")
+        window = datetime.timedelta(seconds=10)
+        ops_by_name: dict[str, Callable[[], Any]] = {
+            "set": lambda: store.set(keys[0], b"1"),
+            "get": lambda: store.get(keys[0]),
+            f"wait ({ctx.world} present keys)": lambda: store.wait(keys, window),
+            f"multi_get ({ctx.world} keys)": lambda: store.multi_get(keys),
+            "check": lambda: store.check([keys[0]]),
+        }
+        for name, op in ops_by_name.items():
+            start = time.perf_counter()
+            for _ in range(ops):
+                op()
+            result[name] = (time.perf_counter() - start) / ops * 1e3
+        for key in keys:
+            store.delete_key(key)
+    dist.barrier()
+    return result
+
+
+def bench_breakdown(ctx: RankContext) -> None:
+    """Where the time of our rounds goes, on rank 0 and on rank 1 (a sender)."""
+    s, rank = ctx.settings, ctx.rank
+    layer_rounds = min(s.layers, 16)
+    bulk = [bulk_tensor(rank, s.bulk_bytes)] * max(3, min(s.repeats, 5))
+    per_rank = [
+        _breakdown_rounds(ctx, f"bulk {s.bulk_bytes // MIB} MiB", bulk, 1),
+        _breakdown_rounds(ctx, "layer config", [layer_config(rank, i) for i in range(layer_rounds)], 4),
+        _breakdown_rounds(ctx, "small round trip", [{"a": 1}] * min(s.small_rounds, 100), 10),
+    ]
+    del bulk
+    gathered: list[Any] | None = [None] * ctx.world if ctx.first else None
+    dist.gather_object(per_rank, gathered, dst=0)
+    latency = _store_latency(ctx, 2000 if not s.quick else 200)
+    if ctx.first:
+        assert gathered is not None
+        ctx.report["breakdown"] = {
+            "rank0": gathered[0],
+            "rank1": gathered[1] if ctx.world > 1 else None,
+            "store_latency_ms": latency,
+        }
+
+
+# ---------------------------------------------------------------------------------- ranks
+
+
+def rank_main(rank: int, settings: Settings, port: int, out_path: str) -> None:
+    """Entry point of one spawned rank: join the group, run every case, rank 0 writes results."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(settings.nproc), "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=settings.timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, settings.nproc, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=settings.nproc, timeout=timeout)
+    try:
+        ctx = RankContext(rank, settings.nproc, settings)
+        if settings.modelopt:
+            found = import_modelopt()
+            flags = [None] * settings.nproc
+            dist.all_gather_object(flags, isinstance(found, str))
+            if isinstance(found, str) or any(flags):
+                ctx.report["modelopt_skipped"] = (
+                    found if isinstance(found, str) else "not importable on every rank"
+                )
+            else:
+                ctx.mo_distribute, ctx.mo_config = found
+        steps: list[tuple[str, Callable[[RankContext], None]]] = [
+            ("bulk", bench_bulk),
+            ("layer config", functools.partial(bench_layers, n_tensors=LAYER_TENSORS)),
+            ("small round trip", bench_small),
+        ]
+        if ctx.mo_distribute is not None:  # the largest layer ModelOpt's helper can carry
+            steps.insert(2, ("layer config (ModelOpt-sized)", functools.partial(bench_layers, n_tensors=32)))
+        if settings.breakdown:
+            steps.append(("breakdown", bench_breakdown))
+        steps.append(("memory", bench_memory))  # last: it changes malloc's settings
+        for name, step in steps:
+            started = time.perf_counter()
+            step(ctx)
+            gc.collect()
+            if ctx.first:
+                print(f"[bench_gather] {name}: done in {time.perf_counter() - started:.1f} s", flush=True)
+        dist.barrier()
+        if ctx.first:
+            ctx.report["rows"] = [row.to_json() for row in ctx.rows]
+            Path(out_path).write_text(json.dumps(ctx.report))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------- write costs
+
+
+def write_costs(nbytes: int, repeats: int) -> list[dict[str, Any]]:
+    """One process alone: what moving ``nbytes`` through a ``/dev/shm`` segment costs, step by step.
+
+    The sender's ways of filling a fresh segment (ours is ``posix_fallocate`` + ``pwritev``),
+    the same write into pages already allocated and touched (a reused segment), and the reader's
+    first read through a fresh mapping (page faults) against alternatives. Median and minimum of
+    ``repeats``; segments are removed as it goes.
+    """
+    source = bulk_tensor(0, nbytes).view(torch.int32)
+    data = memoryview((ctypes.c_ubyte * nbytes).from_address(source.data_ptr())).cast("B")
+    path = os.path.join(SHM_DIR, f"bench_gather_costs_{os.getpid()}")
+    results: list[dict[str, Any]] = []
+
+    def record(name: str, times: list[float]) -> None:
+        best = min(times)
+        results.append(
+            {
+                "step": name,
+                "median_ms": median_ms(times),
+                "min_ms": best * 1e3,
+                "gib_per_s_at_min": nbytes / 2**30 / best,
+            }
+        )
+
+    @contextlib.contextmanager
+    def segment(written: bool) -> Iterator[int]:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            if written:
+                os.pwritev(fd, [data], 0)
+            yield fd
+        finally:
+            os.close(fd)
+            os.unlink(path)
+
+    def fresh(step: Callable[[int], object]) -> list[float]:
+        times = []
+        for _ in range(repeats):
+            with segment(written=False) as fd:
+                start = time.perf_counter()
+                step(fd)
+                times.append(time.perf_counter() - start)
+        return times
+
+    record("sender: posix_fallocate of a fresh segment", fresh(lambda fd: os.posix_fallocate(fd, 0, nbytes)))
+    record(
+        "sender: posix_fallocate + pwritev (ours)",
+        fresh(lambda fd: (os.posix_fallocate(fd, 0, nbytes), os.pwritev(fd, [data], 0))),
+    )
+    record("sender: pwritev alone (the file grows)", fresh(lambda fd: os.pwritev(fd, [data], 0)))
+    with segment(written=True) as fd:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            os.pwritev(fd, [data], 0)
+            times.append(time.perf_counter() - start)
+        record("sender: pwritev into touched pages (a reused segment)", times)
+
+        def first_read(flags: int, populate: bool) -> list[float]:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                if populate:
+                    mapping.madvise(_MADV_POPULATE_READ)
+                view = torch.frombuffer(mapping, dtype=torch.int32)
+                read_all([view])
+                times.append(time.perf_counter() - start)
+                del view
+                mapping.close()
+            return times
+
+        record(
+            "reader: map MAP_PRIVATE + first read (ours, page faults)", first_read(mmap.MAP_PRIVATE, False)
+        )
+        record("reader: map MAP_PRIVATE + MADV_POPULATE_READ + read", first_read(mmap.MAP_PRIVATE, True))
+        record(
+            "reader: map MAP_PRIVATE | MAP_POPULATE + read (copies)",
+            first_read(mmap.MAP_PRIVATE | mmap.MAP_POPULATE, False),
+        )
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        read_all([source])
+        times.append(time.perf_counter() - start)
+    record("reader: read of pages already mapped (anonymous tensor)", times)
+    return results
+
+
+def format_write_costs(results: list[dict[str, Any]], nbytes: int) -> str:
+    """The table of :func:`write_costs`."""
+    lines = [f"moving {nbytes // MIB} MiB through {SHM_DIR}, one process alone"]
+    header = f"{'step':<58} {'median ms':>10} {'min ms':>8} {'GiB/s at min':>13}"
+    lines += [header, "-" * len(header)]
+    for r in results:
+        lines.append(
+            f"{r['step']:<58} {r['median_ms']:>10.2f} {r['min_ms']:>8.2f} {r['gib_per_s_at_min']:>13.2f}"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- parent
+
+
+def _modelopt_names(nproc: int) -> set[str]:
+    """The fixed segment names ModelOpt's helpers create for ranks ``0..nproc-1``."""
+    return {f"rank_{r}" for r in range(nproc)} | {f"rank_{r}_config" for r in range(nproc)}
+
+
+def clean_shm(pids: Sequence[int], existed: set[str], nproc: int, modelopt_ran: bool) -> list[str]:
+    """Remove segments our ranks left: ours named after their pids, ModelOpt's new ``rank_*``."""
+    pid_suffixes = {f"_{pid}" for pid in pids}
+    modelopt = _modelopt_names(nproc) - existed if modelopt_ran else set()
+    removed = []
+    for name in sorted(os.listdir(SHM_DIR)):
+        ours = name.startswith("du_") and any(name.endswith(sfx) for sfx in pid_suffixes)
+        if ours or name in modelopt:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+    return removed
+
+
+def run_ranks(settings: Settings) -> dict[str, Any]:
+    """Spawn the ranks, wait for them (killing them on timeout or error), return rank 0's report."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    existed = set(os.listdir(SHM_DIR))
+    store = dist.TCPStore("127.0.0.1", 0, settings.nproc, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="bench_gather_") as tmp:
+        out_path = os.path.join(tmp, "rank0.json")
+        procs = torch_mp.start_processes(
+            rank_main,
+            args=(settings, store.port, out_path),
+            nprocs=settings.nproc,
+            join=False,
+            start_method="spawn",
+        )
+        pids = procs.pids()
+        deadline = time.monotonic() + settings.timeout_s
+        try:
+            while not procs.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the ranks did not finish within {settings.timeout_s:g} s")
+        finally:
+            for proc in procs.processes:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+            removed = clean_shm(pids, existed, settings.nproc, settings.modelopt)
+            if removed:
+                print(f"[bench_gather] removed segments left in {SHM_DIR}: {removed}", file=sys.stderr)
+        report: dict[str, Any] = json.loads(Path(out_path).read_text())
+    report["removed_segments"] = removed
+    return report
+
+
+def _ratio_rows(rows: list[dict[str, Any]]) -> None:
+    by_key = {(row["case"], row["key"]): row for row in rows}
+    for row in rows:
+        base = by_key.get((row["case"], row["compare_to"])) if row["compare_to"] else None
+        ok = base and row["median_ms"] is not None and base["median_ms"]
+        row["ratio_vs_ours"] = row["median_ms"] / base["median_ms"] if ok else None
+
+
+def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """PASS / FAIL / SKIP per target, with the measured value.
+
+    The layer-config target is judged on every layer case where ModelOpt ran, against ours on
+    the same ``DecoderLayerConfig`` objects; where ModelOpt's helper failed it is a SKIP (the
+    table says why).
+    """
+    rows = report["rows"]
+    memory = {entry["key"]: entry for entry in report.get("memory", [])}
+    targets: list[dict[str, Any]] = []
+
+    def find(prefix: str, key: str) -> list[dict[str, Any]]:
+        return [row for row in rows if row["case"].startswith(prefix) and row["key"] == key]
+
+    def add(name: str, value: float | None, threshold: float, higher_is_better: bool, unit: str) -> None:
+        if value is None:
+            status = "SKIP"
+        else:
+            status = "PASS" if (value >= threshold if higher_is_better else value <= threshold) else "FAIL"
+        op = ">=" if higher_is_better else "<="
+        targets.append(
+            {"target": f"{name} {op} {threshold:g}{unit}", "value": value, "unit": unit, "status": status}
+        )
+
+    t = TARGETS
+    for key, name, threshold in (
+        ("modelopt", "ModelOpt get_tensors_parallel", t["bulk_vs_modelopt"]),
+        ("gather", "dist.gather", t["bulk_vs_dist_gather"]),
+    ):
+        found = find("bulk", key)
+        add(
+            f"bulk: ours faster than {name} by",
+            found[0]["ratio_vs_ours"] if found else None,
+            threshold,
+            True,
+            "x",
+        )
+    layer_rows = find("layer", "modelopt") or [{"case": "layer config", "ratio_vs_ours": None}]
+    for row in layer_rows:
+        name = f"{row['case'].removesuffix(', per layer')}: ours faster than ModelOpt by"
+        add(name, row["ratio_vs_ours"], t["layer_vs_modelopt"], True, "x")
+    small = find("small", "ours")
+    add(
+        "small round trip: ours median",
+        small[0]["median_ms"] if small else None,
+        t["small_max_ms"],
+        False,
+        " ms",
+    )
+    mem = memory.get("ours")
+    add(
+        "memory: rank 0 peak growth / bytes received",
+        mem["ratio"] if mem else None,
+        t["memory_max_ratio"],
+        False,
+        "x",
+    )
+    return targets
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable tables."""
+    lines = []
+    header = f"{'case':<36} {'method':<50} {'median ms':>10} {'vs ours':>8} {'n':>4}"
+    lines += [header, "-" * len(header)]
+    for row in report["rows"]:
+        ratio = f"{row['ratio_vs_ours']:.2f}x" if row["ratio_vs_ours"] is not None else "-"
+        if row["median_ms"] is None:
+            lines.append(f"{row['case']:<36} {row['method']:<50} {row['note']}")
+            continue
+        lines.append(
+            f"{row['case']:<36} {row['method']:<50} {row['median_ms']:>10.3f} {ratio:>8} {row['n']:>4}"
+        )
+    if report.get("memory"):
+        received = report["memory"][0]["received_bytes"] / MIB
+        lines += ["", f"memory: rank 0 during one bulk gather, receiving {received:.0f} MiB"]
+        header = (
+            f"{'method':<50} {'peak growth MiB':>16} {'/ received':>11} {'anon MiB':>9} {'shmem MiB':>10}"
+        )
+        lines += [header, "-" * len(header)]
+        for entry in report["memory"]:
+            lines.append(
+                f"{entry['method']:<50} {entry['peak_growth_bytes'] / MIB:>16.1f} {entry['ratio']:>10.2f}x "
+                f"{entry['held_anon_bytes'] / MIB:>9.1f} {entry['held_shmem_bytes'] / MIB:>10.1f}"
+            )
+    if report.get("breakdown"):
+        lines += ["", *format_breakdown(report["breakdown"])]
+    lines += ["", "targets:"]
+    for target in report["targets"]:
+        value = f"{target['value']:.2f}{target['unit']}" if target["value"] is not None else "n/a"
+        lines.append(f"  {target['status']:<5} {target['target']:<62} measured {value}")
+    for note in report.get("notes", []):
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def format_breakdown(breakdown: dict[str, Any]) -> list[str]:
+    """Per-phase time of one round, rank 0 and rank 1 side by side."""
+    lines = ["breakdown of our rounds (median ms per round; indented phases are inside the one above)"]
+    rank0, rank1 = breakdown["rank0"], breakdown["rank1"] or [None, None]
+    for mine, sender in zip(rank0, rank1):
+        lines.append(
+            f"  {mine['case']}: round median {mine['round_median_ms']:.3f} ms on rank 0"
+            + (f", {sender['round_median_ms']:.3f} ms on rank 1" if sender else "")
+        )
+        seen = {*mine["phases_ms"], *(sender["phases_ms"] if sender else {})}
+        parents = mine["parents"]
+        ordered = [label for label in mine["order"] if label in seen]
+        ordered += sorted(label for label in seen if label.startswith("store."))
+        lines.append(f"    {'phase':<66} {'rank 0':>9} {'calls':>6} {'rank 1':>9} {'calls':>6}")
+        for label in ordered:
+            parent = parents.get(label)
+            shown = ("    " + label) if parent else label
+            cells = []
+            for rep in (mine, sender):
+                if rep is None or label not in rep["phases_ms"]:
+                    cells.append(f"{'':>9} {'':>6}")
+                else:
+                    cells.append(f"{rep['phases_ms'][label]:>9.3f} {rep['calls_per_round'][label]:>6.1f}")
+            lines.append(f"    {shown:<66} {' '.join(cells)}")
+    latency = breakdown.get("store_latency_ms", {})
+    if latency:
+        lines.append(
+            "  store latency, rank 0 alone (ms per op): "
+            + ", ".join(f"{name} {ms:.3f}" for name, ms in latency.items())
+        )
+    return lines
+
+
+def environment() -> dict[str, Any]:
+    try:
+        from importlib.metadata import version
+
+        modelopt_version: str | None = version("nvidia-modelopt")
+    except Exception:
+        modelopt_version = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "distribute_utils": distribute_utils.__version__,
+        "modelopt": modelopt_version,
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "load_average_at_start": os.getloadavg(),
+        "shm_free_bytes": os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize,
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (default 4)")
+    parser.add_argument("--repeats", type=int, help="timed repetitions per method (default 7, quick 3)")
+    parser.add_argument("--json", type=Path, help="write every measurement to this file")
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repeats, no ModelOpt: < 60 s")
+    parser.add_argument("--bulk-mib", type=int, help="MiB per rank in the bulk case (default 64, quick 8)")
+    parser.add_argument("--layers", type=int, help="layers in a row in the layer case (default 32, quick 8)")
+    parser.add_argument("--rounds", type=int, help="rounds of the small round trip (default 200, quick 50)")
+    parser.add_argument(
+        "--modelopt",
+        action=argparse.BooleanOptionalAction,
+        help="compare with ModelOpt's helpers when importable (default: on, off with --quick)",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action=argparse.BooleanOptionalAction,
+        help="time the phases of our rounds (default: on, off with --quick)",
+    )
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
+    parser.add_argument(
+        "--write-costs",
+        action="store_true",
+        help="only measure, in this process alone, the steps of moving one bulk payload through /dev/shm",
+    )
+    args = parser.parse_args(argv)
+    if args.nproc < 2:
+        parser.error("--nproc must be at least 2 (rank 0 receives from the others)")
+    quick = args.quick
+    settings = Settings(
+        nproc=args.nproc,
+        repeats=args.repeats or (3 if quick else 7),
+        warmup=1,
+        bulk_bytes=(args.bulk_mib or (8 if quick else 64)) * MIB,
+        layers=args.layers or (8 if quick else 32),
+        small_rounds=args.rounds or (50 if quick else 200),
+        modelopt=args.modelopt if args.modelopt is not None else not quick,
+        breakdown=args.breakdown if args.breakdown is not None else not quick,
+        quick=quick,
+        timeout_s=args.timeout,
+    )
+    if settings.layers <= 5 and settings.breakdown:
+        parser.error("--layers must be above 5 with --breakdown")
+    return settings, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings, args = parse_args(argv)
+    command = " ".join(["python", "scripts/bench_gather.py", *(sys.argv[1:] if argv is None else argv)])
+    if args.write_costs:
+        torch.set_num_threads(1)
+        costs = write_costs(settings.bulk_bytes, max(settings.repeats, 5))
+        print(f"$ {command}")
+        print(format_write_costs(costs, settings.bulk_bytes))
+        if args.json:
+            document = {"command": command, "environment": environment(), "write_costs": costs}
+            args.json.write_text(json.dumps(document, indent=2) + "\n")
+        return 0
+    notes = []
+    if settings.modelopt:
+        clash = sorted(_modelopt_names(settings.nproc) & set(os.listdir(SHM_DIR)))
+        if clash:
+            notes.append(
+                f"ModelOpt skipped: its fixed segment names {clash} already exist in {SHM_DIR} "
+                "(another job, or a crashed run); it would fail with FileExistsError"
+            )
+            settings = dataclasses.replace(settings, modelopt=False)
+    env = environment()
+    started = time.perf_counter()
+    report = run_ranks(settings)
+    report["command"] = command
+    report["settings"] = dataclasses.asdict(settings)
+    report["environment"] = env
+    report["wall_s"] = time.perf_counter() - started
+    if not settings.modelopt:
+        notes.append("ModelOpt not compared (--quick or --no-modelopt; pass --modelopt to include it)")
+    elif "modelopt_skipped" in report:
+        notes.append(f"ModelOpt not importable, skipped: {report['modelopt_skipped']}")
+    if settings.quick:
+        notes.append("--quick: small sizes; the targets are defined for the full run")
+    notes.append(f"load average at start {env['load_average_at_start']} on {env['cpus']} CPUs")
+    report["notes"] = notes
+    _ratio_rows(report["rows"])
+    report["targets"] = evaluate_targets(report)
+    print(f"$ {command}")
+    print(format_report(report))
+    print(f"wall time {report['wall_s']:.1f} s")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
