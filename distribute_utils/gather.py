@@ -332,12 +332,16 @@ class _Route:
 
     def _bundle(self, own: wire.EncodedPayload, others: list[int]) -> wire.EncodedPayload:
         """One payload holding the raw payloads of this host's participants (no decoding)."""
-        statuses = self.round.wait("pub", others, self.seconds, self.what)
-        for rank, status in zip(others, statuses):
-            _expect_ok(status, f"rank {rank}")
-        parts = [torch.frombuffer(bytearray(own.to_bytes()), dtype=torch.uint8)]
-        for rank in others:
-            parts.append(torch.frombuffer(self._local.fetch(self.token, rank), dtype=torch.uint8))
+        try:
+            statuses = self.round.wait("pub", others, self.seconds, self.what)
+            for rank, status in zip(others, statuses):
+                _expect_ok(status, f"rank {rank}")
+            parts = [torch.frombuffer(bytearray(own.to_bytes()), dtype=torch.uint8)]
+            for rank in others:
+                parts.append(torch.frombuffer(self._local.fetch(self.token, rank), dtype=torch.uint8))
+        except BaseException:
+            self._discard(others, [])
+            raise
         bundle = {"ranks": [self.me, *others], "parts": parts}
         return wire.encode(bundle, root="bundle", checksum=self.plan.cross == "workspace")
 
@@ -363,9 +367,9 @@ class _Route:
         found: dict[int, Any] = {
             plan.first: own.to(target) if target is not None and isinstance(own, torch.Tensor) else own
         }
+        local = plan.hosts[plan.first][1:]
+        leaders = [leader for leader in plan.hosts if leader != plan.first]
         try:
-            local = plan.hosts[plan.first][1:]
-            leaders = [leader for leader in plan.hosts if leader != plan.first]
             for tag, who in (("pub", local), ("xpub", leaders)):
                 if who:
                     for rank, status in zip(who, self.round.wait(tag, who, self.seconds, self.what)):
@@ -383,9 +387,18 @@ class _Route:
                     found[rank] = self._decode(wire.tensor_buffer(part), rank, target)
         except BaseException as exc:
             self.round.post("done", _status(exc))
+            self._discard(local, leaders)
             raise
         self.round.post("done", _OK.encode())
         return [found[r] for r in plan.ranks]
+
+    def _discard(self, local: list[int], leaders: list[int]) -> None:
+        """After a failure, remove what peers published for us: a dead peer cannot."""
+        for rank in local:
+            self._local.release(self.token, rank)
+        if self.plan.cross == "workspace":
+            for rank in leaders:
+                self.cross.release(self.token, rank)
 
     @staticmethod
     def _decode(buffer: Any, rank: int, target: torch.device | None) -> Any:
