@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import DistributeError
+from ..wire import tensor_buffer
 
 if TYPE_CHECKING:
     from .rules import MergeRule
@@ -193,7 +194,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(tensor_buffer(t.reshape(-1).view(torch.uint8))).cast("B")
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
