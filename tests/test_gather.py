@@ -18,6 +18,7 @@ from distribute_utils import (
     gather_tensors,
     get_configs_parallel,
     get_tensors_parallel,
+    sync,
 )
 
 from harness import RankPool
@@ -25,8 +26,14 @@ from harness import RankPool
 SHM = "/dev/shm"
 
 
-def _ours() -> set[str]:
-    return {n for n in os.listdir(SHM) if n.startswith("du_")}
+def _job_pids() -> set[str]:
+    """Pids of this job's ranks (collective on the world the first time)."""
+    return {str(p.pid) for p in sync.companion(None).peers(30)}
+
+
+def _ours(pids: set[str]) -> set[str]:
+    """Segments made by this job's ranks (names end in the owner's pid; others may run jobs too)."""
+    return {n for n in os.listdir(SHM) if n.startswith("du_") and n.rsplit("_", 1)[-1] in pids}
 
 
 def _all_dtypes() -> list[torch.dtype]:
@@ -184,6 +191,7 @@ def test_configs_round_trip_exactly_and_keep_none_positions(ranks4: RankPool, no
 
 def _unsupported_value_before_any_write() -> str:
     rank = dist.get_rank()
+    pids = _job_pids()
     config = {"layers": [{"act_fn": "gelu"}] * 4}
     if rank == 2:
         config = {"layers": [{"act_fn": "gelu"}, {}, {}, {"act_fn": lambda x: x}]}
@@ -192,7 +200,7 @@ def _unsupported_value_before_any_write() -> str:
 
     def watch() -> None:  # records any segment appearing while the call runs
         while not stop.is_set():
-            seen.update(_ours())
+            seen.update(_ours(pids))
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -267,13 +275,14 @@ def test_unknown_transport(ranks4: RankPool) -> None:
 
 def _kept_after_block_and_body_errors() -> dict:
     rank = dist.get_rank()
+    pids = _job_pids()
     out: dict = {}
     kept: list[torch.Tensor] = []
     with get_tensors_parallel(
         torch.full((1000,), float(rank)), [0, 1, 2, 3], transport="shm", timeout=30
     ) as got:
         kept = list(got)
-    out["left_after_ok"] = sorted(_ours())
+    out["left_after_ok"] = sorted(_ours(pids))
     if rank == 0:
         out["kept"] = [float(t.sum()) for t in kept]
         kept[1].add_(1)  # the caller may write into what it keeps
@@ -284,7 +293,7 @@ def _kept_after_block_and_body_errors() -> dict:
     except KeyError:
         out["body_error"] = True
     dist.barrier()
-    out["left_after_error"] = sorted(_ours())
+    out["left_after_error"] = sorted(_ours(pids))
     return out
 
 
