@@ -25,19 +25,35 @@ method's own synchronisation included), median of the repetitions.
    The kernel's high-water mark (``VmHWM``) is reset through ``/proc/self/clear_refs`` just
    before the call and read after it, so the peak is exact, not sampled.
 
+5. **workspace** (``--workspace-case`` alone, or in a full run): ours through a shared directory
+   (``transport="workspace"``: one file per sender) against ``torch.save`` by every sender +
+   ``torch.load`` (plain and ``mmap=True``) by rank 0 through the same directory, for a bulk
+   tensor and layer configs: on 4 local ranks with a directory on local disk, then on 2
+   simulated hosts x 2 ranks (``scripts/simulate_nodes.py``, job
+   ``scripts/bench_multinode_job.py``) over a shared directory and over sshfs, where the
+   hierarchical gather (``transport="auto"``: one bundle file per remote host) is compared
+   too. Repetitions of the methods are interleaved. Files created in the workspace per round
+   are counted with inotify (the parent watches the job's namespace, created ahead with a
+   fixed ``$DISTRIBUTE_UTILS_JOB_TOKEN``); bytes written per round are the sum of the ranks'
+   ``/proc/self/io`` ``write_bytes`` (page-cache writes to disk or FUSE files; not tmpfs or
+   sockets). ``--workspace-costs local|sshfs`` times each step in one process.
+
 ``--breakdown`` (on by default in a full run) times the phases of our rounds on rank 0 and on
 a sender (store round trips, encode, ``posix_fallocate``, ``pwritev``, mmap, decode) by
 wrapping the library's functions in this process, and the latency of single store operations.
 
 Usage::
 
-    python scripts/bench_gather.py --json gather.json     # full run, a few minutes on 2 cores
+    python scripts/bench_gather.py --json gather.json     # full run, several minutes on 2 cores
     python scripts/bench_gather.py --quick                # small sizes, no ModelOpt, < 60 s
+    python scripts/bench_gather.py --workspace-case       # only case 5 (simulated nodes need root)
+    python scripts/bench_gather.py --workspace-costs local # one process: each workspace step
 
 The tables and PASS/FAIL lines against the targets go to stdout; ``--json`` writes everything
 (every repetition's time, the memory breakdown, the environment). The exit status is 0 when
 the benchmark ran, whatever the targets say. Segments left in ``/dev/shm`` by a crashed rank
-(ours, or ModelOpt's fixed ``rank_*`` names) are removed at the end.
+(ours, or ModelOpt's fixed ``rank_*`` names) are removed at the end; the workspaces are
+temporary directories, removed after their leftovers are reported.
 """
 
 from __future__ import annotations
@@ -53,9 +69,13 @@ import json
 import mmap
 import os
 import platform
+import secrets
+import select
 import statistics
+import struct
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections import defaultdict
@@ -122,6 +142,7 @@ TARGETS = {
     "layer_vs_modelopt": 3.0,
     "small_max_ms": 3.0,
     "memory_max_ratio": 1.2,
+    "workspace_vs_save_load": 0.8,
 }
 
 
@@ -139,6 +160,11 @@ class Settings:
     breakdown: bool
     quick: bool
     timeout_s: float
+    groups: tuple[str, ...] = ("shm",)  # "shm": cases 1-4; "workspace": case 5
+    workspace_dir: str | None = None  # local-disk workspace of case 5 (made by the parent)
+    workspace_layers: int = 16  # layers in a row in the workspace layer-config cases
+    workspace_repeats: int = 5  # timed repetitions per workspace method (each moves 3 x 64 MiB)
+    multinode: tuple[str, ...] = ()  # simulated-node workspaces of case 5: "dir", "sshfs"
 
 
 @dataclasses.dataclass
@@ -681,6 +707,261 @@ def bench_memory(ctx: RankContext) -> None:
         ctx.report["memory"] = results
 
 
+# ---------------------------------------------------------------------------------- workspace
+
+WS_BASELINE_DIR = "bench-baseline"
+"""Subdirectory of the workspace for the torch.save files (and the case markers)."""
+WS_MARK_PREFIX = ".mark-"
+WS_METHODS = {
+    "ours": 'ours, transport="workspace" (flat)',
+    "ours_nofsync": 'ours, transport="workspace", fsync off (patched)',
+    "ours_auto": 'ours, transport="auto" (hierarchical)',
+    "save_load": "torch.save -> torch.load",
+    "save_load_mmap": "torch.save -> torch.load(mmap=True)",
+}
+_IO_FIELDS = ("write_bytes", "read_bytes", "cancelled_write_bytes", "wchar", "rchar")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkspaceSetup:
+    """Where and how one rank runs the workspace cases."""
+
+    where: str  # label of the filesystem/topology, part of the case names
+    workspace: str  # the workspace_path every rank passes (the same directory everywhere)
+    methods: tuple[str, ...]  # keys of WS_METHODS, "ours" first
+    read_every_byte: bool  # rank 0 reads every byte (network filesystems) or touches one element
+
+    @property
+    def baseline_dir(self) -> str:
+        return os.path.join(self.workspace, WS_BASELINE_DIR)
+
+
+def read_io() -> dict[str, int]:
+    """This process's I/O counters from ``/proc/self/io``.
+
+    ``write_bytes`` counts the bytes of file pages this task dirtied (page granularity) on
+    filesystems with writeback: ext4, xfs, NFS and FUSE (sshfs) count, tmpfs (``/dev/shm``)
+    and sockets do not; ``wchar`` counts every byte passed to a write system call.
+    """
+    found = dict.fromkeys(_IO_FIELDS, 0)
+    with contextlib.suppress(OSError), open("/proc/self/io") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in found:
+                found[key] = int(value)
+    return found
+
+
+def read_every_byte(tensors: Sequence[torch.Tensor]) -> int:
+    """Read every byte of any tensors (4-byte words where the size allows)."""
+    total = 0
+    for t in tensors:
+        if not t.numel():
+            continue
+        flat = t.reshape(-1).view(torch.uint8)
+        if flat.numel() % 4 == 0 and flat.data_ptr() % 4 == 0:
+            total += int(flat.view(torch.int32).max())
+        else:
+            total += int(flat.max())
+    return total
+
+
+def _config_tensors(configs: Sequence[Any]) -> list[torch.Tensor]:
+    return [v for c in configs for v in c.values() if isinstance(v, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def _workspace_fsync_off() -> Iterator[None]:
+    """Make every ``WorkspaceTransport`` of this process skip ``fsync`` (a what-if, not an API)."""
+    from distribute_utils.transports import workspace as ws_module
+
+    cls = ws_module.WorkspaceTransport
+    original = cls.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["fsync"] = False
+        original(self, *args, **kwargs)
+
+    cls.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__init__ = original  # type: ignore[method-assign]
+
+
+def _ws_runner(
+    ctx: RankContext, setup: WorkspaceSetup, key: str, values: Sequence[Any], names: Iterator[int]
+) -> Callable[[Callable[[list[Any], int], None]], None]:
+    """One repetition of method ``key``: every value of ``values`` gathered to rank 0 in turn.
+
+    The returned function takes ``consume(got, index)``, called on rank 0 with the gathered
+    list of value ``index``. ``names`` numbers the torch.save files (the same on every rank).
+    """
+    ranks, rank, first = ctx.ranks, ctx.rank, ctx.ranks[0]
+    if key.startswith("ours"):
+        transport = "auto" if key == "ours_auto" else "workspace"
+
+        def ours(consume: Callable[[list[Any], int], None]) -> None:
+            with _workspace_fsync_off() if key == "ours_nofsync" else contextlib.nullcontext():
+                for i, value in enumerate(values):
+                    if isinstance(value, torch.Tensor):
+                        gather = get_tensors_parallel(
+                            value, ranks, workspace_path=setup.workspace, transport=transport
+                        )
+                    else:
+                        gather = get_configs_parallel(
+                            value, ranks, None, setup.workspace, transport=transport
+                        )
+                    with gather as got:
+                        if got:
+                            consume(got, i)
+
+        return ours
+
+    use_mmap = key == "save_load_mmap"
+
+    def save_load(consume: Callable[[list[Any], int], None]) -> None:
+        # ModelOpt's NFS path: every sender torch.saves into the shared directory, barrier, the
+        # first rank torch.loads each file. Fresh names per round (ModelOpt rewrites one name per
+        # rank, which a network client's attribute cache can serve stale); the reader unlinks.
+        for i, value in enumerate(values):
+            n = next(names)
+
+            def path(r: int, n: int = n) -> str:
+                return os.path.join(setup.baseline_dir, f"{key}-{n}-r{r}.pth")
+
+            if rank != first:
+                torch.save(value, path(rank))
+            dist.barrier()
+            if rank == first:
+                got = [value]
+                for r in ranks[1:]:
+                    got.append(torch.load(path(r), map_location="cpu", weights_only=True, mmap=use_mmap))
+                    os.unlink(path(r))
+                consume(got, i)
+
+    return save_load
+
+
+class _Marks:
+    """Rank 0 creates an empty marker file before and after each method's timed repetitions.
+
+    The parent watches the directory with inotify and attributes the files created between a
+    start marker and the next marker to that method (see :class:`FileEvents`).
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.made: dict[str, str | None] = {}  # marker name -> "case|key" (None: an end marker)
+
+    def mark(self, label: str | None) -> None:
+        name = f"{WS_MARK_PREFIX}{len(self.made):04d}"
+        fd = os.open(os.path.join(self.directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        self.made[name] = label
+
+    def remove(self) -> None:
+        for name in self.made:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.directory, name))
+
+
+def bench_workspace(ctx: RankContext, setup: WorkspaceSetup) -> None:
+    """Case 5: the workspace transport against torch.save + torch.load through the same directory.
+
+    Two cases, as 1 and 2: a bulk tensor per rank, and ``workspace_layers`` layer configs in a
+    row (time per layer). Every method first runs ``warmup`` untimed repetitions (the first
+    checks rank 0's results bit for bit). The timed repetitions are interleaved: repetition
+    ``k`` runs every method once, in an order rotated by ``k``, so that all methods see the
+    same background load (the machine is shared). Each is timed barrier to barrier on rank 0.
+    Around each timed repetition every rank reads its ``/proc/self/io`` counters (bytes written
+    into the workspace) and rank 0 drops markers for the parent's file counter.
+    """
+    s, rank, ranks = ctx.settings, ctx.rank, ctx.ranks
+    if ctx.first:
+        os.makedirs(setup.baseline_dir, exist_ok=True)
+    dist.barrier()
+    marks = _Marks(setup.baseline_dir) if ctx.first else None
+    names = iter(range(10**9))
+    consume_tensors = read_every_byte if setup.read_every_byte else touch
+    bulk = [bulk_tensor(rank, s.bulk_bytes)]
+    layers = [layer_config(rank, i) for i in range(s.workspace_layers)]
+    cases = [
+        (f"workspace, {setup.where}: bulk {ctx.world}x{s.bulk_bytes // MIB}MiB", bulk),
+        (f"workspace, {setup.where}: layer config, per layer", layers),
+    ]
+    io_report = ctx.report.setdefault("workspace_io", {})
+    verified = ctx.report.setdefault("workspace_verified", {})
+    for case, values in cases:
+        is_tensor = isinstance(values[0], torch.Tensor)
+        wrong: list[str] = []
+
+        def check(got: list[Any], i: int, is_tensor: bool = is_tensor, wrong: list[str] = wrong) -> None:
+            for r, value in zip(ranks, got):
+                if is_tensor:
+                    if not same_bits(value, bulk_tensor(r, s.bulk_bytes)):
+                        wrong.append(f"rank {r}")
+                    continue
+                want = layer_config(r, i)
+                same = list(value) == list(want) and all(
+                    same_bits(value[k], v) if isinstance(v, torch.Tensor) else value[k] == v
+                    for k, v in want.items()
+                )
+                if not same:
+                    wrong.append(f"rank {r} layer {i}")
+
+        def consume(got: list[Any], i: int, is_tensor: bool = is_tensor) -> None:
+            if is_tensor:
+                consume_tensors(got)
+            elif setup.read_every_byte:
+                read_every_byte(_config_tensors(got))
+            else:
+                dict_touch(got, LAYER_TENSORS)
+
+        runners = {key: _ws_runner(ctx, setup, key, values, names) for key in setup.methods}
+        for key, run in runners.items():
+            del wrong[:]
+            for i in range(s.warmup):
+                dist.barrier()
+                run(check if i == 0 else consume)
+            if ctx.first:
+                verified[f"{case}|{key}"] = list(wrong) or True
+        times: dict[str, list[float]] = {key: [] for key in runners}
+        written = {key: dict.fromkeys(_IO_FIELDS, 0) for key in runners}
+        order = list(runners)
+        for k in range(s.workspace_repeats):
+            for key in order[k % len(order) :] + order[: k % len(order)]:
+                if marks is not None:
+                    marks.mark(f"{case}|{key}")
+                before = read_io()
+                dist.barrier()
+                start = time.perf_counter()
+                runners[key](consume)
+                times[key].append((time.perf_counter() - start) / len(values))
+                after = read_io()
+                if marks is not None:
+                    marks.mark(None)
+                for name in _IO_FIELDS:
+                    written[key][name] += after[name] - before[name]
+        per_rank: list[Any] | None = [None] * ctx.world if ctx.first else None
+        dist.gather_object(written, per_rank, dst=ranks[0])
+        for key in runners:
+            ctx.add(Row(case, key, WS_METHODS[key], times[key], None if key == "ours" else "ours"))
+            if per_rank is not None:
+                io_report[f"{case}|{key}"] = {
+                    "per_rank": [counters[key] for counters in per_rank],
+                    "rounds": s.workspace_repeats * len(values),
+                }
+        del runners
+        gc.collect()
+    dist.barrier()
+    if marks is not None:
+        ctx.report.setdefault("workspace_marks", {}).update(marks.made)
+        marks.remove()
+        with contextlib.suppress(OSError):
+            os.rmdir(setup.baseline_dir)
+
+
 # ---------------------------------------------------------------------------------- breakdown
 
 
@@ -915,16 +1196,29 @@ def rank_main(rank: int, settings: Settings, port: int, out_path: str) -> None:
                 )
             else:
                 ctx.mo_distribute, ctx.mo_config = found
-        steps: list[tuple[str, Callable[[RankContext], None]]] = [
-            ("bulk", bench_bulk),
-            ("layer config", functools.partial(bench_layers, n_tensors=LAYER_TENSORS)),
-            ("small round trip", bench_small),
-        ]
-        if ctx.mo_distribute is not None:  # the largest layer ModelOpt's helper can carry
-            steps.insert(2, ("layer config (ModelOpt-sized)", functools.partial(bench_layers, n_tensors=32)))
-        if settings.breakdown:
-            steps.append(("breakdown", bench_breakdown))
-        steps.append(("memory", bench_memory))  # last: it changes malloc's settings
+        steps: list[tuple[str, Callable[[RankContext], None]]] = []
+        if "shm" in settings.groups:
+            steps += [
+                ("bulk", bench_bulk),
+                ("layer config", functools.partial(bench_layers, n_tensors=LAYER_TENSORS)),
+                ("small round trip", bench_small),
+            ]
+            if ctx.mo_distribute is not None:  # the largest layer ModelOpt's helper can carry
+                steps.insert(
+                    2, ("layer config (ModelOpt-sized)", functools.partial(bench_layers, n_tensors=32))
+                )
+            if settings.breakdown:
+                steps.append(("breakdown", bench_breakdown))
+        if "workspace" in settings.groups and settings.workspace_dir is not None:
+            local = WorkspaceSetup(
+                f"local disk 1x{settings.nproc}",
+                settings.workspace_dir,
+                ("ours", "ours_nofsync", "save_load", "save_load_mmap"),
+                read_every_byte=False,
+            )
+            steps.append(("workspace (local disk)", functools.partial(bench_workspace, setup=local)))
+        if "shm" in settings.groups:
+            steps.append(("memory", bench_memory))  # last: it changes malloc's settings
         for name, step in steps:
             started = time.perf_counter()
             step(ctx)
@@ -1031,16 +1325,164 @@ def write_costs(nbytes: int, repeats: int) -> list[dict[str, Any]]:
     return results
 
 
-def format_write_costs(results: list[dict[str, Any]], nbytes: int) -> str:
-    """The table of :func:`write_costs`."""
-    lines = [f"moving {nbytes // MIB} MiB through {SHM_DIR}, one process alone"]
-    header = f"{'step':<58} {'median ms':>10} {'min ms':>8} {'GiB/s at min':>13}"
+def format_write_costs(results: list[dict[str, Any]], nbytes: int, where: str = f"through {SHM_DIR}") -> str:
+    """The table of :func:`write_costs` (and of :func:`workspace_costs`)."""
+    lines = [f"moving {nbytes // MIB} MiB {where}, one process alone"]
+    width = max(58, *(len(r["step"]) for r in results))
+    header = f"{'step':<{width}} {'median ms':>10} {'min ms':>8} {'GiB/s at min':>13}"
     lines += [header, "-" * len(header)]
     for r in results:
         lines.append(
-            f"{r['step']:<58} {r['median_ms']:>10.2f} {r['min_ms']:>8.2f} {r['gib_per_s_at_min']:>13.2f}"
+            f"{r['step']:<{width}} {r['median_ms']:>10.2f} {r['min_ms']:>8.2f} {r['gib_per_s_at_min']:>13.2f}"
         )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- workspace costs
+
+
+def workspace_costs(writer_dir: str, reader_dir: str, nbytes: int, repeats: int) -> list[dict[str, Any]]:
+    """One process alone: each step of moving ``nbytes`` through a workspace directory.
+
+    The sender's steps of ours (encode with and without the CRC-32; create; ``fallocate``;
+    ``pwritev``; ``fsync``; close + rename), then ours end to end (``WorkspaceTransport.publish``
+    with and without ``fsync``, ``fetch`` through ``reader_dir``, ``wire.decode`` with the
+    checksum verified), against ``torch.save`` and ``torch.load`` (plain, ``mmap=True``) of the
+    same tensor. ``writer_dir`` and ``reader_dir`` name the same directory (two mounts of one
+    share, or twice the same path). Median and minimum of ``repeats``; files removed as it goes.
+    """
+    from distribute_utils import wire
+    from distribute_utils.transports import workspace as ws_module
+
+    tensor = bulk_tensor(0, nbytes)
+    results: list[dict[str, Any]] = []
+    counter = iter(range(10**9))
+
+    def record(name: str, times: list[float]) -> None:
+        best = min(times)
+        results.append(
+            {
+                "step": name,
+                "median_ms": median_ms(times),
+                "min_ms": best * 1e3,
+                "gib_per_s_at_min": nbytes / 2**30 / best,
+            }
+        )
+
+    def timed(fn: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    record(
+        "encode, CRC-32 computed",
+        [timed(lambda: wire.encode(tensor, root="tensor", checksum=True)) for _ in range(repeats)],
+    )
+    record(
+        "encode, no CRC",
+        [timed(lambda: wire.encode(tensor, root="tensor", checksum=False)) for _ in range(repeats)],
+    )
+    payload = wire.encode(tensor, root="tensor", checksum=True)
+    steps: dict[str, list[float]] = defaultdict(list)
+    for _ in range(repeats):
+        tmp = os.path.join(writer_dir, f".costs-{os.getpid()}-{next(counter)}.tmp")
+        final = tmp.removesuffix(".tmp") + ".du"
+        start = time.perf_counter()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        t1 = time.perf_counter()
+        reserved = ws_module._reserve(fd, payload.nbytes)
+        t2 = time.perf_counter()
+        payload.write_to_fd(fd)
+        t3 = time.perf_counter()
+        os.fsync(fd)
+        t4 = time.perf_counter()
+        os.close(fd)
+        os.rename(tmp, final)
+        t5 = time.perf_counter()
+        os.unlink(final)
+        steps["sender: create (O_EXCL)"].append(t1 - start)
+        steps[f"sender: fallocate ({'reserved' if reserved else 'not supported: skipped'})"].append(t2 - t1)
+        steps["sender: pwritev"].append(t3 - t2)
+        steps["sender: fsync"].append(t4 - t3)
+        steps["sender: close + rename"].append(t5 - t4)
+    for name, times in steps.items():
+        record(name, times)
+
+    token = f"costs{secrets.token_hex(6)}"
+    totals: dict[str, list[float]] = defaultdict(list)
+    for fsync in (True, False):
+        writer = ws_module.WorkspaceTransport(writer_dir, token, 120.0, fsync=fsync)
+        reader = ws_module.WorkspaceTransport(reader_dir, token, 120.0)
+        mode = "mmap" if reader._mmap else "read"
+        try:
+            for _ in range(repeats):
+                round_token = f"r{next(counter)}"
+                encode = timed(lambda: wire.encode(tensor, root="tensor", checksum=True))
+                publish = timed(lambda rt=round_token, w=writer: w.publish(rt, 1, payload))
+                start = time.perf_counter()
+                buf = reader.fetch(round_token, 1)
+                fetch = time.perf_counter() - start
+                start = time.perf_counter()
+                view = wire.decode(buf)
+                read_every_byte([view])
+                decode = time.perf_counter() - start
+                del view, buf
+                writer.release(round_token, 1)
+                totals[f"ours: publish, fsync {'on' if fsync else 'off'}"].append(publish)
+                if fsync:
+                    totals[f"ours: fetch ({mode}, length check, unlink)"].append(fetch)
+                    totals["ours: decode, CRC verified, + read every byte"].append(decode)
+                totals[
+                    f"ours total, fsync {'on' if fsync else 'off'} (encode+publish+fetch+decode+read)"
+                ].append(encode + publish + fetch + decode)
+        finally:
+            writer.close()
+            reader.close()
+    for use_mmap in (False, True):
+        label = "torch.load(mmap=True)" if use_mmap else "torch.load"
+        for _ in range(repeats):
+            name = f"costs-{os.getpid()}-{next(counter)}.pth"
+            save = timed(lambda name=name: torch.save(tensor, os.path.join(writer_dir, name)))
+            start = time.perf_counter()
+            loaded = torch.load(os.path.join(reader_dir, name), weights_only=True, mmap=use_mmap)
+            os.unlink(os.path.join(reader_dir, name))
+            read_every_byte([loaded])
+            load = time.perf_counter() - start
+            del loaded
+            if not use_mmap:
+                totals["torch.save"].append(save)
+            totals[f"{label}, unlink, + read every byte"].append(load)
+            totals[f"torch.save + {label} total"].append(save + load)
+    for name, times in totals.items():
+        record(name, times)
+    return results
+
+
+@contextlib.contextmanager
+def _costs_directories(where: str, parent: str | None) -> Iterator[tuple[str, str, str]]:
+    """(writer dir, reader dir, description) for ``--workspace-costs``: local disk or two sshfs mounts."""
+    with tempfile.TemporaryDirectory(
+        prefix="bench_gather_costs_", dir=parent or tempfile.gettempdir()
+    ) as tmp:
+        if where == "local":
+            yield tmp, tmp, f"{filesystem_of(tmp)} ({tmp})"
+            return
+        sn = _load_simulate_nodes()
+        reason = sn.require_simulation_support("sshfs")
+        if reason is not None:
+            raise RuntimeError(f"cannot mount sshfs here: {reason}")
+        export = os.path.join(tmp, "export")
+        os.mkdir(export)
+        with (
+            sn.sshfs_server(export, workdir=tmp) as endpoint,
+            sn.sshfs_mount(endpoint, os.path.join(tmp, "a")) as mount_a,
+            sn.sshfs_mount(endpoint, os.path.join(tmp, "b")) as mount_b,
+        ):
+            yield (
+                mount_a,
+                mount_b,
+                f"two sshfs mounts of one export on {filesystem_of(export)}: write through one, read through the other",
+            )
 
 
 # ---------------------------------------------------------------------------------- parent
@@ -1098,6 +1540,329 @@ def run_ranks(settings: Settings) -> dict[str, Any]:
     return report
 
 
+# ---------------------------------------------------------------------------------- workspace (parent)
+
+_IN_CLOSE_WRITE = 0x8
+_IN_MOVED_TO = 0x80
+_IN_CREATE = 0x100
+_IN_Q_OVERFLOW = 0x4000
+_IN_ISDIR = 0x40000000
+_INOTIFY_EVENT = struct.Struct("iIII")
+MULTINODE_JOB = Path(__file__).resolve().with_name("bench_multinode_job.py")
+MULTINODE_WHERE = {"dir": "shared dir 2x2", "sshfs": "sshfs 2x2"}
+"""Labels of the simulated-node setups (2 nodes x 2 ranks) in the case names."""
+
+
+class FileEvents:
+    """Records the files created and renamed in some directories, with inotify(7), in a thread.
+
+    The kernel reports every creation in a watched directory whichever process makes it: a
+    rank on a simulated node (its own mount namespace), or the sftp server behind every sshfs
+    mount. Nothing is asked of the library. Directories are not watched recursively, so the
+    benchmark creates the job's namespace directory (its job token is fixed through
+    ``$DISTRIBUTE_UTILS_JOB_TOKEN``) and the baseline directory before the ranks start.
+    """
+
+    def __init__(self, directories: Sequence[str | os.PathLike[str]]) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self._fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
+        self._dirs: dict[int, str] = {}
+        try:
+            for directory in directories:
+                path = os.fspath(directory)
+                wd = libc.inotify_add_watch(
+                    self._fd, os.fsencode(path), _IN_CREATE | _IN_MOVED_TO | _IN_CLOSE_WRITE
+                )
+                if wd < 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"inotify_add_watch {path}: {os.strerror(err)}")
+                self._dirs[wd] = path
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.events: list[tuple[str, str, int]] = []  # (directory, name, mask), in kernel order
+        self.overflowed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="FileEvents", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = os.read(self._fd, 1 << 16)
+            except BlockingIOError:
+                return
+            pos = 0
+            while pos < len(data):
+                wd, mask, _cookie, length = _INOTIFY_EVENT.unpack_from(data, pos)
+                start = pos + _INOTIFY_EVENT.size
+                name = data[start : start + length].split(b"\0", 1)[0].decode(errors="replace")
+                pos = start + length
+                if mask & _IN_Q_OVERFLOW:
+                    self.overflowed = True
+                elif wd in self._dirs:
+                    self.events.append((self._dirs[wd], name, mask))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            select.select([self._fd], [], [], 0.1)
+            self._drain()
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._drain()
+        os.close(self._fd)
+        self._fd = -1
+
+    def __enter__(self) -> FileEvents:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def count(self, marks_dir: str, marks: dict[str, str | None]) -> dict[str, dict[str, int]]:
+        """Per ``case|key``: files created, renamed into place and closed after writing.
+
+        Events between a method's start marker and the next marker belong to that method.
+        """
+        counts: dict[str, dict[str, int]] = {}
+        current: str | None = None
+        for directory, name, mask in self.events:
+            if directory == marks_dir and name.startswith(WS_MARK_PREFIX):
+                if mask & _IN_CREATE:
+                    current = marks.get(name)
+                continue
+            if current is None or mask & _IN_ISDIR:
+                continue
+            entry = counts.setdefault(
+                current, {"created": 0, "renamed_into_place": 0, "closed_after_write": 0}
+            )
+            if mask & _IN_CREATE:
+                entry["created"] += 1
+            if mask & _IN_MOVED_TO:
+                entry["renamed_into_place"] += 1
+            if mask & _IN_CLOSE_WRITE:
+                entry["closed_after_write"] += 1
+        return counts
+
+
+def filesystem_of(path: str | os.PathLike[str]) -> str:
+    """The filesystem type holding ``path`` (the library's own mountinfo reader)."""
+    from distribute_utils.transports.workspace import filesystem_type
+
+    return filesystem_type(path)
+
+
+def _watched_workspace(backing: Path, token: str) -> tuple[Path, Path]:
+    """Create the job's namespace directory and the baseline directory ahead of the ranks."""
+    from distribute_utils.transports.workspace import namespace_path
+
+    namespace = Path(namespace_path(backing, token))
+    namespace.mkdir(mode=0o700)
+    baseline = backing / WS_BASELINE_DIR
+    baseline.mkdir()
+    return namespace, baseline
+
+
+def _workspace_leftovers(backing: Path) -> list[str]:
+    """What the ranks left in the workspace, except the workspace lock file (kept by design)."""
+    return sorted(
+        str(p.relative_to(backing)) for p in backing.rglob("*") if not p.name.startswith(".du-sweep-")
+    )
+
+
+@contextlib.contextmanager
+def local_workspace(settings: Settings) -> Iterator[tuple[Settings, dict[str, Any]]]:
+    """A fresh workspace on local disk for the local ranks; counts files; removed afterwards."""
+    from distribute_utils.transports.workspace import JOB_TOKEN_ENV
+
+    info: dict[str, Any] = {}
+    if "workspace" not in settings.groups:
+        yield settings, info
+        return
+    parent = settings.workspace_dir or tempfile.gettempdir()
+    with tempfile.TemporaryDirectory(prefix="bench_gather_ws_", dir=parent) as tmp:
+        backing = Path(tmp)
+        info.update(path=str(backing), filesystem=filesystem_of(backing))
+        token = f"bench{secrets.token_hex(8)}"
+        _namespace, baseline = _watched_workspace(backing, token)
+        previous = os.environ.get(JOB_TOKEN_ENV)
+        os.environ[JOB_TOKEN_ENV] = token  # inherited by the spawned ranks: a known namespace
+        try:
+            with FileEvents([_namespace, baseline]) as events:
+                yield dataclasses.replace(settings, workspace_dir=str(backing)), info
+        finally:
+            if previous is None:
+                os.environ.pop(JOB_TOKEN_ENV, None)
+            else:
+                os.environ[JOB_TOKEN_ENV] = previous
+        info["events"] = events
+        info["baseline_dir"] = str(baseline)
+        info["overflowed"] = events.overflowed
+        info["leftovers"] = _workspace_leftovers(backing)
+
+
+def _load_simulate_nodes() -> Any:
+    import importlib.util
+
+    if "simulate_nodes" in sys.modules:
+        return sys.modules["simulate_nodes"]
+    spec = importlib.util.spec_from_file_location(
+        "simulate_nodes", Path(__file__).resolve().with_name("simulate_nodes.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["simulate_nodes"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_multinode(settings: Settings, mode: str) -> dict[str, Any]:
+    """Case 5 on 2 simulated nodes x 2 ranks over workspace ``mode`` (``dir`` or ``sshfs``).
+
+    Runs ``scripts/bench_multinode_job.py`` under ``simulate_nodes.run_simulated``; the
+    workspace's backing directory is a temporary one on the host, watched with inotify.
+    Returns rank 0's report plus the file counts, or ``{"skipped": why}``.
+    """
+    from distribute_utils.transports.workspace import JOB_TOKEN_ENV
+
+    sn = _load_simulate_nodes()
+    reason = sn.require_simulation_support(mode)
+    if reason is not None:
+        return {"mode": mode, "skipped": reason}
+    where = MULTINODE_WHERE[mode]
+    job_settings = dataclasses.replace(
+        settings, nproc=4, groups=("workspace",), workspace_dir=None, multinode=()
+    )
+    token = f"bench{secrets.token_hex(8)}"
+    outcome: dict[str, Any] = {"mode": mode, "where": where, "load_average_before": os.getloadavg()}
+    parent = settings.workspace_dir or tempfile.gettempdir()
+    with tempfile.TemporaryDirectory(prefix="bench_gather_nodes_", dir=parent) as tmp:
+        backing, results = Path(tmp) / "backing", Path(tmp) / "results"
+        backing.mkdir()
+        results.mkdir()
+        outcome["backing_filesystem"] = filesystem_of(backing)
+        namespace, baseline = _watched_workspace(backing, token)
+        env = {
+            "DU_RESULTS": str(results),
+            "DU_BENCH_SETTINGS": json.dumps(dataclasses.asdict(job_settings)),
+            "DU_BENCH_WHERE": where,
+            JOB_TOKEN_ENV: token,
+        }
+        with FileEvents([namespace, baseline]) as events:
+            result = sn.run_simulated(
+                MULTINODE_JOB,
+                [],
+                nodes=2,
+                nproc_per_node=2,
+                workspace=mode,
+                shm_size="1g",
+                timeout=settings.timeout_s,
+                backing_dir=backing,
+                env=env,
+            )
+        outcome["load_average_after"] = os.getloadavg()
+        outcome["duration_s"] = result.duration
+        outcome["mounts_left"] = sn.find_mounts_anywhere(str(result.run_dir))
+        outcome["processes_left"] = [pid for pid in result.pids if sn._pid_alive(pid)]
+        outcome["leftovers"] = _workspace_leftovers(backing)
+        if result.returncode != 0 or not (results / "rank0.json").exists():
+            outcome["error"] = f"exit code {result.returncode}:\n{result.format_outputs()[-4000:]}"
+            return outcome
+        job = json.loads((results / "rank0.json").read_text())
+        outcome.update(job)
+        outcome["workspace_files"] = events.count(str(baseline), job["report"].get("workspace_marks", {}))
+        outcome["inotify_overflowed"] = events.overflowed
+    return outcome
+
+
+def add_workspace_columns(rows: list[dict[str, Any]], io: dict[str, Any], files: dict[str, Any]) -> None:
+    """Files created and bytes written in the workspace per round, on the workspace rows."""
+    for row in rows:
+        label = f"{row['case']}|{row['key']}"
+        if label not in io:
+            continue
+        rounds = io[label]["rounds"]
+        per_rank = io[label]["per_rank"]
+        row["rounds_counted"] = rounds
+        row["written_bytes_per_round"] = sum(d["write_bytes"] for d in per_rank) / rounds
+        row["write_bytes_per_rank"] = [d["write_bytes"] for d in per_rank]
+        counted = files.get(label)
+        row["files_per_round"] = counted["created"] / rounds if counted is not None else 0.0
+        row["file_events"] = counted
+
+
+def format_workspace(report: dict[str, Any]) -> list[str]:
+    """The workspace table (with files and bytes) and the hierarchical-vs-flat summary."""
+    rows = [row for row in report["rows"] if row["case"].startswith("workspace")]
+    if not rows and not report.get("multinode"):
+        return []
+    lines = [
+        "",
+        "workspace: ours vs torch.save + torch.load through the same directory "
+        "(vs ours = its median / ours = ours' speed / its speed)",
+    ]
+    header = (
+        f"{'case':<48} {'method':<50} {'median ms':>10} {'vs ours':>8} {'files/round':>11} "
+        f"{'MiB written/round':>17} {'n':>3}"
+    )
+    lines += [header, "-" * len(header)]
+    for row in rows:
+        ratio = f"{row['ratio_vs_ours']:.2f}x" if row.get("ratio_vs_ours") is not None else "-"
+        files = f"{row['files_per_round']:.2f}" if "files_per_round" in row else "-"
+        written = f"{row['written_bytes_per_round'] / MIB:.2f}" if "written_bytes_per_round" in row else "-"
+        lines.append(
+            f"{row['case']:<48} {row['method']:<50} {row['median_ms']:>10.2f} {ratio:>8} {files:>11} "
+            f"{written:>17} {row['n']:>3}"
+        )
+    by = {(row["case"], row["key"]): row for row in rows}
+    summary = []
+    for row in rows:
+        hier = by.get((row["case"], "ours_auto"))
+        if row["key"] != "ours" or hier is None:
+            continue
+        summary.append(
+            f"  {row['case']}: flat {row['median_ms']:.2f} ms, hierarchical {hier['median_ms']:.2f} ms "
+            f"(flat / hierarchical {row['median_ms'] / hier['median_ms']:.2f}x); files/round "
+            f"{row.get('files_per_round', 0):.2f} -> {hier.get('files_per_round', 0):.2f}; MiB written/round "
+            f"{row.get('written_bytes_per_round', 0) / MIB:.2f} -> {hier.get('written_bytes_per_round', 0) / MIB:.2f}"
+        )
+    if summary:
+        lines += [
+            "",
+            "hierarchical (transport='auto': one bundle per remote host) vs flat (transport='workspace'):",
+        ]
+        lines += summary
+    verified = dict(report.get("workspace_verified", {}))
+    for run in report.get("multinode", []):
+        verified.update(run.get("report", {}).get("workspace_verified", {}))
+    wrong = {label: v for label, v in verified.items() if v is not True}
+    lines.append(
+        f"  results checked bit for bit on rank 0 (first warm-up of every method): "
+        f"{'all exact' if not wrong else f'WRONG: {wrong}'} ({len(verified)} methods)"
+    )
+    for run in report.get("multinode", []):
+        state = run.get("skipped") or ("FAILED" if "error" in run else "ran")
+        lines.append(
+            f"  simulated nodes over {run['mode']}: {state}; load average before {_loads(run.get('load_average_before'))}, "
+            f"after {_loads(run.get('load_average_after'))}; {run.get('duration_s', 0):.0f} s; leftovers "
+            f"{run.get('leftovers', [])}; mounts left {run.get('mounts_left', [])}"
+        )
+        if "error" in run:
+            lines.append(run["error"])
+    return lines
+
+
+def _loads(values: Sequence[float] | None) -> str:
+    return "/".join(f"{v:.1f}" for v in values) if values else "-"
+
+
 def _ratio_rows(rows: list[dict[str, Any]]) -> None:
     by_key = {(row["case"], row["key"]): row for row in rows}
     for row in rows:
@@ -1131,6 +1896,21 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         )
 
     t = TARGETS
+    local_cases = sorted({row["case"] for row in rows if row["case"].startswith("workspace, local disk")})
+    if local_cases:
+        for case in local_cases:
+            for key in ("save_load", "save_load_mmap"):
+                found = [row for row in rows if row["case"] == case and row["key"] == key]
+                short = case.removeprefix("workspace, ").removesuffix(", per layer")
+                add(
+                    f"{short}: ours speed / {WS_METHODS[key]}",
+                    found[0]["ratio_vs_ours"] if found else None,
+                    t["workspace_vs_save_load"],
+                    True,
+                    "x",
+                )
+    if not any(not row["case"].startswith("workspace") for row in rows):
+        return targets
     for key, name, threshold in (
         ("modelopt", "ModelOpt get_tensors_parallel", t["bulk_vs_modelopt"]),
         ("gather", "dist.gather", t["bulk_vs_dist_gather"]),
@@ -1169,9 +1949,11 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
 def format_report(report: dict[str, Any]) -> str:
     """The human-readable tables."""
     lines = []
+    shm_rows = [row for row in report["rows"] if not row["case"].startswith("workspace")]
     header = f"{'case':<36} {'method':<50} {'median ms':>10} {'vs ours':>8} {'n':>4}"
-    lines += [header, "-" * len(header)]
-    for row in report["rows"]:
+    if shm_rows:
+        lines += [header, "-" * len(header)]
+    for row in shm_rows:
         ratio = f"{row['ratio_vs_ours']:.2f}x" if row["ratio_vs_ours"] is not None else "-"
         if row["median_ms"] is None:
             lines.append(f"{row['case']:<36} {row['method']:<50} {row['note']}")
@@ -1193,6 +1975,7 @@ def format_report(report: dict[str, Any]) -> str:
             )
     if report.get("breakdown"):
         lines += ["", *format_breakdown(report["breakdown"])]
+    lines += format_workspace(report)
     lines += ["", "targets:"]
     for target in report["targets"]:
         value = f"{target['value']:.2f}{target['unit']}" if target["value"] is not None else "n/a"
@@ -1275,6 +2058,37 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
     parser.add_argument(
+        "--workspace-case",
+        action="store_true",
+        help="only the workspace cases: local disk, then 2 simulated nodes over a shared dir and sshfs",
+    )
+    parser.add_argument(
+        "--workspace",
+        action=argparse.BooleanOptionalAction,
+        help="include the workspace cases in a full run (default: on, off with --quick)",
+    )
+    parser.add_argument(
+        "--workspace-dir",
+        help="local-disk directory in which the workspace cases make their temporary workspaces "
+        "(default: the system's temporary directory; must not be a tmpfs)",
+    )
+    parser.add_argument(
+        "--multinode",
+        default="dir,sshfs",
+        help="simulated-node workspaces of the workspace cases, comma-separated: dir, sshfs, or none "
+        "(default dir,sshfs; needs root)",
+    )
+    parser.add_argument(
+        "--workspace-costs",
+        choices=("local", "sshfs"),
+        help="only measure, in this process alone, each step of moving one bulk payload through a "
+        "workspace directory (ours vs torch.save/torch.load): on local disk, or across two sshfs mounts",
+    )
+    parser.add_argument("--ws-repeats", type=int, help="timed repetitions per workspace method (default 5)")
+    parser.add_argument(
+        "--ws-layers", type=int, help="layers in a row in the workspace layer case (default 16)"
+    )
+    parser.add_argument(
         "--write-costs",
         action="store_true",
         help="only measure, in this process alone, the steps of moving one bulk payload through /dev/shm",
@@ -1283,6 +2097,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
     if args.nproc < 2:
         parser.error("--nproc must be at least 2 (rank 0 receives from the others)")
     quick = args.quick
+    multinode = tuple(m for m in args.multinode.split(",") if m and m != "none")
+    unknown = sorted(set(multinode) - set(MULTINODE_WHERE))
+    if unknown:
+        parser.error(f"--multinode: unknown workspace(s) {unknown}; valid: dir, sshfs, none")
+    if args.workspace_case:
+        groups: tuple[str, ...] = ("workspace",)
+    elif args.workspace if args.workspace is not None else not quick:
+        groups = ("shm", "workspace")
+    else:
+        groups = ("shm",)
+    only_workspace = groups == ("workspace",)
     settings = Settings(
         nproc=args.nproc,
         repeats=args.repeats or (3 if quick else 7),
@@ -1290,10 +2115,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
         bulk_bytes=(args.bulk_mib or (8 if quick else 64)) * MIB,
         layers=args.layers or (8 if quick else 32),
         small_rounds=args.rounds or (50 if quick else 200),
-        modelopt=args.modelopt if args.modelopt is not None else not quick,
-        breakdown=args.breakdown if args.breakdown is not None else not quick,
+        modelopt=args.modelopt if args.modelopt is not None else not (quick or only_workspace),
+        breakdown=args.breakdown if args.breakdown is not None else not (quick or only_workspace),
         quick=quick,
         timeout_s=args.timeout,
+        groups=groups,
+        workspace_dir=os.path.abspath(args.workspace_dir) if args.workspace_dir else None,
+        workspace_layers=args.ws_layers or (4 if quick else 16),
+        workspace_repeats=args.ws_repeats or (3 if quick else 5),
+        multinode=multinode if "workspace" in groups else (),
     )
     if settings.layers <= 5 and settings.breakdown:
         parser.error("--layers must be above 5 with --breakdown")
@@ -1312,6 +2142,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             document = {"command": command, "environment": environment(), "write_costs": costs}
             args.json.write_text(json.dumps(document, indent=2) + "\n")
         return 0
+    if args.workspace_costs:
+        torch.set_num_threads(1)
+        with _costs_directories(args.workspace_costs, settings.workspace_dir) as (writer, reader, what):
+            load_before = os.getloadavg()
+            costs = workspace_costs(writer, reader, settings.bulk_bytes, max(settings.repeats, 5))
+        print(f"$ {command}")
+        print(format_write_costs(costs, settings.bulk_bytes, f"through a workspace: {what}"))
+        print(
+            f"load average before {_loads(load_before)}, after {_loads(os.getloadavg())} on {os.cpu_count()} CPUs"
+        )
+        if args.json:
+            document = {"command": command, "environment": environment(), "workspace_costs": costs}
+            args.json.write_text(json.dumps(document, indent=2) + "\n")
+        return 0
     notes = []
     if settings.modelopt:
         clash = sorted(_modelopt_names(settings.nproc) & set(os.listdir(SHM_DIR)))
@@ -1323,18 +2167,52 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = dataclasses.replace(settings, modelopt=False)
     env = environment()
     started = time.perf_counter()
-    report = run_ranks(settings)
+    with local_workspace(settings) as (ranks_settings, local_ws):
+        if "workspace" in settings.groups and local_ws["filesystem"] in ("tmpfs", "ramfs"):
+            notes.append(
+                f"the local workspace {local_ws['path']} is on {local_ws['filesystem']}, not a disk: "
+                "pass --workspace-dir on a disk-backed filesystem"
+            )
+        report = run_ranks(ranks_settings)
+    if local_ws:
+        report["local_workspace"] = {k: v for k, v in local_ws.items() if k != "events"}
+        files = local_ws["events"].count(local_ws["baseline_dir"], report.get("workspace_marks", {}))
+        add_workspace_columns(report["rows"], report.get("workspace_io", {}), files)
+    if settings.multinode:
+        report["multinode"] = []
+        for mode in settings.multinode:
+            print(f"[bench_gather] workspace on 2 simulated nodes over {mode} ...", flush=True)
+            run = run_multinode(settings, mode)
+            if "rows" in run:
+                rows = run.pop("rows")
+                add_workspace_columns(rows, run["report"].get("workspace_io", {}), run["workspace_files"])
+                report["rows"] += rows
+            report["multinode"].append(run)
+            print(f"[bench_gather] {mode}: {run.get('skipped') or ('failed' if 'error' in run else 'done')}")
     report["command"] = command
     report["settings"] = dataclasses.asdict(settings)
     report["environment"] = env
+    report["environment"]["load_average_at_end"] = os.getloadavg()
     report["wall_s"] = time.perf_counter() - started
-    if not settings.modelopt:
+    if "shm" not in settings.groups:
+        pass
+    elif not settings.modelopt:
         notes.append("ModelOpt not compared (--quick or --no-modelopt; pass --modelopt to include it)")
     elif "modelopt_skipped" in report:
         notes.append(f"ModelOpt not importable, skipped: {report['modelopt_skipped']}")
     if settings.quick:
         notes.append("--quick: small sizes; the targets are defined for the full run")
-    notes.append(f"load average at start {env['load_average_at_start']} on {env['cpus']} CPUs")
+    notes.append(
+        f"load average at start {_loads(env['load_average_at_start'])}, at end "
+        f"{_loads(env['load_average_at_end'])} (1/5/15 min) on {env['cpus']} CPUs"
+    )
+    if "workspace" in settings.groups:
+        ws = report.get("local_workspace", {})
+        notes.append(
+            f"workspace cases: local workspace on {ws.get('filesystem')} ({ws.get('path')}), leftovers "
+            f"{ws.get('leftovers')}; files/round = files created in the workspace per round (inotify), "
+            "MiB written/round = sum over ranks of /proc/<pid>/io write_bytes per round"
+        )
     report["notes"] = notes
     _ratio_rows(report["rows"])
     report["targets"] = evaluate_targets(report)
