@@ -124,8 +124,45 @@ def _print_consolidation(report: ConsolidationReport, as_json: bool) -> None:
         print(report.summary())
 
 
+def _consolidate_as_torchrun_rank(
+    args: argparse.Namespace, options: dict[str, Any], layout: CheckpointLayout
+) -> int:
+    """This process is one rank of a torchrun job: join it and consolidate.
+
+    Every rank fails together (the library agrees on the outcome), so only rank 0 prints the cause;
+    another rank prints only when it lost its peers.
+    """
+    from .consolidate.tp_pp import consolidate_checkpoint
+    from .errors import PeerLostError
+
+    needed = layout.tp * layout.pp
+    world = int(os.environ["WORLD_SIZE"])
+    if world not in (needed, 1) or (args.nproc is not None and args.nproc != world):
+        raise _UsageError(
+            f"'{args.input}' is TP {layout.tp} x PP {layout.pp}: start {needed} ranks "
+            f"(torchrun --nproc-per-node {needed}), not {world}"
+        )
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        report = consolidate_checkpoint(args.input, args.output, **options)
+    except (OSError, ValueError, RuntimeError) as exc:
+        if rank == 0 or isinstance(exc, PeerLostError):
+            print(f"distribute-utils consolidate: error (rank {rank}): {_one_line(exc)}", file=sys.stderr)
+        logger.debug("failure", exc_info=True)
+        return 1
+    finally:
+        if created:
+            dist.destroy_process_group()
+    if report.rank == 0:
+        _print_consolidation(report, args.json)
+    return 0
+
+
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from .consolidate.tp_pp import consolidate_checkpoint, consolidate_local, plan_checkpoint
+    from .consolidate.tp_pp import consolidate_local, plan_checkpoint
     from .launch import under_torchrun
 
     options = _consolidate_options(args)
@@ -133,23 +170,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     needed = layout.tp * layout.pp
     try:
         if under_torchrun():
-            world = int(os.environ["WORLD_SIZE"])
-            if world not in (needed, 1) or (args.nproc is not None and args.nproc != world):
-                raise _UsageError(
-                    f"'{args.input}' is TP {layout.tp} x PP {layout.pp}: start {needed} ranks "
-                    f"(torchrun --nproc-per-node {needed}), not {world}"
-                )
-            created = not dist.is_initialized()
-            if created:
-                dist.init_process_group("gloo")
-            try:
-                report = consolidate_checkpoint(args.input, args.output, **options)
-            finally:
-                if created:
-                    dist.destroy_process_group()
-            if report.rank == 0:
-                _print_consolidation(report, args.json)
-            return 0
+            return _consolidate_as_torchrun_rank(args, options, layout)
         nproc = needed if args.nproc is None else args.nproc
         if nproc not in (needed, 1):
             raise _UsageError(

@@ -130,7 +130,7 @@ def run_demo(
     Raises:
         ValueError: ``tp * pp != nproc`` or a non-positive size.
         ConsolidationError: the consolidation failed (cause and rank named).
-        AssertionError: never expected: the output differs from the original (tensor named).
+        RuntimeError: never expected: the output differs from the original (tensor named).
     """
     from .consolidate import load_safetensors, make_gpt_state_dict, shard_state_dict, write_own_layout
     from .consolidate.synthetic import balanced_layers_per_stage, synthetic_size_for
@@ -162,7 +162,7 @@ def run_demo(
         report = ConsolidationReport.from_dict(results[0]["report"])
         merged = load_safetensors(report.files[0])
         if set(merged) != set(original):
-            raise AssertionError(f"output names differ: {sorted(set(merged) ^ set(original))[:5]}")
+            raise RuntimeError(f"output names differ: {sorted(set(merged) ^ set(original))[:5]}")
         verified = 0
         for name, tensor in original.items():
             got = merged[name]
@@ -171,7 +171,7 @@ def run_demo(
                 or got.shape != tensor.shape
                 or not torch.equal(_bits(got), _bits(tensor))
             ):
-                raise AssertionError(f"tensor '{name}' of the output differs from the original")
+                raise RuntimeError(f"tensor '{name}' of the output differs from the original")
             verified += 1
         del merged
         model = (
@@ -200,7 +200,8 @@ def format_demo(result: DemoResult) -> str:
     """The demo's printed report."""
     r = result.report
     lines = [
-        f"distribute-utils demo: {result.nproc} local ranks (gloo + shared memory), TP {result.tp} x PP {result.pp}",
+        f"distribute-utils demo: {result.nproc} local ranks (gloo + shared memory), "
+        f"TP {result.tp} x PP {result.pp}",
         "",
         "[1/2] mesh: groups, a collective and a barrier per axis",
         *_mesh_lines(result.mesh),
@@ -210,7 +211,8 @@ def format_demo(result: DemoResult) -> str:
         f"  layout:     own (mesh.json), safetensors shards, TP {r.tp} x PP {r.pp}, "
         f"layers per stage {result.layers_per_stage}",
         f"  transport:  {r.transport} ({r.rounds} rounds of <= {r.batch_bytes / 2**20:.0f} MiB per stage)",
-        f"  moved:      {r.tensors} tensors, {r.bytes / 1e6:.1f} MB in {r.seconds:.2f} s ({r.gb_per_s:.2f} GB/s)",
+        f"  moved:      {r.tensors} tensors, {r.bytes / 1e6:.1f} MB in {r.seconds:.2f} s "
+        f"({r.gb_per_s:.2f} GB/s)",
         f"  peak memory of rank 0 (VmHWM): {r.peak_rss_bytes / 2**20:.0f} MiB",
         f"  verified bit-exact: {result.verified} tensors",
     ]

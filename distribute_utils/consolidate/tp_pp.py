@@ -24,9 +24,9 @@ sends an empty one. Call order, on every rank, for ``r in range(rounds)``:
 
 Rank 0 hands what it receives to a writer thread (``pwrite``/``pwritev`` straight from the received views),
 so senders fill round ``r + 1`` while round ``r`` is being written; a sender is released as soon as rank 0
-has mapped its payload, and TP groups of different stages never wait for each other. Rank 0 holds at most
-three batches per stage (one being written, two queued) plus the pages of its own shard (remapped every
-batch), never the model.
+has mapped its payload, and TP groups of different stages never wait for each other. Rank 0 holds the
+batches of at most three rounds (one being written, one queued, one arriving): about ``3 * pp *
+batch_bytes`` plus the pages of its own shard (remapped every batch), never the model.
 
 Errors: a failure on any rank (a ``same`` tensor that differs, a full disk, a bad shard) does not leave the
 others hanging: the failing rank keeps taking part in the remaining rounds with an error marker instead of
@@ -87,7 +87,6 @@ OUTPUT_FORMATS = ("safetensors", "torch")
 # A memory-mapped safetensors shard is remapped after _REMAP_FACTOR * batch_bytes were read from it, so that
 # pages already sent leave the resident set (re-parsing the header costs ~1 ms).
 _REMAP_FACTOR = 1
-_SYNC_WRITES = os.environ.get("DU_SYNC_WRITES") == "1"  # experiment toggle
 _TENSOR_IN_MESSAGE = re.compile(r"tensor '([^']+)'")
 
 Item = torch.Tensor | list[torch.Tensor]
@@ -429,11 +428,11 @@ def _progress(total: int, enabled: bool, desc: str) -> Any:
 class _BackgroundWriter:
     """Rank 0's writes, in a thread: senders fill round ``r + 1`` while round ``r`` is being written.
 
-    ``submit`` blocks while ``depth`` batches are already waiting, which bounds what rank 0 holds. A write
+    ``submit`` blocks while ``depth`` rounds are already waiting, which bounds what rank 0 holds. A write
     error is kept and raised (once) by the next ``submit`` or by ``finish``; later batches are dropped.
     """
 
-    def __init__(self, writer: CheckpointWriter, bar: Any, depth: int = 2) -> None:
+    def __init__(self, writer: CheckpointWriter, bar: Any, depth: int = 1) -> None:
         self._writer, self._bar = writer, bar
         self._queue: queue.Queue[list[tuple[MergePlanEntry, Item, list[int]]] | None] = queue.Queue(depth)
         self._error: BaseException | None = None
@@ -455,7 +454,6 @@ class _BackgroundWriter:
                 except BaseException as exc:
                     self._error = exc
             del tasks
-            self._queue.task_done()
 
     def _check(self) -> None:
         if self._error is not None and not self._raised:
@@ -467,8 +465,6 @@ class _BackgroundWriter:
         self._check()
         if self._error is None:
             self._queue.put(tasks)
-            if _SYNC_WRITES:
-                self._queue.join()
 
     def finish(self) -> None:
         """Waits until everything queued is written; raises a write error."""
@@ -969,7 +965,7 @@ def consolidate_checkpoint(
 def _rank_main(
     input_dir: str, output: str, options: dict[str, Any], before: Callable[[], Any] | None = None
 ) -> dict[str, Any]:
-    """One spawned local rank: optional ``before()``, then :func:`consolidate_checkpoint`; never raises.
+    """One spawned local rank: optional ``before()``, then :func:`consolidate_checkpoint` (errors returned).
 
     Returns ``{"before": ..., "report": dict}`` or ``{"before": ..., "error": [rank, kind, message]}``
     so that the launcher can report the originating rank's error rather than the first to arrive.

@@ -1,0 +1,315 @@
+"""The ``distribute-utils`` command line: help, usage errors (exit 2), one-line failures (exit 1), real runs.
+
+Most cases run ``main(argv)`` in this process (errors are found before any rank is spawned; ``--nproc 1``
+consolidates in-process); a few run the real command: spawning ranks, under ``torchrun``, the demo, and a
+full disk in a private mount namespace (root only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distribute_utils.cli import build_parser, main
+from distribute_utils.consolidate import (
+    load_safetensors,
+    make_gpt_state_dict,
+    shard_state_dict,
+    write_megatron_legacy,
+    write_own_layout,
+)
+
+LPS = [3, 1]
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="needs root and unshare to mount a private small tmpfs",
+)
+
+
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "distribute_utils", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(_bits(got[name]), _bits(tensor)), name
+
+
+def _load_dir(out: Path) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for path in sorted(out.glob("*.safetensors")):
+        found.update(load_safetensors(path))
+    return found
+
+
+def _exit_code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
+@pytest.fixture(scope="module")
+def model() -> dict[str, torch.Tensor]:
+    return make_gpt_state_dict(num_layers=4, hidden=64, ffn_hidden=256, vocab=512, seed=11)
+
+
+@pytest.fixture(scope="module")
+def ckpt(model: dict[str, torch.Tensor], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt")
+    write_own_layout(root, shard_state_dict(model, 2, 2, layers_per_stage=LPS), layers_per_stage=LPS)
+    return root
+
+
+# --------------------------------------------------------------------------------------------------------
+# Help.
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {"": parser, **action.choices}
+
+
+@pytest.mark.parametrize("command", ["", "consolidate", "demo"])
+def test_help_exits_0_and_mentions_every_option(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = _subparsers()[command]
+    assert _exit_code([*([command] if command else []), "--help"]) == 0
+    out = capsys.readouterr().out
+    for action in parser._actions:
+        for option in action.option_strings:
+            assert option in out, f"{option} missing from `{command} --help`"
+        if not action.option_strings and action.dest != "command":
+            assert action.metavar in out
+    if command == "consolidate":
+        for text in (
+            "mesh.json",
+            "mp_rank_XX",
+            "exit codes",
+            "usage error",
+            "default safetensors",
+            "torchrun",
+        ):
+            assert text in out, text
+    if command == "":
+        assert "consolidate" in out and "demo" in out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Usage errors: exit code 2, before any rank is spawned.
+
+
+def test_usage_errors_exit_2(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "out")
+    cases = {
+        "--nproc 3 does not fit": ["consolidate", str(ckpt), out, "--nproc", "3"],
+        "bad size '12XB': unknown unit 'XB'": ["consolidate", str(ckpt), out, "--max-shard-size", "12XB"],
+        "is not a checkpoint": ["consolidate", str(tmp_path), out],
+        "does not exist": ["consolidate", str(tmp_path / "nope"), out],
+        "expected a positive number of seconds": ["consolidate", str(ckpt), out, "--timeout", "-1"],
+        "invalid choice: 'npz'": ["consolidate", str(ckpt), out, "--format", "npz"],
+        "--tp 2 x --pp 2 = 4, but --nproc is 3": ["demo", "--nproc", "3"],
+    }
+    rules = tmp_path / "bad.rules"
+    rules.write_text("*.weight avg\n")
+    cases["bad.rules:1: unknown merge rule 'avg'"] = ["consolidate", str(ckpt), out, "--rules", str(rules)]
+    for expected, argv in cases.items():
+        assert _exit_code(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert expected in err, (argv, err)
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Failures: exit code 1 and one line naming the cause.
+
+
+def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("distribute-utils consolidate: error: ")
+    return lines[0]
+
+
+def test_missing_shard_file_is_named(
+    model: dict[str, torch.Tensor], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inp = tmp_path / "in"
+    write_own_layout(inp, shard_state_dict(model, 2, 2, layers_per_stage=LPS), layers_per_stage=LPS)
+    (inp / "rank_00002.safetensors").unlink()
+    assert _exit_code(["consolidate", str(inp), str(tmp_path / "out"), "-q"]) == 1
+    line = _one_error_line(capsys)
+    assert f"'{inp / 'rank_00002.safetensors'}'" in line and "(tp=0, pp=1) is missing" in line
+
+
+def test_shape_mismatch_names_tensor_and_ranks(
+    model: dict[str, torch.Tensor], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shards = shard_state_dict(model, 2, 2, layers_per_stage=LPS)
+    shards[(1, 0)]["decoder.layers.1.self_attention.linear_qkv.weight"] = torch.zeros(
+        96, 63, dtype=torch.bfloat16
+    )
+    inp = tmp_path / "in"
+    write_own_layout(inp, shards, layers_per_stage=LPS)
+    assert _exit_code(["consolidate", str(inp), str(tmp_path / "out"), "-q"]) == 1
+    line = _one_error_line(capsys)
+    assert "tensor 'decoder.layers.1.self_attention.linear_qkv.weight'" in line
+    assert "rank 0: (96, 64), rank 1: (96, 63)" in line and "TP rank 1 = global rank 1" in line
+
+
+def test_data_mismatch_in_process_exit_1(
+    model: dict[str, torch.Tensor], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shards = shard_state_dict(model, 2, 2, layers_per_stage=LPS)
+    norm = "decoder.final_layernorm.bias"
+    shards[(1, 1)][norm] = shards[(1, 1)][norm] + 1
+    inp, out = tmp_path / "in", tmp_path / "out"
+    write_own_layout(inp, shards, layers_per_stage=LPS)
+    assert _exit_code(["consolidate", str(inp), str(out), "--nproc", "1", "-q"]) == 1
+    line = _one_error_line(capsys)
+    assert f"tensor '{norm}'" in line and "rank 3 differ from rank 2" in line
+    assert not list(out.iterdir())
+
+
+# --------------------------------------------------------------------------------------------------------
+# Successful runs.
+
+
+def test_nproc_1_in_process_torch_format(
+    model: dict[str, torch.Tensor], ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert (
+        _exit_code(["consolidate", str(ckpt), str(out), "--nproc", "1", "--format", "torch", "-q", "--json"])
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert report["world_size"] == 1 and report["format"] == "torch"
+    _assert_bit_exact(torch.load(out / "pytorch_model.bin", weights_only=True), model)
+
+
+def test_consolidate_spawns_ranks(
+    model: dict[str, torch.Tensor], ckpt: Path, tmp_path: Path, no_shm_leak: None
+) -> None:
+    out = tmp_path / "out"
+    proc = _cli("consolidate", str(ckpt), str(out), "--max-shard-size", "200KB", "--quiet", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["world_size"] == 4 and report["transport"] == "shm" and report["tensors"] == len(model)
+    assert report["files"][-1] == str(out / "model.safetensors.index.json")
+    assert report["peak_rss_bytes"] > 0
+    _assert_bit_exact(_load_dir(out), model)
+    assert "Traceback" not in proc.stderr and "error" not in proc.stderr.lower(), proc.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_consolidate_under_torchrun_megatron(
+    model: dict[str, torch.Tensor], tmp_path: Path, no_shm_leak: None
+) -> None:
+    inp, out = tmp_path / "meg", tmp_path / "out"
+    write_megatron_legacy(inp, shard_state_dict(model, 2, 2, layers_per_stage=LPS), iteration=50)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "4",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "distribute_utils",
+        "consolidate",
+        str(inp),
+        str(out),
+        "--quiet",
+        "--json",
+    ]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)  # only rank 0 prints
+    assert (report["layout"], report["world_size"], report["tp"], report["pp"]) == (
+        "megatron_legacy",
+        4,
+        2,
+        2,
+    )
+    _assert_bit_exact(load_safetensors(out / "model.safetensors"), model)
+
+
+def test_python_m_demo(no_shm_leak: None) -> None:
+    temp = Path(os.environ.get("TMPDIR", "/tmp"))
+    before = set(temp.glob("du_demo_*"))
+    proc = _cli("demo")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "verified bit-exact: " in proc.stdout
+    assert "[1/2] mesh" in proc.stdout and "tp group [0, 1]: all_reduce sum 1, barrier ok" in proc.stdout
+    assert "transport:  shm" in proc.stdout and "peak memory of rank 0" in proc.stdout
+    assert set(temp.glob("du_demo_*")) <= before, "the demo left its temporary directory"
+
+
+# --------------------------------------------------------------------------------------------------------
+# A full disk (root: a private small tmpfs).
+
+
+def _in_small_tmpfs(mount: Path, size: str, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    mount.mkdir()
+    cli = " ".join([sys.executable, "-m", "distribute_utils", *argv])
+    script = f"mount --make-rprivate / && mount -t tmpfs -o size={size} tmpfs {mount} && exec {cli}"
+    return subprocess.run(
+        ["unshare", "--mount", "--fork", "sh", "-c", script], capture_output=True, text=True, timeout=120
+    )
+
+
+@needs_root
+def test_disk_full_names_the_path(model: dict[str, torch.Tensor], ckpt: Path, tmp_path: Path) -> None:
+    total = sum(t.numel() * t.element_size() for t in model.values())
+    # too small from the start: refused before anything moves
+    proc = _in_small_tmpfs(
+        tmp_path / "tiny",
+        "64k",
+        ["consolidate", str(ckpt), str(tmp_path / "tiny" / "out"), "--nproc", "1", "-q"],
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "[Errno 28] no space left for the consolidated checkpoint" in lines[0]
+    assert f"'{tmp_path / 'tiny' / 'out'}'" in lines[0]
+    # room for the tensor bytes but not for many small files' page slack: fails while writing
+    size = f"{(total // 4096 + 2) * 4}k"
+    out = tmp_path / "small" / "out"
+    proc = _in_small_tmpfs(
+        tmp_path / "small",
+        size,
+        ["consolidate", str(ckpt), str(out), "--nproc", "1", "-q", "--max-shard-size", "16KB"],
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "No space left on device" in lines[0] and f"'{out}'" in lines[0], lines
+    assert "cannot write tensor '" in lines[0]
