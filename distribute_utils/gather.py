@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import sync, wire
-from .errors import GatherError, PayloadError, TransportUnavailableError
+from .errors import GatherError, PayloadError, SpaceError, TransportUnavailableError
 from .mesh import ProcessGroupMesh
 from .transports import CollectiveTransport, SharedMemoryTransport, Transport
 
@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "shm", "workspace", "collective")
 _OK = "ok"
+_OK_WORKSPACE = "ok:workspace"  # published to the workspace instead: /dev/shm had no room
 
 
 @dataclass(frozen=True)
@@ -203,9 +204,14 @@ def _gather(
     device: str | torch.device | None,
     root: str,
 ) -> Iterator[list[Any]]:
-    seconds = sync.resolve_timeout(timeout)
+    # Local mistakes are reported through the agreement, so every rank raises, none waits.
+    local_error: ValueError | None = None
+    try:
+        seconds = sync.resolve_timeout(timeout)
+    except ValueError as exc:
+        seconds, local_error = sync.DEFAULT_TIMEOUT_S, exc
     if transport not in TRANSPORTS:
-        raise ValueError(f"unknown transport {transport!r}; valid: {list(TRANSPORTS)}")
+        local_error = ValueError(f"unknown transport {transport!r}; valid: {list(TRANSPORTS)}")
     companion = sync.companion(group)
     members, me = companion.ranks, companion.rank
     peers = dict(zip(members, companion.peers(seconds)))
@@ -215,8 +221,14 @@ def _gather(
     plan: _Plan | None = None
     payload: wire.EncodedPayload | None = None
     try:
+        if local_error is not None:
+            raise local_error
+        if root == "tensor":
+            _check_tensor(value)  # a local mistake: every rank raises, none waits for it
         checked = _check_ranks(ranks, members)
         plan = _plan(transport, checked, peers, workspace_path is not None)
+        if me == checked[0]:
+            _check_device(device)
         if me in checked[1:]:
             direct = plan.hosts.get(me) == [me]
             payload = wire.encode(
@@ -244,9 +256,9 @@ def _gather(
     carrier_group, carrier_device = _collective_route(group, on_device)
     if payload is not None and carrier_device.type == "cpu":
         payload = payload.to_cpu()
-    route = _Route(
-        plan, round_, token, seconds, companion, (carrier_group, carrier_device), workspace_path, peers
-    )
+    # A forced "shm" never falls back to the workspace: /dev/shm too small is then an error.
+    fallback = workspace_path if transport != "shm" else None
+    route = _Route(plan, round_, token, seconds, companion, (carrier_group, carrier_device), fallback, peers)
     logger.debug("round %s: %s", token, route.what)
 
     if me == plan.first:
@@ -282,15 +294,26 @@ class _Route:
         self._companion, self._carrier, self._workspace_path = companion, carrier, workspace_path
         self._local = SharedMemoryTransport({r: p.pid for r, p in peers.items()})
         self._cross: Transport | None = None
+        self._workspace: Transport | None = None
+        self._in_workspace: set[int] = set()  # local senders that published to the workspace
+
+    @property
+    def workspace(self) -> Transport:
+        """The workspace transport of the job (made on first use; sweeps dead jobs' leftovers)."""
+        if self._workspace is None:
+            from .transports.workspace import WorkspaceTransport, job_token
+
+            self._workspace = WorkspaceTransport(
+                self._workspace_path, job_token(), self.seconds, sweep_stale=True
+            )
+        return self._workspace
 
     @property
     def cross(self) -> Transport:
         """The transport between host leaders and the first rank (made on first use)."""
         if self._cross is None:
             if self.plan.cross == "workspace":
-                from .transports.workspace import WorkspaceTransport, job_token
-
-                self._cross = WorkspaceTransport(self._workspace_path, job_token(), self.seconds)
+                self._cross = self.workspace
             else:
                 group, device = self._carrier
                 self._cross = CollectiveTransport(group, self.plan.first, self.seconds, device)
@@ -301,17 +324,49 @@ class _Route:
     def sending_to_leader(self, payload: wire.EncodedPayload) -> Iterator[None]:
         """A participant that is not a leader: publish into shared memory for its leader."""
         try:
-            self._local.publish(self.token, self.me, payload)
+            where = self._publish_on_host(payload)
         except Exception as exc:
             self.round.post("pub", _status(exc))
             raise
         del payload
-        self.round.post("pub", _OK.encode())
+        self.round.post("pub", where.encode())
         try:
             with self.leaving():
                 yield
         finally:
-            self._local.release(self.token, self.me)
+            if where == _OK_WORKSPACE:
+                self.workspace.release(self.token, self.me)
+            else:
+                self._local.release(self.token, self.me)
+
+    def _publish_on_host(self, payload: wire.EncodedPayload) -> str:
+        """Publish into ``/dev/shm``, or into the workspace when one is given and shm has no room.
+
+        Returns:
+            The "pub" status to post: where the receiver finds the payload.
+        """
+        try:
+            self._local.publish(self.token, self.me, payload)
+            return _OK
+        except SpaceError:
+            if self._workspace_path is None:
+                raise
+        logger.warning(
+            "%s: /dev/shm cannot hold rank %d's payload of %d bytes; it goes through the workspace %s",
+            self.what,
+            self.me,
+            payload.nbytes,
+            self._workspace_path,
+        )
+        self.workspace.publish(self.token, self.me, payload.with_checksum())
+        return _OK_WORKSPACE
+
+    def _fetch_on_host(self, rank: int, status: bytes) -> Any:
+        """The payload a sender of this host published, from where its status says."""
+        if _published(status, f"rank {rank}") == _OK_WORKSPACE:
+            self._in_workspace.add(rank)  # so that a failure discards it there
+            return self.workspace.fetch(self.token, rank)
+        return self._local.fetch(self.token, rank)
 
     @contextmanager
     def forwarding(self, own: wire.EncodedPayload) -> Iterator[None]:
@@ -335,10 +390,10 @@ class _Route:
         try:
             statuses = self.round.wait("pub", others, self.seconds, self.what)
             for rank, status in zip(others, statuses):
-                _expect_ok(status, f"rank {rank}")
+                _published(status, f"rank {rank}")
             parts = [torch.frombuffer(bytearray(own.to_bytes()), dtype=torch.uint8)]
-            for rank in others:
-                parts.append(torch.frombuffer(self._local.fetch(self.token, rank), dtype=torch.uint8))
+            for rank, status in zip(others, statuses):
+                parts.append(torch.frombuffer(self._fetch_on_host(rank, status), dtype=torch.uint8))
         except BaseException:
             self._discard(others, [])
             raise
@@ -363,19 +418,24 @@ class _Route:
     def receive(self, own: Any, device: str | torch.device | None) -> list[Any]:
         """Wait for every payload, decode them in ``ranks`` order, post "done"."""
         plan = self.plan
-        target = torch.device(device) if device is not None else None
-        found: dict[int, Any] = {
-            plan.first: own.to(target) if target is not None and isinstance(own, torch.Tensor) else own
-        }
         local = plan.hosts[plan.first][1:]
         leaders = [leader for leader in plan.hosts if leader != plan.first]
+        found: dict[int, Any] = {}
         try:
-            for tag, who in (("pub", local), ("xpub", leaders)):
-                if who:
-                    for rank, status in zip(who, self.round.wait(tag, who, self.seconds, self.what)):
-                        _expect_ok(status, f"rank {rank}")
+            target = torch.device(device) if device is not None else None
+            found[plan.first] = (
+                own.to(target) if target is not None and isinstance(own, torch.Tensor) else own
+            )
+            statuses: dict[int, bytes] = {}
+            if local:
+                statuses.update(zip(local, self.round.wait("pub", local, self.seconds, self.what)))
+                for rank in local:
+                    _published(statuses[rank], f"rank {rank}")
+            if leaders:
+                for rank, status in zip(leaders, self.round.wait("xpub", leaders, self.seconds, self.what)):
+                    _expect_ok(status, f"rank {rank}")
             for rank in local:
-                found[rank] = self._decode(self._local.fetch(self.token, rank), rank, target)
+                found[rank] = self._decode(self._fetch_on_host(rank, statuses[rank]), rank, target)
             for leader in leaders:
                 value = self._decode(self.cross.fetch(self.token, leader), leader, None)
                 if len(plan.hosts[leader]) == 1:
@@ -393,12 +453,21 @@ class _Route:
         return [found[r] for r in plan.ranks]
 
     def _discard(self, local: list[int], leaders: list[int]) -> None:
-        """After a failure, remove what peers published for us: a dead peer cannot."""
-        for rank in local:
-            self._local.release(self.token, rank)
-        if self.plan.cross == "workspace":
-            for rank in leaders:
-                self.cross.release(self.token, rank)
+        """After a failure, remove what peers published for us: a dead peer cannot.
+
+        Best effort, never raises: the error being handled is the one to report (an unusable
+        workspace, say, must not replace it).
+        """
+        try:
+            for rank in local:
+                self._local.release(self.token, rank)
+                if rank in self._in_workspace:
+                    self.workspace.release(self.token, rank)
+            if self.plan.cross == "workspace":
+                for rank in leaders:
+                    self.cross.release(self.token, rank)
+        except Exception as exc:
+            logger.warning("%s: could not remove what peers published: %s", self.what, exc)
 
     @staticmethod
     def _decode(buffer: Any, rank: int, target: torch.device | None) -> Any:
@@ -425,6 +494,20 @@ def _collective_route(
     return pg, torch.device("cpu")
 
 
+def _check_device(device: str | torch.device | None) -> None:
+    """Raise ValueError when the first rank cannot place results on ``device``."""
+    if device is None:
+        return
+    try:
+        torch.empty(0, device=torch.device(device))
+    except (RuntimeError, TypeError, AssertionError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"device={device!r} is not usable on the first rank ({first_line}); pass a device it has, "
+            "or None for the CPU"
+        ) from None
+
+
 def _status(exc: BaseException) -> bytes:
     return f"{type(exc).__name__}: {exc}".encode()[:4096] or b"error"
 
@@ -432,6 +515,14 @@ def _status(exc: BaseException) -> bytes:
 def _expect_ok(status: bytes, who: str) -> None:
     if status != _OK.encode():
         raise GatherError(f"{who} failed: {status.decode(errors='replace')}")
+
+
+def _published(status: bytes, who: str) -> str:
+    """Where a sender on this host published (:data:`_OK` or :data:`_OK_WORKSPACE`), else raise."""
+    text = status.decode(errors="replace")
+    if text in (_OK, _OK_WORKSPACE):
+        return text
+    raise GatherError(f"{who} failed: {text}")
 
 
 # -- public API ----------------------------------------------------------------------------------
@@ -463,7 +554,8 @@ def get_tensors_parallel(
         tensor: this rank's tensor: any dtype, shape, strides or device.
         ranks: participating global ranks; ``ranks[0]`` receives. The same list everywhere.
         group: the group whose ranks synchronise (the world when None).
-        workspace_path: a directory every rank can reach (NFS), used between hosts.
+        workspace_path: a directory every rank can reach (NFS), used between hosts, and on
+            one host for a payload that ``/dev/shm`` has no room for (logged as a warning).
         transport: ``"auto"`` (shared memory within a host; between hosts the workspace when
             given, else the collective), ``"shm"``, ``"workspace"`` or ``"collective"``.
         timeout: bound on every wait, in seconds or a timedelta (default
@@ -478,9 +570,9 @@ def get_tensors_parallel(
         ValueError: bad or disagreeing ``ranks``, unknown transport (on every rank).
         TransportUnavailableError: ``"shm"`` across hosts.
         PeerLostError: a rank did not arrive within ``timeout`` (named).
-        SpaceError: no room for a payload in ``/dev/shm`` or the workspace.
+        SpaceError: no room for a payload in ``/dev/shm`` (and no workspace given) or in the
+            workspace.
     """
-    _check_tensor(tensor)
     options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
     with _gather(tensor, ranks, group, root="tensor", **options) as out:
         yield out
@@ -527,7 +619,6 @@ def gather_tensors(
     Must be entered on every rank of that group; groups along the axis proceed independently.
     Options as in :func:`get_tensors_parallel`.
     """
-    _check_tensor(tensor)
     ranks = mesh.ranks_along_axis(axis)
     group = mesh.cached_group_along_axis(axis) or ranks
     options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}

@@ -312,6 +312,20 @@ class EncodedPayload:
         """The whole payload as one ``bytes`` object (one copy)."""
         return b"".join(self._segments)
 
+    def with_checksum(self) -> EncodedPayload:
+        """The same payload with its CRC-32 set (``self`` when it already carries one).
+
+        For a payload encoded without a checksum that must now travel where bytes can go
+        stale (a network filesystem): one read of the tensor bytes, no re-encoding.
+        """
+        _, _, flags, header_len, total, _ = _PREFIX.unpack_from(self.head)
+        if flags & FLAG_CHECKSUM:
+            return self
+        body = self.head[PREFIX_SIZE:]
+        crc = _crc(_segments_after(len(self.head), self.chunks, total), zlib.crc32(body))
+        head = _PREFIX.pack(MAGIC, VERSION, flags | FLAG_CHECKSUM, header_len, total, crc) + body
+        return EncodedPayload(self.nbytes, head, self.chunks)
+
 
 def _layout_segments(
     head: bytes, chunks: tuple[tuple[int, torch.Tensor], ...], nbytes: int

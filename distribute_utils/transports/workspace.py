@@ -19,7 +19,8 @@ an old file can never be mistaken for a new one (NFS/FUSE clients cache sizes pe
 
 :class:`NFSWorkspace` is the ModelOpt-compatible face of the same directory (``torch.save`` /
 ``torch.load(weights_only=True)``); :func:`sweep_stale_namespaces` removes what crashed jobs
-left. See ``docs/multinode.md``.
+left, and runs once per process when a gather or an :class:`NFSWorkspace` opens the job's
+namespace. See ``docs/multinode.md``.
 """
 
 from __future__ import annotations
@@ -593,6 +594,9 @@ class WorkspaceTransport:
         read_mode: ``"mmap"`` maps files privately (zero-copy; local filesystems only),
             ``"read"`` copies them into memory, ``"auto"`` maps on local filesystems and reads
             on network ones.
+        sweep_stale: once per process and workspace, remove the namespaces of dead jobs
+            (:func:`sweep_stale_namespaces`; failures are logged, not raised). The gather
+            functions and :class:`NFSWorkspace` do this when they open a job's namespace.
 
     Raises:
         WorkspaceError: the workspace is missing (parent too), not a directory, not writable.
@@ -608,10 +612,13 @@ class WorkspaceTransport:
         *,
         fsync: bool = True,
         read_mode: ReadMode = "auto",
+        sweep_stale: bool = False,
     ) -> None:
         if read_mode not in ("auto", "read", "mmap"):
             raise ValueError(f"read_mode must be 'auto', 'read' or 'mmap'; got {read_mode!r}")
         self._ns = _open_namespace(workspace_path, job_token, timeout)
+        if sweep_stale:
+            _sweep_once(self._ns.workspace, timeout)
         self._timeout = float(timeout)
         self._fsync = fsync
         self._mmap = read_mode == "mmap" or (read_mode == "auto" and self._ns.fs_type in _LOCAL_FS)
@@ -788,6 +795,7 @@ class NFSWorkspace:
         self._timeout = resolve_timeout(None)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._ns = _open_namespace(workspace_path, job_token(), self._timeout)
+        _sweep_once(self._ns.workspace, self._timeout)
         self.path = Path(self._ns.path)
         self._mmap = self._ns.fs_type in _LOCAL_FS
         key = (self._ns.path, self.rank)
@@ -1073,3 +1081,25 @@ def sweep_stale_namespaces(
                 logger.info("removed stale namespace %s: %s", entry.path, reason)
             found.append((entry.path, reason))
     return found
+
+
+_SWEPT: set[str] = set()
+
+
+def _sweep_once(workspace: str, timeout: float) -> None:
+    """Sweep ``workspace`` for dead jobs' namespaces, once per process; never raises.
+
+    Called when a job opens its namespace (after it exists, so the sweep skips it), so what a
+    crashed job left is removed by the next job that uses the workspace.
+    """
+    with _NS_LOCK:
+        if workspace in _SWEPT:
+            return
+        _SWEPT.add(workspace)
+    try:
+        removed = sweep_stale_namespaces(workspace, timeout=timeout)
+    except (OSError, DistributeError) as exc:
+        logger.warning("could not sweep stale namespaces in %s: %s", workspace, exc)
+        return
+    if removed:
+        logger.info("swept %d stale namespace(s) of dead jobs from %s", len(removed), workspace)

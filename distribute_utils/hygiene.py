@@ -1,0 +1,432 @@
+"""Operator checks: what ``distribute-utils doctor`` reports and ``distribute-utils clean`` removes.
+
+``doctor`` looks at everything a gather depends on and says what would make one fail:
+
+- ``/dev/shm``: present, writable, its size and free space. A gather on one host needs room
+  for every sender's payload at once; below :data:`SHM_MIN_FREE_BYTES` (64 MiB, Docker's
+  default ``--shm-size``) free, doctor reports a problem;
+- our segments in it (``du_<token>_<rank>_<pid>``): the owner pid from the name, alive or dead
+  in this pid namespace, the size. Segments of dead owners are notes, not problems (they only
+  take space, which the free-space check sees): ``clean`` removes them;
+- the workspace, when given: a directory, writable, its filesystem, free space, and the time
+  of one small round trip through :class:`~distribute_utils.transports.WorkspaceTransport`
+  (write, ``fsync``, rename, read, checksum), as a gather does it; its job namespaces with
+  their owners (alive, dead, or on another host: unknown), age, and whether the next job's
+  sweep will remove them;
+- torch: version, ``torch.distributed`` and its backends (gloo, nccl, mpi), CUDA.
+
+``clean`` removes what dead jobs left, and nothing else: segments whose owner pid does not run
+in this pid namespace, and namespaces :func:`~distribute_utils.transports.sweep_stale_namespaces`
+judges stale (every owner on this host and exited, or untouched for 24 h with owners
+elsewhere). A live job's segments and namespaces are never touched. Caveat: a pid can only be
+checked in this pid namespace; if ``/dev/shm`` is shared with containers in other pid
+namespaces (``--ipc=host``), run ``clean`` where the jobs ran, or when none is running.
+
+Both write their report to ``out`` and return the exit code (0 ok, 1 problem).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import stat
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+from ._host import SHM_DIR, ProcessInfo, process_alive, this_process
+from .errors import DistributeError
+
+__all__ = [
+    "PROBE_BYTES",
+    "SHM_MIN_FREE_BYTES",
+    "NamespaceInfo",
+    "Segment",
+    "clean",
+    "doctor",
+    "find_segments",
+    "inspect_namespaces",
+    "workspace_round_trip",
+]
+
+SHM_MIN_FREE_BYTES = 64 * 2**20
+"""Free ``/dev/shm`` below which ``doctor`` reports a problem (Docker's default size)."""
+PROBE_BYTES = 2**20
+"""Size of the payload of ``doctor``'s workspace round trip."""
+
+_SEGMENT_RE = re.compile(r"du_(?P<token>[0-9a-f]+)_(?P<rank>\d+)_(?P<pid>\d+)")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs in this pid namespace (a zombie counts as dead)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[-1].split()
+    except OSError:
+        return False
+    return bool(fields) and fields[0] != "Z"
+
+
+# -- segments ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Segment:
+    """One ``du_*`` entry of ``/dev/shm``.
+
+    Attributes:
+        name: file name, ``du_<token>_<rank>_<pid>`` when it is one of ours.
+        path: full path.
+        size: bytes it holds.
+        uid: owner user id.
+        pid: the owner process from the name, None when the name is not one of ours.
+        alive: whether that process runs in this pid namespace (None when ``pid`` is None).
+    """
+
+    name: str
+    path: str
+    size: int
+    uid: int
+    pid: int | None
+    alive: bool | None
+
+    @property
+    def stale(self) -> bool:
+        """Its owner has exited: ``clean`` removes it."""
+        return self.alive is False
+
+
+def find_segments(shm_dir: str = SHM_DIR) -> list[Segment]:
+    """Every ``du_*`` entry of ``shm_dir``, sorted by name (empty when it does not exist)."""
+    found = []
+    try:
+        names = sorted(os.listdir(shm_dir))
+    except OSError:
+        return []
+    for name in names:
+        if not name.startswith("du_"):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        m = _SEGMENT_RE.fullmatch(name)
+        pid = int(m["pid"]) if m else None
+        found.append(
+            Segment(name, path, st.st_size, st.st_uid, pid, None if pid is None else _pid_alive(pid))
+        )
+    return found
+
+
+# -- namespaces --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NamespaceInfo:
+    """One job namespace of a workspace.
+
+    Attributes:
+        path: the ``du-job-<token>`` directory.
+        age_s: seconds since anything in it last changed.
+        owners: ``(who, state)`` per owner record; state is ``"alive"``, ``"dead"`` or
+            ``"unknown (another host)"``.
+        unreadable: owner records that could not be read.
+        stale: why the next sweep (or ``clean``) removes it; None when it is kept.
+    """
+
+    path: str
+    age_s: float
+    owners: tuple[tuple[str, str], ...]
+    unreadable: int
+    stale: str | None
+
+
+def inspect_namespaces(workspace: str) -> list[NamespaceInfo]:
+    """The job namespaces in ``workspace`` and their owners (reads only)."""
+    from .transports import workspace as ws
+
+    me = this_process()
+    now = time.time()
+    found = []
+    for entry in sorted(os.scandir(workspace), key=lambda e: e.name):
+        if not entry.name.startswith(ws.NAMESPACE_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            records, unreadable, newest = ws._owner_records(entry.path)
+            stale = ws._judge(entry.path, me, ws.DEFAULT_SWEEP_AGE_S, now)
+        except OSError:
+            continue  # removed meanwhile
+        owners = []
+        for r in records:
+            info = ProcessInfo(
+                str(r["hostname"]),
+                str(r["boot_id"]),
+                -1,
+                int(r["pid_namespace"]),
+                int(r["pid"]),
+                int(r["start_time"]),
+            )
+            if me.can_watch(info):
+                state = "alive" if process_alive(info) else "dead"
+            else:
+                state = "unknown (another host)"
+            owners.append((f"{info.hostname} pid {info.pid}", state))
+        found.append(NamespaceInfo(entry.path, now - newest, tuple(owners), unreadable, stale))
+    return found
+
+
+def workspace_round_trip(workspace: str, nbytes: int = PROBE_BYTES, timeout: float = 30.0) -> float:
+    """Seconds one payload of ``nbytes`` takes through the workspace, as in a gather.
+
+    Publishes (write, ``fsync``, rename) and fetches (read, length and checksum check) a
+    payload in a namespace of its own, then removes it. The workspace must exist.
+
+    Raises:
+        WorkspaceError: not a directory or not writable; SpaceError: no room;
+        PayloadError: the bytes read back differ from those written.
+    """
+    import torch
+
+    from . import wire
+    from .errors import PayloadError
+    from .transports.workspace import WorkspaceTransport
+
+    data = torch.arange(nbytes // 4, dtype=torch.int32)
+    payload = wire.encode({"doctor": data}, checksum=True)
+    token = secrets.token_hex(8)
+    with WorkspaceTransport(workspace, f"doctor-{secrets.token_hex(8)}", timeout, read_mode="read") as tr:
+        start = time.perf_counter()
+        try:
+            tr.publish(token, 0, payload)
+            back = wire.decode(tr.fetch(token, 0))
+        finally:
+            tr.release(token, 0)
+        elapsed = time.perf_counter() - start
+    if not torch.equal(back["doctor"], data):
+        raise PayloadError(f"the round trip through {workspace} returned different bytes")
+    return elapsed
+
+
+# -- doctor ------------------------------------------------------------------------------------
+class _Report:
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.problems: list[str] = []
+        self.notes: list[str] = []
+
+    def line(self, text: str = "", indent: int = 1) -> None:
+        self.out.write("  " * indent + text + "\n")
+
+    def problem(self, text: str) -> None:
+        self.problems.append(text)
+        self.line(f"PROBLEM: {text}", 2)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+
+def _torch_section(rep: _Report) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:  # pragma: no cover - torch is a dependency
+        rep.line("torch: not importable")
+        rep.problem(f"cannot import torch: {exc}")
+        return
+    available = dist.is_available()
+    backends = []
+    if available:
+        for name in ("gloo", "nccl", "mpi"):
+            check = getattr(dist, f"is_{name}_available", None)
+            backends.append(f"{name} {'yes' if check is not None and check() else 'no'}")
+    cuda = torch.cuda.is_available()
+    rep.line(
+        f"torch {torch.__version__}; torch.distributed: {'yes' if available else 'no'}"
+        + (f" ({', '.join(backends)})" if backends else "")
+        + f"; CUDA: {f'{torch.cuda.device_count()} device(s)' if cuda else 'not available'}"
+    )
+    if not available:
+        rep.problem("torch.distributed is not available in this torch build: gathers cannot run")
+
+
+def _shm_section(rep: _Report, shm_dir: str) -> list[Segment]:
+    if not os.path.isdir(shm_dir):
+        rep.line(f"{shm_dir}: missing")
+        rep.problem(
+            f"{shm_dir} does not exist: ranks on one host cannot share memory (pass a workspace_path)"
+        )
+        return []
+    st = os.statvfs(shm_dir)
+    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    writable = os.access(shm_dir, os.W_OK | os.X_OK)
+    rep.line(
+        f"{shm_dir}: size {_size(size)}, {_size(free)} free, {'writable' if writable else 'NOT writable'}"
+    )
+    if not writable:
+        rep.problem(f"{shm_dir} is not writable for this user: no segment can be created")
+    if free < SHM_MIN_FREE_BYTES:
+        rep.problem(
+            f"{shm_dir} has {_size(free)} free, less than {_size(SHM_MIN_FREE_BYTES)}: gathers of larger "
+            "payloads fail with SpaceError (enlarge it, e.g. docker --shm-size, or pass a workspace_path)"
+        )
+    segments = find_segments(shm_dir)
+    ours = [s for s in segments if s.pid is not None]
+    rep.line(f"segments (du_*): {len(ours)}, {_size(sum(s.size for s in ours))}")
+    for s in segments:
+        if s.pid is None:
+            rep.line(f"{s.name}  {_size(s.size)}  not a distribute_utils name: left alone", 2)
+            continue
+        state = "alive" if s.alive else "dead"
+        tail = "  -> stale: `distribute-utils clean` removes it" if s.stale else ""
+        rep.line(f"{s.name}  {_size(s.size)}  owner pid {s.pid} {state}{tail}", 2)
+        if s.stale:
+            rep.note(f"stale segment {s.path}")
+    return segments
+
+
+def _workspace_section(rep: _Report, workspace: str) -> None:
+    from .transports import workspace as ws
+
+    path = os.path.abspath(workspace)
+    if not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
+            rep.line(f"workspace {path}: does not exist yet; the first gather creates it (its parent exists)")
+            rep.note(f"workspace {path} does not exist yet")
+        else:
+            rep.line(f"workspace {path}: missing")
+            rep.problem(
+                f"workspace {path} does not exist and cannot be created (parent {parent} missing or not "
+                "writable): mount the shared directory on every node"
+            )
+        return
+    if not os.path.isdir(path):
+        rep.line(f"workspace {path}: not a directory")
+        rep.problem(f"workspace {path} is not a directory; pass a directory that every node shares")
+        return
+    free = ws._free_bytes(path)
+    fs = ws.filesystem_type(path)
+    try:
+        seconds = workspace_round_trip(path)
+    except (OSError, DistributeError) as exc:
+        rep.line(f"workspace {path}: {fs}, {_size(free or 0)} free")
+        rep.problem(f"workspace round trip failed: {exc}")
+    else:
+        rep.line(
+            f"workspace {path}: {fs}, {_size(free or 0)} free, writable; round trip of "
+            f"{_size(PROBE_BYTES)} (write + fsync + rename + read + checksum): {seconds * 1000:.1f} ms"
+        )
+    try:
+        namespaces = inspect_namespaces(path)
+    except OSError as exc:
+        rep.problem(f"cannot list workspace {path}: {exc}")
+        return
+    rep.line(f"namespaces in the workspace: {len(namespaces)}")
+    for ns in namespaces:
+        owners = ", ".join(f"{who} ({state})" for who, state in ns.owners) or "no owner record"
+        if ns.unreadable:
+            owners += f", {ns.unreadable} unreadable record(s)"
+        tail = f"  -> stale: {ns.stale}" if ns.stale else ""
+        rep.line(f"{os.path.basename(ns.path)}  age {ns.age_s / 3600:.1f} h  owners: {owners}{tail}", 2)
+        if ns.stale:
+            rep.note(f"stale namespace {ns.path}")
+
+
+def doctor(workspace: str | None, out: TextIO, *, shm_dir: str = SHM_DIR) -> int:
+    """Check what gathers depend on on this host; write the report to ``out``.
+
+    Reads only, apart from a small round trip in a namespace of its own in ``workspace``
+    (removed afterwards).
+
+    Args:
+        workspace: the workspace directory to check, or None.
+        out: where the report goes.
+        shm_dir: the shared-memory directory (``/dev/shm``).
+
+    Returns:
+        0 when nothing would make a gather fail, 1 otherwise (each problem is named).
+    """
+    rep = _Report(out)
+    rep.line("distribute-utils doctor", 0)
+    _torch_section(rep)
+    _shm_section(rep, shm_dir)
+    if workspace is not None:
+        _workspace_section(rep, os.fspath(workspace))
+    else:
+        rep.line("workspace: none given (pass one to check it)")
+    if rep.problems:
+        rep.line(f"result: {len(rep.problems)} problem(s) would make a gather fail:", 0)
+        for problem in rep.problems:
+            rep.line(f"- {problem}")
+        return 1
+    stale = sum(note.startswith("stale") for note in rep.notes)
+    notes = f" ({stale} stale leftover(s): `distribute-utils clean` removes them)" if stale else ""
+    rep.line(f"result: ok{notes}", 0)
+    return 0
+
+
+# -- clean -------------------------------------------------------------------------------------
+def clean(workspace: str | None, dry_run: bool, out: TextIO, *, shm_dir: str = SHM_DIR) -> int:
+    """Remove what dead jobs left: their segments in ``shm_dir`` and namespaces in ``workspace``.
+
+    Never touches a live process's segment or a live job's namespace (see the module doc).
+
+    Args:
+        workspace: the workspace directory to sweep, or None for shared memory only.
+        dry_run: only print what would be removed.
+        out: where the report goes.
+        shm_dir: the shared-memory directory (``/dev/shm``).
+
+    Returns:
+        0 on success, 1 when something could not be removed or the workspace is unusable.
+    """
+    from .transports.workspace import sweep_stale_namespaces
+
+    verb = "would remove" if dry_run else "removed"
+    failed = 0
+    removed_bytes = 0
+    segments = find_segments(shm_dir)
+    stale = [s for s in segments if s.stale]
+    done = 0
+    for s in stale:
+        if _pid_alive(s.pid or 0):  # started meanwhile (pid reuse): keep it
+            continue
+        if not dry_run:
+            try:
+                os.unlink(s.path)
+            except FileNotFoundError:
+                continue  # its reader took it meanwhile
+            except OSError as exc:
+                out.write(f"could not remove {s.path}: {exc.strerror or exc}\n")
+                failed += 1
+                continue
+        out.write(f"{verb} {s.path} ({_size(s.size)}, owner pid {s.pid} has exited)\n")
+        done += 1
+        removed_bytes += s.size
+    live = sum(1 for s in segments if s.alive)
+    summary = [f"{verb} {done} segment(s) ({_size(removed_bytes)}), kept {live} segment(s) of live processes"]
+    if workspace is not None and not os.path.isdir(workspace):
+        out.write(f"workspace {os.path.abspath(workspace)} is not a directory: no namespace to sweep\n")
+        failed += 1
+    elif workspace is not None:
+        try:
+            swept = sweep_stale_namespaces(os.fspath(workspace), dry_run=dry_run)
+        except (OSError, DistributeError) as exc:
+            out.write(f"cannot sweep workspace {workspace}: {exc}\n")
+            failed += 1
+        else:
+            for path, reason in swept:  # a namespace it could not remove is logged, not listed
+                out.write(f"{verb} namespace {path}: {reason}\n")
+            summary.append(f"{verb} {len(swept)} namespace(s) in {os.path.abspath(workspace)}")
+    out.write("clean: " + "; ".join(summary) + ("" if not failed else f"; {failed} failure(s)") + "\n")
+    return 1 if failed else 0

@@ -1,0 +1,291 @@
+"""One rank of a fault-injection job: gathers while a chosen rank dies, hangs or finds no room.
+
+Started by ``tests/test_faults.py``, either directly (``RANK``, ``WORLD_SIZE`` and
+``DU_STORE_PORT``: the test process hosts the job's ``TCPStore``, so the death of any rank,
+rank 0 included, never takes the rendezvous with it) or under ``torchrun`` (``MASTER_ADDR``
+set). Usage: ``fault_job.py CASE``. Every surviving rank writes ``$DU_RESULTS/rank<r>.json``
+and exits by itself; a rank that is meant to die SIGKILLs itself at the injection point
+(writing ``$DU_RESULTS/note<r>.json`` first when there is something to record).
+
+Cases (the victim is the last rank unless the name says "first rank"):
+
+- ``sender_dies_before_gather``: after the ranks met, the victim dies before entering.
+- ``sender_dies_before_meeting``: the victim dies right after ``init_process_group``, before
+  any exchange: its peers cannot watch its pid, so the timeout (``$DISTRIBUTE_UTILS_TIMEOUT``)
+  names it.
+- ``sender_hangs``: the victim sleeps (alive, unresponsive) past the others' timeout, then
+  enters the gather late.
+- ``sender_dies_mid_publish``: the victim dies with its segment half written.
+- ``sender_dies_after_publish``: the victim dies in the body of its ``with`` block.
+- ``sender_dies_while_reader_reads``: the first rank fetches the victim's payload only after
+  the victim has died.
+- ``first_rank_dies_before_gather`` / ``first_rank_dies_mid_read``: rank 0 dies before
+  entering, or after fetching the first sender's payload.
+- ``workspace_sender_dies_mid_publish``: as ``sender_dies_mid_publish`` through the workspace
+  (``$DU_WORKSPACE``), leaving a half-written temporary file.
+- ``workspace_rounds``: a healthy job, ``$DU_ROUNDS`` gathers through the workspace with the
+  receiver rotating.
+- ``shm_fallback``: 4 ranks gather ``$DU_PER_RANK_MIB`` MiB each with a workspace given, in a
+  /dev/shm too small for all of it.
+- ``workspace_full_ro``: a gather into a full workspace (``$DU_FULL_WS``), then into a
+  read-only one (``$DU_RO_WS``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import distribute_utils
+from distribute_utils import PeerLostError, get_tensors_parallel, sync, wire
+from distribute_utils._host import _start_time, process_alive
+from distribute_utils.transports import shm
+
+RESULTS = os.environ.get("DU_RESULTS", ".")
+TIMEOUT = float(os.environ.get("DU_TIMEOUT", "5"))
+ELEMENTS = 256 * 1024  # 1 MiB of float32 per rank: no background spare segment (>= 4 MiB)
+
+
+def _die(note: dict[str, Any] | None = None) -> None:
+    """SIGKILL this process (after recording ``note``): no handler, no atexit, no cleanup."""
+    if note is not None:
+        _write(f"note{dist.get_rank()}.json", note)
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # never reached
+
+
+def _write(name: str, data: dict[str, Any]) -> None:
+    tmp = os.path.join(RESULTS, f".{name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.rename(tmp, os.path.join(RESULTS, name))
+
+
+def _value(rank: int, elements: int = ELEMENTS) -> torch.Tensor:
+    return torch.full((elements,), float(rank + 1))
+
+
+def _check(got: list[torch.Tensor], ranks: list[int], elements: int = ELEMENTS) -> list[str]:
+    """What is wrong with ``got`` (empty when every rank's tensor arrived exactly)."""
+    if len(got) != len(ranks):
+        return [f"got {len(got)} results for ranks {ranks}"]
+    return [f"rank {r}" for r, t in zip(ranks, got) if not torch.equal(t, _value(r, elements))]
+
+
+def _half_then_die(self: wire.EncodedPayload, fd: int, base: int = 0) -> None:
+    """Replacement of ``EncodedPayload.write_to_fd``: write half the payload, then die."""
+    data = self.to_bytes()
+    half = len(data) // 2
+    os.pwrite(fd, data[:half], base)
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    _die({"path": path, "written": half, "nbytes": len(data), "size": os.fstat(fd).st_size})
+
+
+class _Warnings(logging.Handler):
+    """Keeps the library's warnings, for the report."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _gather(report: dict[str, Any], ranks: list[int], **kwargs: Any) -> None:
+    """One gather; records outcome, error, elapsed time and whether the data arrived exactly."""
+    rank = dist.get_rank()
+    elements = kwargs.pop("elements", ELEMENTS)
+    body = kwargs.pop("body", None)
+    start = time.monotonic()
+    try:
+        with get_tensors_parallel(_value(rank, elements), ranks, **kwargs) as got:
+            if rank == ranks[0]:
+                report["wrong"] = _check(got, ranks, elements)
+                report["received"] = len(got)
+            if body is not None:
+                body()
+        report["outcome"] = "ok"
+    except Exception as exc:
+        report["outcome"] = "error"
+        report["error_type"] = type(exc).__name__
+        report["message"] = str(exc)
+        report["missing"] = list(getattr(exc, "missing", ()))
+    report["elapsed"] = time.monotonic() - start
+
+
+def _await_live_namespace(workspace: str, timeout: float = 60.0) -> str:
+    """Wait until another job has a namespace with a live owner in ``workspace``; its name."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name in os.listdir(workspace) if os.path.isdir(workspace) else []:
+            directory = os.path.join(workspace, name)
+            if not name.startswith("du-job-") or not os.path.isdir(directory):
+                continue
+            for record in os.listdir(directory):
+                if record.startswith("owner-") and record.endswith(".json"):
+                    try:
+                        with open(os.path.join(directory, record)) as f:
+                            owner = json.load(f)
+                    except (OSError, ValueError):
+                        continue
+                    if _start_time(int(owner["pid"])) == int(owner["start_time"]):
+                        return name
+        time.sleep(0.01)
+    raise TimeoutError(f"no other job opened a namespace in {workspace} within {timeout:g} s")
+
+
+def _payload_files(workspace: str) -> list[str]:
+    """Files in ``workspace`` other than its lock and the namespaces' owner records."""
+    found = []
+    for directory, _, files in os.walk(workspace):
+        for name in files:
+            if not name.startswith(("owner-", ".du-sweep-")):
+                found.append(os.path.relpath(os.path.join(directory, name), workspace))
+    return sorted(found)
+
+
+def _next_sync(report: dict[str, Any]) -> None:
+    """The synchronisation after the gather: a barrier that must name a dead rank."""
+    start = time.monotonic()
+    try:
+        distribute_utils.barrier(timeout=TIMEOUT)
+        report["next_sync"] = "ok"
+    except PeerLostError as exc:
+        report["next_sync"] = str(exc)
+        report["next_missing"] = list(exc.missing)
+    report["next_elapsed"] = time.monotonic() - start
+
+
+def run_case(case: str, report: dict[str, Any]) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = list(range(world))
+    victim = world - 1
+    if case == "sender_dies_before_meeting":
+        if rank == victim:
+            _die()
+        _gather(report, ranks)  # no timeout argument: $DISTRIBUTE_UTILS_TIMEOUT applies
+        return
+    distribute_utils.barrier(timeout=60)  # the ranks meet: peers know each other's pid
+    if case == "sender_dies_before_gather":
+        if rank == victim:
+            _die()
+        _gather(report, ranks, timeout=TIMEOUT)
+    elif case == "sender_hangs":
+        if rank == victim:
+            time.sleep(TIMEOUT + 1)  # alive but late: the others' timeout must expire first
+        _gather(report, ranks, timeout=TIMEOUT)
+    elif case in ("sender_dies_mid_publish", "workspace_sender_dies_mid_publish"):
+        if rank == victim:
+            wire.EncodedPayload.write_to_fd = _half_then_die  # type: ignore[method-assign]
+        options: dict[str, Any] = {"timeout": TIMEOUT}
+        if case.startswith("workspace"):
+            options.update(transport="workspace", workspace_path=os.environ["DU_WORKSPACE"])
+        _gather(report, ranks, **options)
+    elif case == "sender_dies_after_publish":
+        _gather(report, ranks, timeout=TIMEOUT, body=_die if rank == victim else None)
+        _next_sync(report)
+    elif case == "sender_dies_while_reader_reads":
+        if rank == 0:
+            victim_info = sync.companion(None).peers(TIMEOUT)[victim]
+            fetch = shm.SharedMemoryTransport.fetch
+
+            def fetch_after_death(self: shm.SharedMemoryTransport, token: str, r: int) -> Any:
+                if r == victim:
+                    deadline = time.monotonic() + 30
+                    while process_alive(victim_info) and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    report["victim_dead_before_fetch"] = not process_alive(victim_info)
+                return fetch(self, token, r)
+
+            shm.SharedMemoryTransport.fetch = fetch_after_death  # type: ignore[method-assign]
+        _gather(report, ranks, timeout=TIMEOUT, body=_die if rank == victim else None)
+        _next_sync(report)
+    elif case == "first_rank_dies_before_gather":
+        if rank == 0:
+            time.sleep(0.5)  # the senders publish and wait for it
+            _die()
+        _gather(report, ranks, timeout=TIMEOUT)
+    elif case == "first_rank_dies_mid_read":
+        if rank == 0:
+            fetch = shm.SharedMemoryTransport.fetch
+
+            def fetch_then_die(self: shm.SharedMemoryTransport, token: str, r: int) -> Any:
+                buf = fetch(self, token, r)
+                _die({"fetched": r})
+                return buf
+
+            shm.SharedMemoryTransport.fetch = fetch_then_die  # type: ignore[method-assign]
+        _gather(report, ranks, timeout=TIMEOUT)
+    elif case == "workspace_rounds":
+        if os.environ.get("DU_AWAIT_LIVE_NAMESPACE"):
+            report["other_live_namespace"] = _await_live_namespace(os.environ["DU_WORKSPACE"])
+        wrong: list[str] = []
+        for i in range(int(os.environ.get("DU_ROUNDS", "20"))):
+            order = ranks[i % world :] + ranks[: i % world]  # every rank receives in turn
+            elements = 1000 + 997 * (i % 7)  # sizes change every round
+            round_report: dict[str, Any] = {}
+            _gather(
+                round_report,
+                order,
+                elements=elements,
+                transport="workspace",
+                workspace_path=os.environ["DU_WORKSPACE"],
+                timeout=30,
+            )
+            if round_report["outcome"] != "ok":
+                wrong.append(f"round {i}: {round_report['message']}")
+            wrong += [f"round {i}: {w}" for w in round_report.get("wrong", [])]
+        report["outcome"] = "ok" if not wrong else "error"
+        report["wrong"] = wrong
+    elif case == "shm_fallback":
+        elements = int(os.environ.get("DU_PER_RANK_MIB", "32")) * 2**20 // 4
+        handler = _Warnings()
+        logging.getLogger("distribute_utils").addHandler(handler)
+        _gather(report, ranks, elements=elements, workspace_path=os.environ["DU_WORKSPACE"], timeout=60)
+        report["warnings"] = handler.messages
+        dist.barrier()
+        report["shm_left"] = sorted(n for n in os.listdir("/dev/shm") if n.startswith("du_"))
+    elif case == "workspace_full_ro":
+        for key, env in (("full", "DU_FULL_WS"), ("ro", "DU_RO_WS")):
+            sub: dict[str, Any] = {}
+            _gather(sub, ranks, transport="workspace", workspace_path=os.environ[env], timeout=30)
+            dist.barrier()
+            sub["left"] = _payload_files(os.environ[env])  # owner records stay until exit
+            report[key] = sub
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+
+
+def main() -> None:
+    case = sys.argv[1]
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if "DU_STORE_PORT" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(
+            "127.0.0.1",
+            int(os.environ["DU_STORE_PORT"]),
+            world,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    else:  # under torchrun
+        dist.init_process_group("gloo")
+    report: dict[str, Any] = {"rank": dist.get_rank(), "pid": os.getpid(), "case": case}
+    run_case(case, report)
+    _write(f"rank{dist.get_rank()}.json", report)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
