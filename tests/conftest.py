@@ -63,7 +63,9 @@ def shm_entries(pids: set[int]) -> set[str]:
     return {
         name
         for name in os.listdir("/dev/shm")
-        if name.startswith("du_") and name.rsplit("_", 1)[-1].isdigit() and int(name.rsplit("_", 1)[-1]) in pids
+        if name.startswith("du_")
+        and name.rsplit("_", 1)[-1].isdigit()
+        and int(name.rsplit("_", 1)[-1]) in pids
     }
 
 

@@ -49,7 +49,9 @@ class CollectiveTransport:
 
     name = "collective"
 
-    def __init__(self, group: dist.ProcessGroup | None, first: int, timeout: float, device: torch.device) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, first: int, timeout: float, device: torch.device
+    ) -> None:
         self._group = group
         self._first = first
         self._timeout = timeout
