@@ -340,7 +340,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cons.add_argument("--json", action="store_true", help="print the report as JSON")
     cons.set_defaults(handler=_cmd_consolidate)
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this host (and a workspace) for what would make a gather fail",
+        description="Print /dev/shm size and free space, segments left by jobs (owner pid, alive or dead), "
+        "workspace namespaces (owners, alive/dead/remote, age), torch and backend versions, whether the "
+        "workspace is writable and how long a small write+read round trip takes there.",
+        epilog="Exit codes: 0 nothing would make a gather fail; 1 a problem was found (each is named). "
+        "Leftovers of dead jobs are reported, not failures: remove them with `distribute-utils clean`.",
+    )
+    doctor.add_argument("--workspace", metavar="DIR", help="the shared workspace directory to check")
+    doctor.set_defaults(handler=_cmd_doctor)
+
+    clean = sub.add_parser(
+        "clean",
+        help="remove what dead jobs left in /dev/shm and in a workspace",
+        description="Remove segments whose owner process has exited (this host, this pid namespace) and "
+        "workspace namespaces whose owners are all dead (or, for owners on other hosts, untouched for 24 h). "
+        "A live job's files are never touched.",
+        epilog="Exit codes: 0 ok; 1 something could not be removed or the workspace is unusable.",
+    )
+    clean.add_argument("--workspace", metavar="DIR", help="also sweep this shared workspace directory")
+    clean.add_argument("--dry-run", action="store_true", help="only print what would be removed")
+    clean.set_defaults(handler=_cmd_clean)
     return parser
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from .hygiene import doctor
+
+    return doctor(args.workspace, sys.stdout)
+
+
+def _cmd_clean(args: argparse.Namespace) -> int:
+    from .hygiene import clean
+
+    return clean(args.workspace, args.dry_run, sys.stdout)
 
 
 def _configure_logging(verbose: int, quiet: bool) -> None:

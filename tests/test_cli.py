@@ -313,3 +313,55 @@ def test_disk_full_names_the_path(model: dict[str, torch.Tensor], ckpt: Path, tm
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "No space left on device" in lines[0] and f"'{out}'" in lines[0], lines
     assert "cannot write tensor '" in lines[0]
+
+
+def test_doctor_reports_and_fails_on_an_unusable_workspace(tmp_path, capsys) -> None:
+    from distribute_utils.cli import main
+
+    assert main(["doctor", "--workspace", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "/dev/shm" in out and "torch" in out and str(tmp_path) in out
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert main(["doctor", "--workspace", str(a_file)]) == 1
+    assert "not a directory" in capsys.readouterr().out
+
+
+def test_clean_removes_only_dead_owners_segments(tmp_path, capsys) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from distribute_utils.cli import main
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    stale = f"/dev/shm/du_{os.urandom(8).hex()}_1_{dead_pid}"
+    live = f"/dev/shm/du_{os.urandom(8).hex()}_1_{os.getpid()}"
+    for path in (stale, live):
+        with open(path, "wb") as f:
+            f.write(b"x" * 100)
+    try:
+        assert main(["clean", "--dry-run", "--workspace", str(tmp_path)]) == 0
+        assert os.path.exists(stale) and stale.rsplit("/", 1)[1] in capsys.readouterr().out
+        assert main(["clean", "--workspace", str(tmp_path)]) == 0
+        assert not os.path.exists(stale) and os.path.exists(live)
+    finally:
+        for path in (stale, live):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_doctor_and_clean_help_name_their_options(capsys) -> None:
+    import pytest
+
+    from distribute_utils.cli import main
+
+    for command, options in (("doctor", ["--workspace"]), ("clean", ["--workspace", "--dry-run"])):
+        with pytest.raises(SystemExit) as info:
+            main([command, "--help"])
+        assert info.value.code == 0
+        text = capsys.readouterr().out
+        assert all(option in text for option in options) and "Exit codes" in text
