@@ -73,7 +73,9 @@ class _Intent:
         return cls(shown, digest, tuple(error) if error else None, nonce, transport, on_device)
 
 
-_RAISABLE: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError}
+_RAISABLE: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (TypeError, ValueError, TransportUnavailableError)
+}
 
 
 def _check_ranks(ranks: Sequence[int], members: tuple[int, ...]) -> list[int]:
@@ -391,7 +393,9 @@ class _Route:
             statuses = self.round.wait("pub", others, self.seconds, self.what)
             for rank, status in zip(others, statuses):
                 _published(status, f"rank {rank}")
-            parts = [torch.frombuffer(bytearray(own.to_bytes()), dtype=torch.uint8)]
+            mine = bytearray(own.nbytes)
+            own.write_into(mine)  # one copy (to_bytes and a bytearray of it would make two)
+            parts = [torch.frombuffer(mine, dtype=torch.uint8)]
             for rank, status in zip(others, statuses):
                 parts.append(torch.frombuffer(self._fetch_on_host(rank, status), dtype=torch.uint8))
         except BaseException:
@@ -402,17 +406,22 @@ class _Route:
 
     @contextmanager
     def leaving(self) -> Iterator[None]:
-        """Run the caller's block, then wait for the first rank's "done" (never masking an error)."""
-        first = self.plan.first
+        """Run the caller's block, then wait for the first rank's "done" (never masking an error).
+
+        The first rank's own waits are each bounded by the timeout, so its peers wait for its
+        verdict a little longer (twice the timeout plus 5 s): when it gives up on a late
+        payload, they hear its reason instead of timing out at the same moment.
+        """
+        first, seconds = self.plan.first, 2 * self.seconds + 5
         try:
             yield
         except BaseException:
             try:
-                self.round.wait("done", [first], self.seconds, self.what)
+                self.round.wait("done", [first], seconds, self.what)
             except Exception:
                 logger.warning("%s: the first rank did not finish either", self.what, exc_info=True)
             raise
-        _expect_ok(self.round.wait("done", [first], self.seconds, self.what)[0], f"the first rank ({first})")
+        _expect_ok(self.round.wait("done", [first], seconds, self.what)[0], f"the first rank ({first})")
 
     # -- the first rank ------------------------------------------------------------------------------
     def receive(self, own: Any, device: str | torch.device | None) -> list[Any]:
@@ -437,12 +446,10 @@ class _Route:
             for rank in local:
                 found[rank] = self._decode(self._fetch_on_host(rank, statuses[rank]), rank, target)
             for leader in leaders:
-                value = self._decode(self.cross.fetch(self.token, leader), leader, None)
                 if len(plan.hosts[leader]) == 1:
-                    found[leader] = (
-                        value.to(target) if target is not None and isinstance(value, torch.Tensor) else value
-                    )
+                    found[leader] = self._decode(self.cross.fetch(self.token, leader), leader, target)
                     continue
+                value = self._decode(self.cross.fetch(self.token, leader), leader, None)
                 for rank, part in zip(value["ranks"], value["parts"]):
                     found[rank] = self._decode(wire.tensor_buffer(part), rank, target)
         except BaseException as exc:

@@ -201,7 +201,10 @@ class Round:
             sync.store.set_timeout(timedelta(seconds=timeout))
             values = sync.store.multi_get(keys)
         except Exception as exc:
-            raise self._lost(tag, ranks, keys, timeout, what, exc) from None
+            lost = self._lost(tag, ranks, keys, timeout, what, exc)
+            if lost.missing or not self._all_there(keys):
+                raise lost from None
+            values = sync.store.multi_get(keys)  # they arrived just as the wait gave up
         finally:
             if watched:
                 _WATCHDOG.stop_watching()
@@ -213,6 +216,12 @@ class Round:
         if tuple(ranks) == sync.ranks:
             sync._forget_before(self.number)
         return values
+
+    def _all_there(self, keys: list[str]) -> bool:
+        try:
+            return all(self.sync.store.check([k]) for k in keys)
+        except Exception:
+            return False
 
     def _lost(
         self, tag: str, ranks: Sequence[int], keys: list[str], timeout: float, what: str, exc: Exception

@@ -163,10 +163,22 @@ def _world_barrier_rounds(n: int) -> float:
 
 def test_many_barriers_leave_no_keys_behind(ranks4: RankPool) -> None:
     ranks4.run(_world_barrier_rounds, 200)
-    before = ranks4.run(_num_keys)[0]
+    before = ranks4.run(_settled_num_keys)[0]
     ranks4.run(_world_barrier_rounds, 300)
-    after = ranks4.run(_num_keys)[0]
+    after = ranks4.run(_settled_num_keys)[0]
     assert after - before < 20, (before, after)
+
+
+def _settled_num_keys() -> int:
+    """Keys in the store once the background deletions of finished rounds have caught up."""
+    last, deadline = -1, time.monotonic() + 10
+    while time.monotonic() < deadline:
+        count = _num_keys()
+        if count == last:
+            return count
+        last = count
+        time.sleep(0.2)
+    return last
 
 
 def _num_keys() -> int:

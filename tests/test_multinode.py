@@ -75,6 +75,9 @@ def test_hierarchical_gather_over_workspace(tmp_path: Path, workspace: str) -> N
     assert routes["shm within hosts + workspace across 1 remote host(s)"] == 4 * 200
     assert routes["shm"] == 4 * 2  # the pairs inside one node (every rank of the world logs)
     assert routes["workspace"] == 4  # the cross-node pair: one file, no shm hop
+    for r in reports:
+        assert r["forced_shm"].startswith("TransportUnavailableError: "), r["forced_shm"]
+        assert "span 2 shared-memory domains" in r["forced_shm"]
 
 
 def test_collective_fallback_without_workspace(tmp_path: Path) -> None:

@@ -83,10 +83,17 @@ def main() -> None:
         ) as got:
             if got and [int(t) for t in got] != pair:
                 wrong.append(f"pair {pair}: {got}")
+    # Shared memory forced across hosts: the same clear error on every rank, nothing written.
+    try:
+        with get_tensors_parallel(torch.ones(4), [0, 2], transport="shm", timeout=120):
+            forced_shm = "no error"
+    except Exception as exc:
+        forced_shm = f"{type(exc).__name__}: {exc}"
     dist.barrier()
     report = {
         "rank": rank,
         "wrong": wrong,
+        "forced_shm": forced_shm,
         "routes": routes.seen,
         "shm_left": sorted(n for n in os.listdir("/dev/shm") if n.startswith("du_")),
     }
