@@ -35,6 +35,7 @@ from . import sync, wire
 from .errors import GatherError, PayloadError, SpaceError, TransportUnavailableError
 from .mesh import ProcessGroupMesh
 from .transports import CollectiveTransport, SharedMemoryTransport, Transport
+from .transports.shm import segments_freed, take_freed
 
 __all__ = [
     "TRANSPORTS",
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "shm", "workspace", "collective")
 _OK = "ok"
 _OK_WORKSPACE = "ok:workspace"  # published to the workspace instead: /dev/shm had no room
+_OK_SEGMENT = "ok:segment:"  # published in a pooled segment; its id follows
 
 
 @dataclass(frozen=True)
@@ -61,16 +63,19 @@ class _Intent:
     nonce: int
     transport: str
     on_device: bool  # its payload's tensors all live on an accelerator (NCCL can send them)
+    freed: list[list[Any]]  # [sender rank, segment id]: pooled segments this rank no longer maps
 
     def pack(self) -> bytes:
         shown = self.ranks if self.ranks is not None and len(self.ranks) <= 64 else None
         error = list(self.error) if self.error else None
-        return msgpack.packb([shown, self.digest, error, self.nonce, self.transport, self.on_device])
+        return msgpack.packb(
+            [shown, self.digest, error, self.nonce, self.transport, self.on_device, self.freed]
+        )
 
     @classmethod
     def unpack(cls, data: bytes) -> _Intent:
-        shown, digest, error, nonce, transport, on_device = msgpack.unpackb(data)
-        return cls(shown, digest, tuple(error) if error else None, nonce, transport, on_device)
+        shown, digest, error, nonce, transport, on_device, freed = msgpack.unpackb(data)
+        return cls(shown, digest, tuple(error) if error else None, nonce, transport, on_device, freed)
 
 
 _RAISABLE: dict[str, type[Exception]] = {
@@ -245,11 +250,13 @@ def _gather(
         error = (type(exc).__name__, str(exc))
     on_device = payload is not None and payload.device_resident
     mode = f"{transport}:{workspace_path is not None}"
-    intent = _Intent(checked, _digest(checked), error, secrets.randbits(63), mode, on_device)
+    freed = [list(item) for item in take_freed(members)]
+    intent = _Intent(checked, _digest(checked), error, secrets.randbits(63), mode, on_device, freed)
 
     round_ = companion.new_round()
     round_.post("agree", intent.pack())
     intents = [_Intent.unpack(v) for v in round_.wait("agree", members, seconds, "agreeing on a gather")]
+    segments_freed({ident for intent in intents for rank, ident in intent.freed if rank == me})
     _agree(intents, members, me)
     assert plan is not None and checked is not None  # _agree raised on every rank otherwise
     token = f"{intents[0].nonce:016x}"
@@ -294,7 +301,11 @@ class _Route:
         self.me = companion.rank
         self.what = f"gather to rank {plan.first} over {plan.describe()}"
         self._companion, self._carrier, self._workspace_path = companion, carrier, workspace_path
-        self._local = SharedMemoryTransport({r: p.pid for r, p in peers.items()})
+        receiver = peers[plan.leader_of(self.me)] if self.me in plan.ranks else None
+        me = peers[self.me]
+        self._local = SharedMemoryTransport(
+            {r: p.pid for r, p in peers.items()}, pool=receiver is not None and me.can_watch(receiver)
+        )
         self._cross: Transport | None = None
         self._workspace: Transport | None = None
         self._in_workspace: set[int] = set()  # local senders that published to the workspace
@@ -348,8 +359,8 @@ class _Route:
             The "pub" status to post: where the receiver finds the payload.
         """
         try:
-            self._local.publish(self.token, self.me, payload)
-            return _OK
+            receipt = self._local.publish(self.token, self.me, payload)
+            return f"{_OK_SEGMENT}{receipt}" if receipt else _OK
         except SpaceError:
             if self._workspace_path is None:
                 raise
@@ -365,10 +376,11 @@ class _Route:
 
     def _fetch_on_host(self, rank: int, status: bytes) -> Any:
         """The payload a sender of this host published, from where its status says."""
-        if _published(status, f"rank {rank}") == _OK_WORKSPACE:
+        where = _published(status, f"rank {rank}")
+        if where == _OK_WORKSPACE:
             self._in_workspace.add(rank)  # so that a failure discards it there
             return self.workspace.fetch(self.token, rank)
-        return self._local.fetch(self.token, rank)
+        return self._local.fetch(self.token, rank, where.removeprefix(_OK_SEGMENT) if where != _OK else "")
 
     @contextmanager
     def forwarding(self, own: wire.EncodedPayload) -> Iterator[None]:
@@ -525,9 +537,9 @@ def _expect_ok(status: bytes, who: str) -> None:
 
 
 def _published(status: bytes, who: str) -> str:
-    """Where a sender on this host published (:data:`_OK` or :data:`_OK_WORKSPACE`), else raise."""
+    """Where a sender on this host published (shm, a pooled segment, the workspace), else raise."""
     text = status.decode(errors="replace")
-    if text in (_OK, _OK_WORKSPACE):
+    if text in (_OK, _OK_WORKSPACE) or text.startswith(_OK_SEGMENT):
         return text
     raise GatherError(f"{who} failed: {text}")
 

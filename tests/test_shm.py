@@ -61,30 +61,32 @@ def test_a_segment_whose_size_disagrees_with_its_payload_is_rejected() -> None:
         transport.fetch("00000000000000ad", 1)
 
 
-def test_spare_segment_is_invisible_and_reused_for_the_next_large_payload() -> None:
-    transport = _transport()
-    big = torch.arange(2 * 2**20, dtype=torch.float32)  # 8 MiB, above the spare threshold
-    transport.publish("00000000000000b0", 1, wire.encode(big))
-    wire.decode(transport.fetch("00000000000000b0", 1))
-    deadline = time.monotonic() + 10
-    while shm._SPARE._ready is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert shm._SPARE._ready is not None, "no spare was reserved after a large publish"
-    assert _ours() == set(), "the spare must not be visible in /dev/shm"
-    spare_inode = os.fstat(shm._SPARE._ready[0]).st_ino
-    # A payload that fits takes the spare over: same pages, the round's name, the exact size.
-    payload = wire.encode(big * 2)
-    transport.publish("00000000000000b1", 1, payload)
-    path = shm.segment_path("00000000000000b1", 1, PID)
-    assert os.stat(path).st_ino == spare_inode
-    assert os.stat(path).st_size == payload.nbytes and stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    got = wire.decode(transport.fetch("00000000000000b1", 1))
-    assert torch.equal(got, big * 2)
-    # A payload far smaller than the spare does not take it.
-    while shm._SPARE._ready is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    before = shm._SPARE._ready
-    transport.publish("00000000000000b2", 1, wire.encode(torch.zeros(10)))
-    assert shm._SPARE._ready == before
-    wire.decode(transport.fetch("00000000000000b2", 1))
+def test_pooled_segment_is_invisible_busy_until_freed_then_reused() -> None:
+    transport = shm.SharedMemoryTransport({0: PID, 1: PID}, pool=True)
+    big = torch.arange(2 * 2**20, dtype=torch.float32)  # 8 MiB, above the pool threshold
+    receipt = transport.publish("00000000000000b0", 1, wire.encode(big))
+    assert receipt, "a large payload goes through a pooled segment"
+    ident, fd, inode = receipt.split(":")
+    assert stat.S_IMODE(os.fstat(int(fd)).st_mode) == 0o600
+    assert _ours() == set(), "a pooled segment never has a name in /dev/shm"
+    got = wire.decode(transport.fetch("00000000000000b0", 1, receipt))
+    # While the receiver holds views, the segment is busy: the next round gets another one.
+    second = transport.publish("00000000000000b1", 1, wire.encode(big * 2))
+    assert second and second.split(":")[0] != ident and second.split(":")[2] != inode
+    kept = wire.decode(transport.fetch("00000000000000b1", 1, second))
+    assert torch.equal(got, big) and torch.equal(kept, big * 2)
+    # Dropping the views reports the segment freed; handing the report back makes it reusable.
+    del got
+    freed = shm.take_freed([1])
+    assert (1, ident) in freed
+    shm.segments_freed({i for _, i in freed})
+    third = transport.publish("00000000000000b2", 1, wire.encode(big * 3))
+    assert third == receipt, "the freed warm segment is written again"
+    assert torch.equal(wire.decode(transport.fetch("00000000000000b2", 1, third)), big * 3)
+    assert torch.equal(kept, big * 2), "a busy segment's views are never overwritten"
+    # A receipt whose inode does not match is refused; small payloads never use the pool.
+    with pytest.raises(PayloadError, match="not the segment it published"):
+        transport.fetch("00000000000000b4", 1, f"{ident}:{fd}:1")
+    assert transport.publish("00000000000000b3", 1, wire.encode(torch.zeros(10))) == ""
+    wire.decode(transport.fetch("00000000000000b3", 1))
     assert _ours() == set()

@@ -6,7 +6,8 @@ Segment ``/dev/shm/du_<token>_<rank>_<pid>``: ``token`` is unguessable and fresh
 
 - ``publish`` creates the segment exclusively, reserves its exact size with
   ``posix_fallocate`` (a full ``/dev/shm`` gives :class:`SpaceError` naming the size needed
-  and the space free, never a SIGBUS later), then ``pwrite``s the payload into it.
+  and the space free, never a SIGBUS later), then ``pwrite``s the payload into it. Large
+  payloads reuse warm pooled segments (see :class:`_SegmentPool`).
 - ``fetch`` maps the segment copy-on-write, unlinks its name at once and returns the map:
   decoded tensors are views of it, valid for as long as they live.
 - ``release`` unlinks the sender's segment if the first rank never took it.
@@ -21,13 +22,17 @@ import errno
 import logging
 import mmap
 import os
+import secrets
 import threading
+import weakref
+from collections.abc import Collection
+from dataclasses import dataclass
 
 from .._host import SHM_DIR
 from ..errors import PayloadError, SpaceError
 from ..wire import EncodedPayload, read_prefix
 
-__all__ = ["SEGMENT_PREFIX", "SharedMemoryTransport", "segment_path"]
+__all__ = ["SEGMENT_PREFIX", "SharedMemoryTransport", "segment_path", "segments_freed", "take_freed"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,45 +56,75 @@ class SharedMemoryTransport:
     Args:
         pids: process id of every rank of the round (from the group's peer exchange), used to
             name segments.
+        pool: publish large payloads from this process's warm pooled segments; only when the
+            receiver shares this process's pid namespace (it opens them by pid).
     """
 
     name = "shm"
 
-    def __init__(self, pids: dict[int, int]) -> None:
+    def __init__(self, pids: dict[int, int], pool: bool = False) -> None:
         self._pids = pids
+        self._pool = pool
 
     def _path(self, token: str, rank: int) -> str:
         return segment_path(token, rank, self._pids[rank])
 
-    def publish(self, token: str, rank: int, payload: EncodedPayload) -> None:
+    def publish(self, token: str, rank: int, payload: EncodedPayload) -> str:
+        """Write ``payload`` into this round's segment.
+
+        Returns:
+            A receipt for the receiver: the id of the pooled segment used ("" for a fresh one),
+            which the receiver hands back once its views are gone (see :func:`take_freed`).
+        """
         path = self._path(token, rank)
-        fd = _SPARE.claim(path, payload.nbytes)  # pages reserved in the background, if any
-        fresh = fd is None
-        if fd is None:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        pooled = _POOL.take(payload.nbytes) if self._pool else None
+        if pooled is not None:
+            try:
+                _POOL.fit(pooled, payload.nbytes, rank)
+                payload.write_to_fd(pooled.fd)
+            except BaseException:
+                _POOL.discard(pooled)
+                raise
+            return f"{pooled.ident}:{pooled.fd}:{os.fstat(pooled.fd).st_ino}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            if fresh:
-                _reserve(fd, payload.nbytes, rank)
+            _reserve(fd, payload.nbytes, rank)
             payload.write_to_fd(fd)
         except BaseException:
-            os.close(fd)
             _unlink(path)
             raise
-        os.close(fd)
-        _SPARE.prepare(payload.nbytes)
+        finally:
+            os.close(fd)
+        return ""
 
-    def fetch(self, token: str, rank: int) -> mmap.mmap:
+    def fetch(self, token: str, rank: int, receipt: str = "") -> mmap.mmap:
+        """Map ``rank``'s segment privately (and unlink its name).
+
+        With a ``receipt`` (from ``publish``), the segment is the sender's pooled one, opened
+        through ``/proc/<pid>/fd``; it returns to the sender's pool once the returned map (and
+        so every tensor viewing it) is gone.
+        """
         path = self._path(token, rank)
+        ident = ""
         try:
+            if receipt:
+                ident, fd_text, inode = receipt.split(":")
+                path = f"/proc/{self._pids[rank]}/fd/{int(fd_text)}"
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        except (FileNotFoundError, ValueError):
             raise PayloadError(f"rank {rank} published no segment at {path}") from None
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if receipt and info.st_ino != int(inode):
+                raise PayloadError(f"{path} of rank {rank} is not the segment it published")
+            size = info.st_size
             buf = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-            _unlink(path)
+            if not receipt:
+                _unlink(path)
+        if ident:
+            weakref.finalize(buf, _FREED.add, (rank, ident))
         prefix = read_prefix(buf)
         if prefix.total_len != size:
             raise PayloadError(
@@ -117,76 +152,92 @@ def _reserve(fd: int, nbytes: int, rank: int) -> None:
         raise
 
 
-class _SpareSegment:
-    """One anonymous segment per process, reserved in the background for the next payload.
+@dataclass
+class _Segment:
+    """A pooled segment: an unnamed file in ``/dev/shm`` whose pages stay allocated."""
+
+    ident: str
+    fd: int
+    size: int = 0
+    busy: bool = True
+
+
+class _SegmentPool:
+    """Each sender's warm segments, reused once the receiver's views of them are gone.
 
     Allocating fresh tmpfs pages costs more than copying into them (about 20 ms of the 30 ms
-    it takes to publish 64 MiB here). After a large publish, a thread reserves an unnamed
-    ``O_TMPFILE`` segment of the same size in ``/dev/shm``; the next publish that fits gives
-    it the round's name (a hard link through ``/proc/self/fd``, which fails if the name
-    exists, like ``O_EXCL``), truncates it to the exact size and only copies. Unnamed, it is
-    invisible in ``/dev/shm`` and freed by the kernel when the process exits, however it
-    exits. Kept only while ``/dev/shm`` has at least four times its size free.
+    it takes to publish 64 MiB here). A large payload therefore goes into one of at most
+    :attr:`LIMIT` pooled segments: ``O_TMPFILE`` files in ``/dev/shm`` that never have a name,
+    so nothing is ever visible there and the kernel frees them when the process exits, however
+    it exits. The receiver opens one through ``/proc/<sender pid>/fd/<fd>`` (checking its
+    inode), maps it privately, and the segment stays *busy* until the receiver reports that
+    its map was freed (a finalizer records it; :func:`take_freed` carries the report to the
+    sender in the next agreement on a group they share); only then is it written again. A
+    segment is pooled only while ``/dev/shm`` keeps at least four times its size free.
     """
 
+    LIMIT = 2
     MIN_BYTES = 4 * 2**20
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ready: tuple[int, int] | None = None  # (fd, size)
-        self._busy = False
+        self._segments: dict[str, _Segment] = {}
 
-    def claim(self, path: str, nbytes: int) -> int | None:
-        """An open fd of the new segment ``path``, backed by the spare's pages, or None."""
-        with self._lock:
-            ready = self._ready
-            if ready is None or not nbytes <= ready[1] <= 2 * nbytes:
-                return None
-            self._ready = None
-        fd = ready[0]
-        try:
-            # linkat(..., AT_SYMLINK_FOLLOW): Python uses it once a dir fd is given.
-            dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.link(f"/proc/self/fd/{fd}", path, src_dir_fd=dir_fd, follow_symlinks=True)
-            finally:
-                os.close(dir_fd)
-            os.ftruncate(fd, nbytes)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def prepare(self, nbytes: int) -> None:
-        """Reserve a spare of ``nbytes`` in the background (no-op for small payloads)."""
+    def take(self, nbytes: int) -> _Segment | None:
+        """A free pooled segment (marked busy), a new one, or None to use a fresh named one."""
         if nbytes < self.MIN_BYTES or not hasattr(os, "O_TMPFILE"):
-            return
+            return None
         with self._lock:
-            if self._busy or self._ready is not None:
-                return
-            self._busy = True
-        threading.Thread(
-            target=self._make, args=(nbytes,), name="distribute-utils-spare", daemon=True
-        ).start()
+            free = [seg for seg in self._segments.values() if not seg.busy]
+            if free:
+                seg = max(free, key=lambda s: s.size)
+                seg.busy = True
+                return seg
+            if len(self._segments) >= self.LIMIT or shm_space()[1] < 4 * nbytes:
+                return None
+            fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            seg = _Segment(secrets.token_hex(8), fd)
+            self._segments[seg.ident] = seg
+            return seg
 
-    def _make(self, nbytes: int) -> None:
-        fd = -1
-        try:
-            if shm_space()[1] >= 4 * nbytes:
-                fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
-                os.posix_fallocate(fd, 0, nbytes)
-                with self._lock:
-                    self._ready, fd = (fd, nbytes), -1
-        except OSError:
-            logger.debug("no spare segment of %d bytes", nbytes, exc_info=True)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            with self._lock:
-                self._busy = False
+    def fit(self, seg: _Segment, nbytes: int, rank: int) -> None:
+        """Make ``seg`` exactly ``nbytes`` long, its pages reserved."""
+        if seg.size < nbytes:
+            _reserve(seg.fd, nbytes, rank)
+        if seg.size != nbytes:
+            os.ftruncate(seg.fd, nbytes)
+        seg.size = nbytes
+
+    def freed(self, idents: set[str]) -> None:
+        """The receivers' maps of these segments are gone: they may be written again."""
+        with self._lock:
+            for ident in idents:
+                seg = self._segments.get(ident)
+                if seg is not None:
+                    seg.busy = False
+
+    def discard(self, seg: _Segment) -> None:
+        """Drop ``seg`` from the pool (after a failed publish)."""
+        with self._lock:
+            self._segments.pop(seg.ident, None)
+        os.close(seg.fd)
 
 
-_SPARE = _SpareSegment()
+_POOL = _SegmentPool()
+_FREED: set[tuple[int, str]] = set()  # (sender rank, segment id) whose receiver map is gone
+
+
+def take_freed(ranks: Collection[int]) -> list[tuple[int, str]]:
+    """Remove and return the freed-segment reports meant for ``ranks`` (to tell the senders)."""
+    found = [item for item in list(_FREED) if item[0] in ranks]
+    for item in found:
+        _FREED.discard(item)
+    return found
+
+
+def segments_freed(idents: set[str]) -> None:
+    """This sender's pooled segments ``idents`` are no longer mapped by any receiver."""
+    _POOL.freed(idents)
 
 
 def _unlink(path: str) -> None:
