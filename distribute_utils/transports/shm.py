@@ -177,7 +177,7 @@ class _SegmentPool:
     """
 
     LIMIT = 2
-    MIN_BYTES = 4 * 2**20
+    MIN_BYTES = 256 * 2**10
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -52,7 +52,7 @@ from distribute_utils.transports import shm
 
 RESULTS = os.environ.get("DU_RESULTS", ".")
 TIMEOUT = float(os.environ.get("DU_TIMEOUT", "5"))
-ELEMENTS = 256 * 1024  # 1 MiB of float32 per rank: no background spare segment (>= 4 MiB)
+ELEMENTS = 32 * 1024  # 128 KiB of float32 per rank: below the pool threshold, so segments have names
 
 
 def _die(note: dict[str, Any] | None = None) -> None:
@@ -199,13 +199,15 @@ def run_case(case: str, report: dict[str, Any]) -> None:
             victim_info = sync.companion(None).peers(TIMEOUT)[victim]
             fetch = shm.SharedMemoryTransport.fetch
 
-            def fetch_after_death(self: shm.SharedMemoryTransport, token: str, r: int) -> Any:
+            def fetch_after_death(
+                self: shm.SharedMemoryTransport, token: str, r: int, receipt: str = ""
+            ) -> Any:
                 if r == victim:
                     deadline = time.monotonic() + 30
                     while process_alive(victim_info) and time.monotonic() < deadline:
                         time.sleep(0.01)
                     report["victim_dead_before_fetch"] = not process_alive(victim_info)
-                return fetch(self, token, r)
+                return fetch(self, token, r, receipt)
 
             shm.SharedMemoryTransport.fetch = fetch_after_death  # type: ignore[method-assign]
         _gather(report, ranks, timeout=TIMEOUT, body=_die if rank == victim else None)
@@ -219,8 +221,8 @@ def run_case(case: str, report: dict[str, Any]) -> None:
         if rank == 0:
             fetch = shm.SharedMemoryTransport.fetch
 
-            def fetch_then_die(self: shm.SharedMemoryTransport, token: str, r: int) -> Any:
-                buf = fetch(self, token, r)
+            def fetch_then_die(self: shm.SharedMemoryTransport, token: str, r: int, receipt: str = "") -> Any:
+                buf = fetch(self, token, r, receipt)
                 _die({"fetched": r})
                 return buf
 
@@ -258,7 +260,10 @@ def run_case(case: str, report: dict[str, Any]) -> None:
     elif case == "workspace_full_ro":
         for key, env in (("full", "DU_FULL_WS"), ("ro", "DU_RO_WS")):
             sub: dict[str, Any] = {}
-            _gather(sub, ranks, transport="workspace", workspace_path=os.environ[env], timeout=30)
+            # 1 MiB per rank: more than the 1 MiB tmpfs of the "full" workspace can take.
+            _gather(
+                sub, ranks, transport="workspace", workspace_path=os.environ[env], timeout=30, elements=2**18
+            )
             dist.barrier()
             sub["left"] = _payload_files(os.environ[env])  # owner records stay until exit
             report[key] = sub
