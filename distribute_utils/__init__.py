@@ -11,6 +11,7 @@ from .errors import (
     TransportUnavailableError,
     WorkspaceError,
 )
+from .consolidate import consolidate_checkpoint
 from .gather import gather_configs, gather_tensors, get_configs_parallel, get_tensors_parallel
 from .layout import MeshLayout
 from .mesh import ProcessGroupMesh
@@ -34,6 +35,7 @@ __all__ = [
     "WorkspaceError",
     "__version__",
     "barrier",
+    "consolidate_checkpoint",
     "gather_configs",
     "gather_tensors",
     "get_configs_parallel",

@@ -14,7 +14,7 @@ from distribute_utils.consolidate import (
     Concat,
     LayoutError,
     MegatronLegacyLayout,
-    MeshLayout,
+    OwnLayout,
     RuleTable,
     Same,
     TensorSpec,
@@ -136,7 +136,7 @@ def test_own_layout_round_trip(tmp_path: Path, model, shards, file_format: str) 
     desc = json.loads((tmp_path / "mesh.json").read_text())
     assert desc["shape"] == [2, 2] and desc["axis_names"] == ["pp", "tp"] and desc["format_version"] == 1
     layout = open_checkpoint(tmp_path)
-    assert isinstance(layout, MeshLayout)
+    assert isinstance(layout, OwnLayout)
     assert (layout.tp, layout.pp, layout.layers_per_stage) == (2, 2, (3, 1))
     assert layout.file_for(1, 1).name == (
         "rank_00003.safetensors" if file_format == "safetensors" else "rank_00003.pt"
@@ -159,7 +159,7 @@ def test_own_layout_round_trip(tmp_path: Path, model, shards, file_format: str) 
 def test_own_layout_infers_layers_and_custom_axes(tmp_path: Path, model, shards) -> None:
     write_own_layout(tmp_path, shards, axis_names=("tp", "pp"), files="tp{tp}/pp{pp}-r{rank}.safetensors")
     layout = open_checkpoint(tmp_path)
-    assert isinstance(layout, MeshLayout)
+    assert isinstance(layout, OwnLayout)
     assert layout.layers_per_stage == (3, 1)  # counted from the names
     assert layout.rank_of(1, 0) == 2 and layout.rank_of(0, 1) == 1  # row-major over ["tp", "pp"]
     assert layout.file_for(1, 0) == tmp_path / "tp1" / "pp0-r2.safetensors"

@@ -3,7 +3,7 @@
 Two layouts are understood, behind one interface (:class:`CheckpointLayout`, opened with
 :func:`open_checkpoint`):
 
-* **own** (:class:`MeshLayout`): a directory with ``mesh.json`` and one file per rank;
+* **own** (:class:`OwnLayout`): a directory with ``mesh.json`` and one file per rank;
 * **Megatron-LM legacy** (:class:`MegatronLegacyLayout`): ``mp_rank_XX[_YYY]/model_optim_rng.pt``,
   optionally under ``iter_NNNNNNN/`` with ``latest_checkpointed_iteration.txt`` beside it.
 
@@ -40,7 +40,7 @@ __all__ = [
     "LayoutError",
     "MegatronLegacyLayout",
     "MergePlanEntry",
-    "MeshLayout",
+    "OwnLayout",
     "global_layer_name",
     "open_checkpoint",
     "plan_merge",
@@ -292,7 +292,7 @@ class CheckpointLayout(ABC):
         return global_layer_name(name, self.stage_offset(pp_rank))
 
 
-class MeshLayout(CheckpointLayout):
+class OwnLayout(CheckpointLayout):
     """The project's own layout: ``mesh.json`` plus one file per rank.
 
     ``mesh.json`` (all keys but ``format_version`` and ``shape`` optional)::
@@ -521,7 +521,7 @@ def open_checkpoint(
             raise LayoutError(f"{mesh}: expected a JSON object")
         if layers_per_stage is not None:
             description["layers_per_stage"] = list(layers_per_stage)
-        layout: CheckpointLayout = MeshLayout(root, description)
+        layout: CheckpointLayout = OwnLayout(root, description)
         layout.check_files()
         return layout
     mroot = _megatron_root(root, iteration)
@@ -654,7 +654,7 @@ def write_own_layout(
     layers_per_stage: Sequence[int] | None = None,
     files: str | None = None,
     axis_names: Sequence[str] = ("pp", "tp"),
-) -> MeshLayout:
+) -> OwnLayout:
     """Writes shards in the own layout (files first, ``mesh.json`` last).
 
     Args:
@@ -684,7 +684,7 @@ def write_own_layout(
     }
     if layers_per_stage is not None:
         description["layers_per_stage"] = list(layers_per_stage)
-    layout = MeshLayout(root, description)
+    layout = OwnLayout(root, description)
     for (t, p), sd in shards.items():
         path = layout.file_for(t, p)
         path.parent.mkdir(parents=True, exist_ok=True)
