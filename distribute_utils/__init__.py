@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .consolidate import consolidate_checkpoint
 from .errors import (
     DistributeError,
     GatherError,
@@ -11,7 +12,6 @@ from .errors import (
     TransportUnavailableError,
     WorkspaceError,
 )
-from .consolidate import consolidate_checkpoint
 from .gather import gather_configs, gather_tensors, get_configs_parallel, get_tensors_parallel
 from .layout import MeshLayout
 from .mesh import ProcessGroupMesh
