@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from ._host import SHM_DIR, ProcessInfo, process_alive, this_process
+from ._host import SHM_DIR, process_alive, this_process
 from .errors import DistributeError
 
 __all__ = [
@@ -168,14 +168,7 @@ def inspect_namespaces(workspace: str) -> list[NamespaceInfo]:
             continue  # removed meanwhile
         owners = []
         for r in records:
-            info = ProcessInfo(
-                str(r["hostname"]),
-                str(r["boot_id"]),
-                -1,
-                int(r["pid_namespace"]),
-                int(r["pid"]),
-                int(r["start_time"]),
-            )
+            info = ws.owner_process(r)
             if me.can_watch(info):
                 state = "alive" if process_alive(info) else "dead"
             else:

@@ -1001,19 +1001,24 @@ def _owner_records(path: str) -> tuple[list[dict[str, Any]], int, float]:
     return owners, unreadable, newest
 
 
+def owner_process(record: dict[str, Any]) -> ProcessInfo:
+    """The process an owner record describes (its /dev/shm device is not recorded: -1)."""
+    return ProcessInfo(
+        str(record["hostname"]),
+        str(record["boot_id"]),
+        -1,
+        int(record["pid_namespace"]),
+        int(record["pid"]),
+        int(record["start_time"]),
+    )
+
+
 def _judge(path: str, me: ProcessInfo, max_age: float, now: float) -> str | None:
     """Why the namespace at ``path`` can be removed, or None to keep it."""
     owners, unreadable, newest = _owner_records(path)
     local, remote = [], []
     for r in owners:
-        info = ProcessInfo(
-            str(r["hostname"]),
-            str(r["boot_id"]),
-            -1,
-            int(r["pid_namespace"]),
-            int(r["pid"]),
-            int(r["start_time"]),
-        )
+        info = owner_process(r)
         (local if me.can_watch(info) else remote).append(info)
     if any(process_alive(info) for info in local):
         return None
