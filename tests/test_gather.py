@@ -475,3 +475,22 @@ def test_mesh_gather_over_the_collective_transport(ranks4: RankPool) -> None:
     results = ranks4.run(_mesh_collective)
     assert results[0] == [[[0, 0], [2, 2]]] * 2 and results[1] == [[[1, 1], [3, 3]]] * 2
     assert results[2] == [[], []] and results[3] == [[], []]
+
+
+def _cuda_tensors(device: str | None) -> list:
+    rank = dist.get_rank()
+    local = torch.device("cuda", rank % torch.cuda.device_count())
+    mine = torch.arange(1000, device=local, dtype=torch.bfloat16)[::3] * rank
+    with get_tensors_parallel(mine, [0, 1, 2, 3], timeout=60, device=device) as got:
+        return [(str(t.device.type), t.cpu().tolist()) for t in got]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+@pytest.mark.parametrize("device", [None, "cuda"])
+def test_cuda_tensors_travel_through_host_shared_memory(ranks4: RankPool, device: str | None) -> None:
+    results = ranks4.run(_cuda_tensors, device)
+    expected = [(torch.arange(1000, dtype=torch.bfloat16)[::3] * r).tolist() for r in range(4)]
+    assert [values for _, values in results[0]] == expected
+    senders = {kind for kind, _ in results[0][1:]}
+    assert senders == ({"cpu"} if device is None else {"cuda"})

@@ -237,3 +237,23 @@ def test_layout_usable_without_distributed() -> None:
     assert MeshLayout((2, 2)).groups_along(0) == [[0, 2], [1, 3]]
     with pytest.raises(RuntimeError, match="init_process_group"):
         ProcessGroupMesh(2, 2)
+
+
+def _device_mesh() -> tuple:
+    mesh = ProcessGroupMesh(2, 2, axis_names=("pp", "tp"))
+    device_mesh = mesh.to_device_mesh("cpu")
+    tp = device_mesh.get_group("tp")
+    return (
+        device_mesh.mesh.tolist(),
+        device_mesh.mesh_dim_names,
+        dist.get_process_group_ranks(tp),
+        device_mesh.get_coordinate(),
+    )
+
+
+def test_to_device_mesh_keeps_layout_and_names(ranks4: RankPool) -> None:
+    results = ranks4.run(_device_mesh)
+    for rank, (layout, names, tp_ranks, coordinate) in enumerate(results):
+        assert layout == [[0, 1], [2, 3]] and names == ("pp", "tp")
+        assert tp_ranks == MeshLayout((2, 2)).group_of(rank, 1)
+        assert tuple(coordinate) == MeshLayout((2, 2)).coordinate(rank)
