@@ -8,7 +8,7 @@ import stat
 import pytest
 import torch
 
-from distribute_utils import PayloadError, wire
+from distribute_utils import PayloadError, PeerLostError, wire
 from distribute_utils.transports import shm
 
 PID = os.getpid()
@@ -89,3 +89,25 @@ def test_pooled_segment_is_invisible_busy_until_freed_then_reused() -> None:
     assert transport.publish("00000000000000b3", 1, wire.encode(torch.zeros(10))) == ""
     wire.decode(transport.fetch("00000000000000b3", 1))
     assert _ours() == set()
+
+
+def test_a_pooled_payload_whose_sender_exited_is_reported_as_a_lost_peer() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys, torch\n"
+        "from distribute_utils import wire\n"
+        "from distribute_utils.transports import shm\n"
+        "t = shm.SharedMemoryTransport({1: os.getpid()}, pool=True)\n"
+        "print(os.getpid(), t.publish('00000000000000c0', 1, wire.encode(torch.zeros(2**18))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    pid, receipt = int(out[0]), out[1]
+    transport = shm.SharedMemoryTransport({1: pid}, pool=True)
+    with pytest.raises(PeerLostError, match="rank 1 exited before its payload was read") as info:
+        transport.fetch("00000000000000c0", 1, receipt)
+    assert info.value.missing == (1,)
+    assert not [n for n in os.listdir(shm.SHM_DIR) if n.endswith(f"_{pid}")]

@@ -29,7 +29,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from .._host import SHM_DIR
-from ..errors import PayloadError, SpaceError
+from ..errors import PayloadError, PeerLostError, SpaceError
 from ..wire import EncodedPayload, read_prefix
 
 __all__ = ["SEGMENT_PREFIX", "SharedMemoryTransport", "segment_path", "segments_freed", "take_freed"]
@@ -112,6 +112,12 @@ class SharedMemoryTransport:
                 path = f"/proc/{self._pids[rank]}/fd/{int(fd_text)}"
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except (FileNotFoundError, ValueError):
+            if receipt:
+                raise PeerLostError(
+                    f"rank {rank} exited before its payload was read: its pooled segment ({path}) went "
+                    "with its process",
+                    [rank],
+                ) from None
             raise PayloadError(f"rank {rank} published no segment at {path}") from None
         try:
             info = os.fstat(fd)
