@@ -261,13 +261,14 @@ def _gather(
     assert plan is not None and checked is not None  # _agree raised on every rank otherwise
     token = f"{intents[0].nonce:016x}"
     by_rank = dict(zip(members, intents))
-    on_device = plan.flat and all(by_rank[r].on_device for r in plan.ranks[1:])
-    carrier_group, carrier_device = _collective_route(group, on_device)
-    if payload is not None and carrier_device.type == "cpu":
+    carrier: tuple[dist.ProcessGroup | None, torch.device] = (None, torch.device("cpu"))
+    if plan.cross == "collective":
+        carrier = _collective_route(group, plan.flat and all(by_rank[r].on_device for r in plan.ranks[1:]))
+    if payload is not None and carrier[1].type == "cpu":
         payload = payload.to_cpu()
     # A forced "shm" never falls back to the workspace: /dev/shm too small is then an error.
     fallback = workspace_path if transport != "shm" else None
-    route = _Route(plan, round_, token, seconds, companion, (carrier_group, carrier_device), fallback, peers)
+    route = _Route(plan, round_, token, seconds, companion, carrier, fallback, peers)
     logger.debug("round %s: %s", token, route.what)
 
     if me == plan.first:
