@@ -18,6 +18,7 @@ round) must be entered by every rank of its ranks, in the same order on every ra
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
@@ -99,9 +100,21 @@ class _Watchdog:
         self._wake = threading.Event()
         self._watched: tuple[dist.Store, list[tuple[str, int, ProcessInfo]]] | None = None
         self._thread: threading.Thread | None = None
+        self._closed = False
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the thread (at exit: never leave it inside a store call, see :class:`_Janitor`)."""
+        with self._lock:
+            self._closed, self._watched = True, None
+        self._wake.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def start_watching(self, store: dist.Store, entries: list[tuple[str, int, ProcessInfo]]) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._watched = (store, entries)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -118,6 +131,8 @@ class _Watchdog:
         while True:
             self._wake.wait()
             with self._lock:
+                if self._closed:
+                    return
                 watched = self._watched
                 if watched is None:
                     self._wake.clear()
@@ -137,22 +152,41 @@ _WATCHDOG = _Watchdog()
 
 
 class _Janitor:
-    """Deletes keys of finished rounds off the critical path, on its own store client."""
+    """Deletes keys of finished rounds off the critical path, on its own store client.
+
+    Stopped and joined at interpreter exit: a daemon thread still inside a store call while
+    the interpreter tears down makes the process abort ("terminate called without an active
+    exception"), so the queue is drained first (bounded to a few seconds).
+    """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[dist.Store, list[str]]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[dist.Store, list[str]] | None] = queue.SimpleQueue()
         self._clients: dict[int, dist.Store] = {}
         self._thread: threading.Thread | None = None
+        self._stopped = False
+        atexit.register(self.stop)
 
     def delete(self, store: dist.Store, keys: list[str]) -> None:
+        if self._stopped:
+            return
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="distribute-utils-janitor", daemon=True)
             self._thread.start()
         self._queue.put((store, keys))
 
+    def stop(self) -> None:
+        """Finish the pending deletions and end the thread (at exit)."""
+        self._stopped = True
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+
     def _run(self) -> None:
         while True:
-            store, keys = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            store, keys = item
             client = self._clients.get(id(store))
             if client is None:
                 client = self._clients[id(store)] = store.clone()
