@@ -4,35 +4,46 @@
 NVIDIA ModelOpt's helpers (``modelopt.torch.export.distribute``), so switching is a change of
 import; ``gather_tensors`` / ``gather_configs`` take a :class:`ProcessGroupMesh` and an axis.
 
-One round, on every rank of ``group`` (see :mod:`distribute_utils.transports.base` for what
-the transport does at each step):
+Contract (ModelOpt's): every rank of ``group`` (the world when None) enters the call; ``group``
+only says who synchronises, ``ranks`` says where *this rank's* value goes. Different ranks may
+pass different lists as long as lists are identical or disjoint: every rank named in a list
+passes that same list. Each list is its own gather to its own ``ranks[0]``, and all of them
+proceed at once. A rank its list does not name only checks in and returns ``[]``.
 
-1. agree: every rank posts its ``ranks`` digest, whether its value encoded, and a nonce;
-   any disagreement or local error raises on *every* rank, before anything is written;
-2. senders publish their payload and post "published";
-3. the first rank waits for the senders, fetches and decodes (zero-copy), posts "done";
-4. senders and non-participants wait for "done" when they leave the ``with`` block, and
-   senders release what they published.
+One call, keys in the group's namespace (:class:`distribute_utils.sync.Call`), one hop each way:
+
+1. a sender encodes its value and publishes it: inside its claim when small
+   (:data:`INLINE_MAX_BYTES`), else in shared memory (or the workspace / a collective
+   across hosts); then posts its claim ``c/<rank>`` (list digest, transport, local error,
+   receipt) and a marker ``v/<rank>``, and waits for one key: its first rank's ``v``.
+2. the first rank posts its own claim, reads only its own participants' claims, checks that
+   they name the same list and transport and carry no error, fetches and decodes every
+   payload (zero-copy), and posts its verdict ``v/<first>`` (with the pooled segments its
+   senders may reuse). Any disagreement or error ends up in the verdict, so every rank of
+   that gather raises, and nobody waits for a rank that will not come.
+3. a sender releases what it published as soon as it has the verdict.
+
+Senders on another host than the first rank wait for its plan (``plan``): the first
+participant on each remote host collects its host's payloads and forwards one bundle.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import secrets
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from os import PathLike
-from typing import Any
+from typing import Any, NoReturn
 
 import msgpack
 import torch
 import torch.distributed as dist
 
 from . import sync, wire
-from .errors import GatherError, PayloadError, SpaceError, TransportUnavailableError
+from .errors import GatherError, PayloadError, PeerLostError, SpaceError, TransportUnavailableError
 from .mesh import ProcessGroupMesh
 from .transports import CollectiveTransport, SharedMemoryTransport, Transport
 from .transports.shm import segments_freed, take_freed
@@ -48,38 +59,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "shm", "workspace", "collective")
-_OK = "ok"
-_OK_WORKSPACE = "ok:workspace"  # published to the workspace instead: /dev/shm had no room
-_OK_SEGMENT = "ok:segment:"  # published in a pooled segment; its id follows
-
-
-@dataclass(frozen=True)
-class _Intent:
-    """What one rank brings to the agreement of a round."""
-
-    ranks: list[int] | None
-    digest: str
-    error: tuple[str, str] | None  # (exception type name, message)
-    nonce: int
-    transport: str
-    on_device: bool  # its payload's tensors all live on an accelerator (NCCL can send them)
-    freed: list[list[Any]]  # [sender rank, segment id]: pooled segments this rank no longer maps
-
-    def pack(self) -> bytes:
-        shown = self.ranks if self.ranks is not None and len(self.ranks) <= 64 else None
-        error = list(self.error) if self.error else None
-        return msgpack.packb(
-            [shown, self.digest, error, self.nonce, self.transport, self.on_device, self.freed]
-        )
-
-    @classmethod
-    def unpack(cls, data: bytes) -> _Intent:
-        shown, digest, error, nonce, transport, on_device, freed = msgpack.unpackb(data)
-        return cls(shown, digest, tuple(error) if error else None, nonce, transport, on_device, freed)
-
+INLINE_MAX_BYTES = 64 * 2**10
+"""Payloads up to this size travel inside the sender's claim in the store, not through a file."""
 
 _RAISABLE: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (TypeError, ValueError, TransportUnavailableError)
+    cls.__name__: cls for cls in (TypeError, ValueError, TransportUnavailableError, PeerLostError)
 }
 
 
@@ -106,47 +90,100 @@ def _check_ranks(ranks: Sequence[int], members: tuple[int, ...]) -> list[int]:
 
 
 def _short(ranks: Sequence[int]) -> str:
-    return sync._short(ranks)
+    return sync.short(ranks)
 
 
-def _digest(ranks: list[int] | None) -> str:
-    return hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
+# -- what ranks post -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Claim:
+    """What one rank posts at the start of a gather call (key ``c/<rank>``).
 
+    ``kind`` is "first" (it receives), "send" (``body`` says where its payload is) or "none"
+    (its own list does not name it: it only checks in). Ranks that do not receive also post a
+    :class:`_Verdict` marker under ``v/<rank>``, so that a rank that wrongly takes them for its
+    receiver hears why at once instead of waiting.
+    """
 
-def _agree(intents: list[_Intent], members: tuple[int, ...], me: int) -> _Intent:
-    """Raise the same kind of error on every rank when the intents disagree; else the first's."""
-    for rank, intent in zip(members, intents):
-        if intent.error is not None:
-            kind, message = intent.error
-            exc_type = _RAISABLE.get(kind, GatherError)
-            if rank == me:
-                raise exc_type(message)
-            raise exc_type(f"rank {rank} cannot take part in the gather: {message}")
-    first = intents[0]
-    differing = [r for r, i in zip(members, intents) if i.digest != first.digest]
-    if differing:
-        shown = {r: i.ranks for r, i in zip(members, intents) if r in differing[:3]}
-        raise ValueError(
-            f"ranks passed different `ranks` lists: rank {members[0]} passed {first.ranks}, "
-            f"rank(s) {differing} differ ({shown}); every rank of the group must pass the same list"
+    kind: str
+    ranks: list[int] | None  # shown in messages (None when too long)
+    digest: str
+    mode: str
+    error: tuple[str, str] | None  # (exception type name, message)
+    body: list[Any] | None = None
+
+    def pack(self) -> bytes:
+        return msgpack.packb(
+            [
+                self.kind,
+                self.ranks,
+                self.digest,
+                self.mode,
+                list(self.error) if self.error else None,
+                self.body,
+            ]
         )
-    transports = {i.transport for i in intents}
-    if len(transports) > 1:
-        raise ValueError(
-            f"ranks asked for different transports {sorted(transports)}; pass the same everywhere"
+
+    @classmethod
+    def unpack(cls, data: bytes) -> _Claim:
+        kind, ranks, digest, mode, error, body = msgpack.unpackb(data)
+        return cls(kind, ranks, digest, mode, tuple(error) if error else None, body)
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """What a rank posts under ``v/<rank>``: a receiver's verdict, or a non-receiver's marker."""
+
+    receiver: bool
+    ranks: list[int] | None
+    digest: str
+    error: tuple[str, str] | None = None  # the receiver failed: (type name, message)
+    freed: list[list[Any]] = field(default_factory=list)  # [sender rank, pooled segment id]
+
+    def pack(self) -> bytes:
+        return msgpack.packb(
+            [self.receiver, self.ranks, self.digest, list(self.error) if self.error else None, self.freed]
         )
-    return first
+
+    @classmethod
+    def unpack(cls, data: bytes) -> _Verdict:
+        receiver, ranks, digest, error, freed = msgpack.unpackb(data)
+        return cls(receiver, ranks, digest, tuple(error) if error else None, freed)
+
+
+def _error_of(exc: BaseException) -> tuple[str, str]:
+    return (type(exc).__name__, str(exc)[:4096])
+
+
+def _raise_from(error: tuple[str, str], prefix: str) -> NoReturn:
+    """Raise an error another rank posted: as its own type when it is one of ours to raise,
+    else as :class:`GatherError` naming the type."""
+    kind, message = error
+    exc_type = _RAISABLE.get(kind)
+    if exc_type is None:
+        prefix = prefix.replace("cannot take part in the gather: ", "failed: ")
+        raise GatherError(f"{prefix}{kind}: {message}" if prefix else f"{kind}: {message}")
+    if exc_type is PeerLostError:
+        raise PeerLostError(f"{prefix}{message}", ())
+    raise exc_type(f"{prefix}{message}")
+
+
+def _mismatch(me: int, mine: list[int] | None, other: int, theirs: list[int] | None) -> ValueError:
+    return ValueError(
+        f"ranks disagree on a gather: rank {me} passed ranks={mine}, but rank {other}, which it names, "
+        f"passed ranks={theirs}; every rank named in a list must pass that same list (lists may differ "
+        "between ranks only when they share no rank)"
+    )
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """Who sends to whom in one round; the same on every rank (derived from agreed inputs).
+    """Who sends to whom in one gather; the first rank works it out and tells remote senders.
 
-    Participants on the first rank's host send to it through shared memory. On every other
-    host, the first participant leads: its host's other participants send to it through
-    shared memory, and it forwards one bundle for the whole host over the cross-host
-    transport. Forced ``workspace`` / ``collective`` transports make every sender its own
-    leader (flat: no shared-memory hop).
+    Participants on the first rank's host send to it through shared memory (or inside their
+    claim, when small). On every other host, the first participant leads: its host's other
+    participants send to it, and it forwards one bundle for the whole host over the
+    cross-host transport. Forced ``workspace`` / ``collective`` transports make every sender
+    its own leader (flat: no shared-memory hop).
     """
 
     ranks: tuple[int, ...]
@@ -158,10 +195,10 @@ class _Plan:
         return self.ranks[0]
 
     @property
-    def flat(self) -> bool:
-        """Every participant sends on its own (no shared-memory hop to a host leader)."""
-        return all(len(host) == 1 for leader, host in self.hosts.items() if leader != self.first) and (
-            self.cross is None or len(self.hosts[self.first]) == 1
+    def remote(self) -> bool:
+        """Some participant is on another host (it needs this plan to know its route)."""
+        return (
+            len(self.hosts) > 1 and self.cross is not None and len(self.hosts[self.first]) < len(self.ranks)
         )
 
     def leader_of(self, rank: int) -> int:
@@ -175,9 +212,17 @@ class _Plan:
             return self.cross
         return f"shm within hosts + {self.cross} across {len(remote)} remote host(s)"
 
+    def pack(self) -> bytes:
+        return msgpack.packb([list(self.ranks), self.cross, [[k, v] for k, v in self.hosts.items()]])
 
-def _plan(requested: str, ranks: list[int], peers: dict[int, Any], has_workspace: bool) -> _Plan:
-    """Choose the route of every payload (raises before anything is written)."""
+    @classmethod
+    def unpack(cls, data: bytes) -> _Plan:
+        ranks, cross, hosts = msgpack.unpackb(data)
+        return cls(tuple(ranks), cross, {k: v for k, v in hosts})
+
+
+def _plan(requested: str, ranks: list[int], domains: dict[int, str], has_workspace: bool) -> _Plan:
+    """Choose the route of every payload (raises before the first rank reads anything)."""
     first, order = ranks[0], tuple(ranks)
     if requested in ("workspace", "collective"):
         if requested == "workspace" and not has_workspace:
@@ -187,16 +232,362 @@ def _plan(requested: str, ranks: list[int], peers: dict[int, Any], has_workspace
         return _Plan(order, requested, {r: [r] for r in ranks})
     by_domain: dict[str, list[int]] = {}
     for r in ranks:
-        by_domain.setdefault(peers[r].shm_domain, []).append(r)
+        by_domain.setdefault(domains[r], []).append(r)
     if len(by_domain) == 1:
         return _Plan(order, None, {first: list(ranks)})
-    hosts_named = sorted({peers[r].hostname for r in ranks})
     if requested == "shm":
         raise TransportUnavailableError(
             f"transport='shm' needs every participant on one host with one /dev/shm, but ranks {ranks} "
-            f"span {len(by_domain)} shared-memory domains (hosts {hosts_named}); use transport='auto'"
+            f"span {len(by_domain)} shared-memory domains; use transport='auto'"
         )
     return _Plan(order, "workspace" if has_workspace else "collective", {h[0]: h for h in by_domain.values()})
+
+
+# -- one gather call on one rank ------------------------------------------------------------------------
+class _Gather:
+    """One rank's part in one gather call (see the module doc for the protocol)."""
+
+    def __init__(
+        self,
+        companion: sync.GroupSync,
+        call: sync.Call,
+        ranks: list[int],
+        *,
+        transport: str,
+        workspace_path: str | PathLike[str] | None,
+        seconds: float,
+        group: dist.ProcessGroup | Sequence[int] | None,
+        root: str,
+    ) -> None:
+        self.companion, self.call, self.ranks = companion, call, ranks
+        self.me, self.first = companion.rank, ranks[0]
+        self.digest = sync._digest(ranks)
+        self.shown = ranks if len(ranks) <= 64 else None
+        self.transport, self.workspace_path = transport, workspace_path
+        self.mode = f"{transport}:{workspace_path is not None}"
+        self.seconds, self.group, self.root = seconds, group, root
+        self.what = f"gather to rank {self.first}"
+        self._workspace: Transport | None = None
+        self._collective: dict[str, CollectiveTransport] = {}
+        self._local = SharedMemoryTransport()
+        self._deferred: tuple[str, wire.EncodedPayload] | None = None  # a collective send awaiting "go"
+        self._go_posted = False
+        self._cross: str | None = None
+
+    # -- shared helpers ------------------------------------------------------------------------
+    @property
+    def workspace(self) -> Transport:
+        """The workspace transport of the job (made on first use; sweeps dead jobs' leftovers)."""
+        if self._workspace is None:
+            from .transports.workspace import WorkspaceTransport, job_token
+
+            if self.workspace_path is None:
+                raise ValueError("this gather needs a workspace_path (a directory every rank can reach)")
+            self._workspace = WorkspaceTransport(
+                self.workspace_path, job_token(), self.seconds, sweep_stale=True
+            )
+        return self._workspace
+
+    def collective(self, device: str) -> CollectiveTransport:
+        found = self._collective.get(device)
+        if found is None:
+            pg = self.group if self.group is None or isinstance(self.group, dist.ProcessGroup) else None
+            found = self._collective[device] = CollectiveTransport(
+                pg, self.first, self.seconds, torch.device(device)
+            )
+        return found
+
+    def claim(self, kind: str, error: tuple[str, str] | None = None, body: list[Any] | None = None) -> _Claim:
+        return _Claim(kind, self.shown, self.digest, self.mode, error, body)
+
+    def marker(self) -> bytes:
+        return _Verdict(False, self.shown, self.digest).pack()
+
+    def check_claim(self, rank: int, claim: _Claim) -> None:
+        """Raise when ``rank`` is not a sender of this very gather, or brings an error."""
+        if claim.digest != self.digest:
+            raise _mismatch(self.me, self.shown, rank, claim.ranks)
+        if claim.kind != "send":
+            raise ValueError(f"rank {rank} passed ranks={claim.ranks} but does not send in it")
+        if claim.error is not None:
+            _raise_from(claim.error, f"rank {rank} cannot take part in the gather: ")
+        if claim.mode != self.mode:
+            raise ValueError(
+                f"ranks asked for different transports: rank {self.me} {self.mode!r}, rank {rank} "
+                f"{claim.mode!r} (transport:has-workspace); pass the same everywhere"
+            )
+
+    def plan(self) -> _Plan:
+        """The route of this gather, worked out by the first rank from where ranks run."""
+        if self.transport in ("workspace", "collective"):
+            return _plan(self.transport, self.ranks, {}, self.workspace_path is not None)
+        directory = self.companion.directory
+        assert directory is not None
+        infos = directory.infos(self.ranks, self.companion.store, self.seconds, self.what)
+        domains = {r: i.shm_domain for r, i in zip(self.ranks, infos)}
+        return _plan(self.transport, self.ranks, domains, self.workspace_path is not None)
+
+    def my_plan(self) -> _Plan | None:
+        """A sender's view: None when it sends straight to the first rank through this host."""
+        if self.transport in ("workspace", "collective"):
+            return _plan(self.transport, self.ranks, {}, self.workspace_path is not None)
+        directory = self.companion.directory
+        assert directory is not None
+        first = directory.info(self.first, self.companion.store, self.seconds, self.what)
+        if first.shm_domain == directory.me.shm_domain:
+            return None
+        packed = self.call.wait_shared("plan", self.first, 2 * self.seconds, self.what)
+        digest, error, plan = msgpack.unpackb(packed)
+        if digest != self.digest:
+            raise _mismatch(self.me, self.shown, self.first, None)
+        if error is not None:
+            _raise_from(tuple(error), "")
+        return _Plan.unpack(plan)
+
+    # -- publishing ------------------------------------------------------------------------------
+    def encode(self, value: Any, checksum: bool, keep_device: bool) -> wire.EncodedPayload:
+        return wire.encode(value, root=self.root, checksum=checksum, keep_device=keep_device)
+
+    def publish_on_host(self, payload: wire.EncodedPayload, token: str, receiver: int) -> list[Any]:
+        """Put ``payload`` where ``receiver`` (on this host) finds it; returns the claim body."""
+        if payload.nbytes <= INLINE_MAX_BYTES:
+            return ["inline", payload.to_bytes()]
+        directory = self.companion.directory
+        assert directory is not None
+        info = directory.info(receiver, self.companion.store, self.seconds, self.what)
+        try:
+            local = SharedMemoryTransport(pool=directory.me.can_watch(info))
+            return ["shm", token, local.publish(token, self.me, payload)]
+        except SpaceError:
+            if self.workspace_path is None or self.transport == "shm":
+                raise
+        logger.warning(
+            "%s: /dev/shm cannot hold rank %d's payload of %d bytes; it goes through the workspace %s",
+            self.what,
+            self.me,
+            payload.nbytes,
+            self.workspace_path,
+        )
+        self.workspace.publish(token, self.me, payload.with_checksum())
+        return ["workspace", token]
+
+    def publish_across(self, plan: _Plan, payload: wire.EncodedPayload, token: str) -> list[Any]:
+        if plan.cross == "workspace":
+            self.workspace.publish(token, self.me, payload)
+            return ["workspace", token]
+        # A send cannot be taken back: it goes only after the first rank's "go" (see send()).
+        device = _carrier(self.group, payload.device_resident)
+        self._deferred = (device, payload.to_cpu() if device == "cpu" else payload)
+        return ["collective", token, device]
+
+    def fetch(self, rank: int, body: list[Any]) -> Any:
+        """The buffer of ``rank``'s payload, from where its claim says."""
+        where = body[0]
+        if where == "inline":
+            return bytearray(body[1])  # writable, so that tensors decode writable
+        if where == "shm":
+            return self._local.fetch(body[1], rank, body[2])
+        if where == "workspace":
+            return self.workspace.fetch(body[1], rank)
+        if where == "collective":
+            return self.collective(body[2]).fetch(body[1], rank)
+        raise PayloadError(f"rank {rank} published its payload in an unknown place {where!r}")
+
+    def discard(self, rank: int, body: list[Any] | None) -> None:
+        """Remove what ``rank`` published for us and we did not take (a dead peer cannot)."""
+        if not body:
+            return
+        try:
+            if body[0] == "shm":
+                self._local.discard(body[1], rank, body[2])
+            elif body[0] == "workspace":
+                self.workspace.release(body[1], rank)
+        except Exception as exc:
+            logger.warning("%s: could not remove what rank %d published: %s", self.what, rank, exc)
+
+    def release(self, body: list[Any] | None, token: str) -> None:
+        """Remove what this sender published, once its receiver is done (or gave up)."""
+        if not body:
+            return
+        where = body[0]
+        if where == "shm":
+            self._local.release(token, self.me)
+        elif where == "workspace":
+            self.workspace.release(token, self.me)
+        elif where == "collective":
+            self.collective(body[2]).release(token, self.me)
+
+    @staticmethod
+    def decode(buffer: Any, rank: int, target: torch.device | None) -> Any:
+        try:
+            return wire.decode(buffer, device=target)
+        except PayloadError as exc:
+            raise PayloadError(f"payload of rank {rank} is unusable: {exc}") from None
+
+    # -- the roles ---------------------------------------------------------------------------------
+    def check_in(self, error: tuple[str, str] | None) -> None:
+        """A rank its own list does not name: post a claim and a marker, nothing else."""
+        self.call.post({"c": self.claim("none", error).pack(), "v": self.marker()})
+
+    def send(self, value: Any, error: tuple[str, str] | None) -> None:
+        """A participant that does not receive: publish, claim, wait for the verdict, release."""
+        token = secrets.token_hex(8)
+        body: list[Any] | None = None
+        plan: _Plan | None = None
+        try:
+            if error is None:
+                plan = self.my_plan()
+                if plan is None:
+                    body = self.publish_on_host(self.encode(value, False, False), token, self.first)
+                elif plan.leader_of(self.me) == self.me:
+                    body = self.forward(plan, value, token)
+                else:
+                    leader = plan.leader_of(self.me)
+                    body = self.publish_on_host(self.encode(value, False, False), token, leader)
+        except (TypeError, ValueError, SpaceError, TransportUnavailableError, PeerLostError) as exc:
+            error = _error_of(exc)
+            self.call.post({"c": self.claim("send", error).pack(), "v": self.marker()})
+            raise
+        except BaseException as exc:
+            self.call.post({"c": self.claim("send", _error_of(exc)).pack(), "v": self.marker()})
+            self.release(body, token)
+            raise
+        self.call.post({"c": self.claim("send", error, body).pack(), "v": self.marker()})
+        if error is not None:
+            _raise_from(error, "")
+        try:
+            if self._deferred is not None:
+                device, payload = self._deferred
+                self._deferred = None
+                go = msgpack.unpackb(self.call.wait_shared("go", self.first, 2 * self.seconds, self.what))
+                if go is not None:
+                    _raise_from(tuple(go), f"the first rank ({self.first}) failed: ")
+                self.collective(device).publish(token, self.me, payload)
+            verdict = _Verdict.unpack(self.call.wait_verdict(self.first, self.seconds, self.what))
+        except BaseException:
+            self.release(body, token)
+            if body and body[0] == "shm":
+                self._local.abandon(body[2])
+            raise
+        self.release(body, token)
+        if not verdict.receiver or verdict.digest != self.digest:
+            raise _mismatch(self.me, self.shown, self.first, verdict.ranks)
+        segments_freed({ident for rank, ident in verdict.freed if rank == self.me})
+        if verdict.error is not None:
+            _raise_from(verdict.error, f"the first rank ({self.first}) failed: ")
+
+    def forward(self, plan: _Plan, value: Any, token: str) -> list[Any]:
+        """A remote host's leader: collect its host's payloads and send one bundle across."""
+        host = plan.hosts[self.me]
+        flat = len(host) == 1
+        keep_device = flat and plan.cross == "collective" and _carrier(self.group, True) != "cpu"
+        own = self.encode(value, checksum=flat and plan.cross == "workspace", keep_device=keep_device)
+        if flat:
+            return self.publish_across(plan, own, token)
+        others = host[1:]
+        claims = [_Claim.unpack(c) for c in self.call.wait_for("c", others, self.seconds, self.what)]
+        try:
+            for rank, claim in zip(others, claims):
+                self.check_claim(rank, claim)
+            mine = bytearray(own.nbytes)
+            own.write_into(mine)
+            parts = [torch.frombuffer(mine, dtype=torch.uint8)]
+            for rank, claim in zip(others, claims):
+                parts.append(torch.frombuffer(self.fetch(rank, claim.body or []), dtype=torch.uint8))
+        except BaseException:
+            for rank, claim in zip(others, claims):
+                self.discard(rank, claim.body)
+            raise
+        bundle = {"ranks": [self.me, *others], "parts": parts}
+        payload = wire.encode(bundle, root="bundle", checksum=plan.cross == "workspace")
+        return self.publish_across(plan, payload, token)
+
+    def receive(
+        self, own: Any, device: str | torch.device | None, error: tuple[str, str] | None
+    ) -> list[Any]:
+        """The first rank: read its senders' claims, fetch and decode, post the verdict."""
+        self.call.post({"c": self.claim("first", error).pack()})
+        claims: dict[int, _Claim] = {}
+        try:
+            if error is not None:
+                _raise_from(error, "")
+            target = torch.device(device) if device is not None else torch.device("cpu")
+            plan = self.plan_and_tell()
+            direct = [r for r in plan.hosts if r != self.first] + plan.hosts[self.first][1:]
+            direct = [r for r in self.ranks if r in direct]
+            values = self.call.wait_for("c", direct, self.seconds, self.what)
+            claims = {r: _Claim.unpack(v) for r, v in zip(direct, values)}
+            bulky = [r for r, v in zip(direct, values) if len(v) > 4096]
+            for rank in direct:
+                self.check_claim(rank, claims[rank])
+            self.tell_go(None, claims)
+            found: dict[int, Any] = {self.first: _place(own, target)}
+            decode_to = None if target.type == "cpu" else target
+            for rank in direct:
+                body = claims[rank].body or []
+                value = self.decode(self.fetch(rank, body), rank, decode_to)
+                claims[rank] = replace(claims[rank], body=None)  # taken: nothing left to discard
+                if rank in plan.hosts and len(plan.hosts[rank]) > 1:
+                    for part_rank, part in zip(value["ranks"], value["parts"]):
+                        found[part_rank] = self.decode(wire.tensor_buffer(part), part_rank, decode_to)
+                else:
+                    found[rank] = value
+        except BaseException as exc:
+            self.tell_go(_error_of(exc), claims)
+            self.call.post({"v": _Verdict(True, self.shown, self.digest, _error_of(exc)).pack()})
+            for rank, claim in claims.items():
+                self.discard(rank, claim.body)
+            raise
+        freed = [list(item) for item in take_freed(self.ranks[1:])]
+        self.call.post({"v": _Verdict(True, self.shown, self.digest, None, freed).pack()})
+        self.call.replace("c", bulky, _Claim("taken", None, self.digest, self.mode, None).pack())
+        return [found[r] for r in self.ranks]
+
+    def tell_go(self, error: tuple[str, str] | None, claims: dict[int, _Claim]) -> None:
+        """Let collective senders send (or tell them why not); once, only where some may wait."""
+        if self._go_posted:
+            return
+        waiting = any((c.body or [None])[0] == "collective" for c in claims.values())
+        if waiting or (error is not None and (self.transport == "collective" or self._cross == "collective")):
+            self.call.post_shared("go", msgpack.packb(list(error) if error else None))
+            self._go_posted = True
+
+    def plan_and_tell(self) -> _Plan:
+        """Work out the plan; remote senders need it to know their route (posted when they exist)."""
+        try:
+            plan = self.plan()
+        except BaseException as exc:
+            if self.transport not in ("workspace", "collective"):
+                self.call.post_shared("plan", msgpack.packb([self.digest, list(_error_of(exc)), None]))
+            raise
+        self._cross = plan.cross
+        if plan.remote:
+            self.call.post_shared("plan", msgpack.packb([self.digest, None, plan.pack()]))
+        self.what = f"gather to rank {self.first} over {plan.describe()}"
+        return plan
+
+
+def _carrier(group: dist.ProcessGroup | Sequence[int] | None, on_device: bool) -> str:
+    """Where a sender's collective messages travel; no group is ever created.
+
+    Point-to-point messages need no other rank's help, so they travel over ``group`` itself
+    (the world for a mesh's rank list). A backend with gloo carries CPU bytes; with NCCL
+    only, or when the payload's tensors already live on the GPU, messages go through GPU
+    memory (the GPU fallback). Each sender's claim names its carrier, so the first rank
+    receives each payload where it was sent from.
+    """
+    pg = group if group is None or isinstance(group, dist.ProcessGroup) else None
+    backend = str(dist.get_backend(pg))
+    if "nccl" in backend and (on_device or "gloo" not in backend):
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def _place(value: Any, target: torch.device) -> Any:
+    """The first rank's own value on ``target``, like every received one (ModelOpt: ``.cpu()``)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(target) if value.device != target else value
+    return value
 
 
 @contextmanager
@@ -211,307 +602,63 @@ def _gather(
     device: str | torch.device | None,
     root: str,
 ) -> Iterator[list[Any]]:
-    # Local mistakes are reported through the agreement, so every rank raises, none waits.
-    local_error: ValueError | None = None
+    # A local mistake is posted in this rank's claim: its gather partners raise it too, none waits.
+    error: tuple[str, str] | None = None
     try:
         seconds = sync.resolve_timeout(timeout)
     except ValueError as exc:
-        seconds, local_error = sync.DEFAULT_TIMEOUT_S, exc
-    if transport not in TRANSPORTS:
-        local_error = ValueError(f"unknown transport {transport!r}; valid: {list(TRANSPORTS)}")
+        seconds, error = sync.DEFAULT_TIMEOUT_S, _error_of(exc)
     companion = sync.companion(group)
-    members, me = companion.ranks, companion.rank
-    peers = dict(zip(members, companion.peers(seconds)))
-
-    error: tuple[str, str] | None = None
-    checked: list[int] | None = None
-    plan: _Plan | None = None
-    payload: wire.EncodedPayload | None = None
-    try:
-        if local_error is not None:
-            raise local_error
-        if root == "tensor":
-            _check_tensor(value)  # a local mistake: every rank raises, none waits for it
-        checked = _check_ranks(ranks, members)
-        plan = _plan(transport, checked, peers, workspace_path is not None)
-        if me == checked[0]:
-            _check_device(device)
-        if me in checked[1:]:
-            direct = plan.hosts.get(me) == [me]
-            payload = wire.encode(
-                value,
+    with companion.exclusive("a gather"):
+        call = companion.new_call(seconds)
+        try:
+            checked = _check_ranks(ranks, companion.ranks)
+        except ValueError as exc:
+            # No list to route by: check in, so that nobody waits for this rank, and raise.
+            _Gather(
+                companion,
+                call,
+                [companion.rank],
+                transport=transport,
+                workspace_path=workspace_path,
+                seconds=seconds,
+                group=group,
                 root=root,
-                checksum=direct and plan.cross == "workspace",
-                keep_device=direct
-                and plan.cross == "collective"
-                and _collective_route(group, True)[1].type != "cpu",
+            ).check_in(_error_of(exc))
+            raise
+        if error is None and transport not in TRANSPORTS:
+            error = _error_of(ValueError(f"unknown transport {transport!r}; valid: {list(TRANSPORTS)}"))
+        if error is None and root == "tensor" and not isinstance(value, torch.Tensor):
+            error = _error_of(
+                TypeError(f"get_tensors_parallel gathers a torch.Tensor; got {type(value).__name__}")
             )
-    except (TypeError, ValueError) as exc:
-        error = (type(exc).__name__, str(exc))
-    on_device = payload is not None and payload.device_resident
-    mode = f"{transport}:{workspace_path is not None}"
-    freed = [list(item) for item in take_freed(members)]
-    intent = _Intent(checked, _digest(checked), error, secrets.randbits(63), mode, on_device, freed)
-
-    round_ = companion.new_round()
-    round_.post("agree", intent.pack())
-    intents = [_Intent.unpack(v) for v in round_.wait("agree", members, seconds, "agreeing on a gather")]
-    segments_freed({ident for intent in intents for rank, ident in intent.freed if rank == me})
-    _agree(intents, members, me)
-    assert plan is not None and checked is not None  # _agree raised on every rank otherwise
-    token = f"{intents[0].nonce:016x}"
-    by_rank = dict(zip(members, intents))
-    carrier: tuple[dist.ProcessGroup | None, torch.device] = (None, torch.device("cpu"))
-    if plan.cross == "collective":
-        carrier = _collective_route(group, plan.flat and all(by_rank[r].on_device for r in plan.ranks[1:]))
-    if payload is not None and carrier[1].type == "cpu":
-        payload = payload.to_cpu()
-    # A forced "shm" never falls back to the workspace: /dev/shm too small is then an error.
-    fallback = workspace_path if transport != "shm" else None
-    route = _Route(plan, round_, token, seconds, companion, carrier, fallback, peers)
-    logger.debug("round %s: %s", token, route.what)
-
-    if me == plan.first:
-        yield route.receive(value, device)
-    elif payload is None:  # not a participant
-        with route.leaving():
-            yield []
-    elif plan.leader_of(me) == me:
-        with route.forwarding(payload):
-            yield []
-    else:
-        with route.sending_to_leader(payload):
-            yield []
-
-
-class _Route:
-    """Carries out one round's :class:`_Plan` on this rank (see the module doc for the steps)."""
-
-    def __init__(
-        self,
-        plan: _Plan,
-        round_: sync.Round,
-        token: str,
-        seconds: float,
-        companion: sync.GroupSync,
-        carrier: tuple[dist.ProcessGroup | None, torch.device],
-        workspace_path: str | PathLike[str] | None,
-        peers: dict[int, Any],
-    ) -> None:
-        self.plan, self.round, self.token, self.seconds = plan, round_, token, seconds
-        self.me = companion.rank
-        self.what = f"gather to rank {plan.first} over {plan.describe()}"
-        self._companion, self._carrier, self._workspace_path = companion, carrier, workspace_path
-        receiver = peers[plan.leader_of(self.me)] if self.me in plan.ranks else None
-        me = peers[self.me]
-        self._local = SharedMemoryTransport(
-            {r: p.pid for r, p in peers.items()}, pool=receiver is not None and me.can_watch(receiver)
+        this = _Gather(
+            companion,
+            call,
+            checked,
+            transport=transport,
+            workspace_path=workspace_path,
+            seconds=seconds,
+            group=group,
+            root=root,
         )
-        self._cross: Transport | None = None
-        self._workspace: Transport | None = None
-        self._in_workspace: set[int] = set()  # local senders that published to the workspace
-
-    @property
-    def workspace(self) -> Transport:
-        """The workspace transport of the job (made on first use; sweeps dead jobs' leftovers)."""
-        if self._workspace is None:
-            from .transports.workspace import WorkspaceTransport, job_token
-
-            self._workspace = WorkspaceTransport(
-                self._workspace_path, job_token(), self.seconds, sweep_stale=True
-            )
-        return self._workspace
-
-    @property
-    def cross(self) -> Transport:
-        """The transport between host leaders and the first rank (made on first use)."""
-        if self._cross is None:
-            if self.plan.cross == "workspace":
-                self._cross = self.workspace
-            else:
-                group, device = self._carrier
-                self._cross = CollectiveTransport(group, self.plan.first, self.seconds, device)
-        return self._cross
-
-    # -- senders -----------------------------------------------------------------------------------
-    @contextmanager
-    def sending_to_leader(self, payload: wire.EncodedPayload) -> Iterator[None]:
-        """A participant that is not a leader: publish into shared memory for its leader."""
-        try:
-            where = self._publish_on_host(payload)
-        except Exception as exc:
-            self.round.post("pub", _status(exc))
-            raise
-        del payload
-        self.round.post("pub", where.encode())
-        try:
-            with self.leaving():
-                yield
-        finally:
-            if where == _OK_WORKSPACE:
-                self.workspace.release(self.token, self.me)
-            else:
-                self._local.release(self.token, self.me)
-
-    def _publish_on_host(self, payload: wire.EncodedPayload) -> str:
-        """Publish into ``/dev/shm``, or into the workspace when one is given and shm has no room.
-
-        Returns:
-            The "pub" status to post: where the receiver finds the payload.
-        """
-        try:
-            receipt = self._local.publish(self.token, self.me, payload)
-            return f"{_OK_SEGMENT}{receipt}" if receipt else _OK
-        except SpaceError:
-            if self._workspace_path is None:
-                raise
-        logger.warning(
-            "%s: /dev/shm cannot hold rank %d's payload of %d bytes; it goes through the workspace %s",
-            self.what,
-            self.me,
-            payload.nbytes,
-            self._workspace_path,
-        )
-        self.workspace.publish(self.token, self.me, payload.with_checksum())
-        return _OK_WORKSPACE
-
-    def _fetch_on_host(self, rank: int, status: bytes) -> Any:
-        """The payload a sender of this host published, from where its status says."""
-        where = _published(status, f"rank {rank}")
-        if where == _OK_WORKSPACE:
-            self._in_workspace.add(rank)  # so that a failure discards it there
-            return self.workspace.fetch(self.token, rank)
-        return self._local.fetch(self.token, rank, where.removeprefix(_OK_SEGMENT) if where != _OK else "")
-
-    @contextmanager
-    def forwarding(self, own: wire.EncodedPayload) -> Iterator[None]:
-        """A remote host's leader: collect its host's payloads and send one bundle across."""
-        host = self.plan.hosts[self.me]
-        try:
-            outgoing = own if len(host) == 1 else self._bundle(own, host[1:])
-            self.cross.publish(self.token, self.me, outgoing)
-        except Exception as exc:
-            self.round.post("xpub", _status(exc))
-            raise
-        self.round.post("xpub", _OK.encode())
-        try:
-            with self.leaving():
-                yield
-        finally:
-            self.cross.release(self.token, self.me)
-
-    def _bundle(self, own: wire.EncodedPayload, others: list[int]) -> wire.EncodedPayload:
-        """One payload holding the raw payloads of this host's participants (no decoding)."""
-        try:
-            statuses = self.round.wait("pub", others, self.seconds, self.what)
-            for rank, status in zip(others, statuses):
-                _published(status, f"rank {rank}")
-            mine = bytearray(own.nbytes)
-            own.write_into(mine)  # one copy (to_bytes and a bytearray of it would make two)
-            parts = [torch.frombuffer(mine, dtype=torch.uint8)]
-            for rank, status in zip(others, statuses):
-                parts.append(torch.frombuffer(self._fetch_on_host(rank, status), dtype=torch.uint8))
-        except BaseException:
-            self._discard(others, [])
-            raise
-        bundle = {"ranks": [self.me, *others], "parts": parts}
-        return wire.encode(bundle, root="bundle", checksum=self.plan.cross == "workspace")
-
-    @contextmanager
-    def leaving(self) -> Iterator[None]:
-        """Run the caller's block, then wait for the first rank's "done" (never masking an error).
-
-        The first rank's own waits are each bounded by the timeout, so its peers wait for its
-        verdict a little longer (twice the timeout plus 5 s): when it gives up on a late
-        payload, they hear its reason instead of timing out at the same moment.
-        """
-        first, seconds = self.plan.first, 2 * self.seconds + 5
-        try:
-            yield
-        except BaseException:
-            try:
-                self.round.wait("done", [first], seconds, self.what)
-            except Exception:
-                logger.warning("%s: the first rank did not finish either", self.what, exc_info=True)
-            raise
-        _expect_ok(self.round.wait("done", [first], seconds, self.what)[0], f"the first rank ({first})")
-
-    # -- the first rank ------------------------------------------------------------------------------
-    def receive(self, own: Any, device: str | torch.device | None) -> list[Any]:
-        """Wait for every payload, decode them in ``ranks`` order, post "done"."""
-        plan = self.plan
-        local = plan.hosts[plan.first][1:]
-        leaders = [leader for leader in plan.hosts if leader != plan.first]
-        found: dict[int, Any] = {}
-        try:
-            target = torch.device(device) if device is not None else None
-            found[plan.first] = (
-                own.to(target) if target is not None and isinstance(own, torch.Tensor) else own
-            )
-            statuses: dict[int, bytes] = {}
-            if local:
-                statuses.update(zip(local, self.round.wait("pub", local, self.seconds, self.what)))
-                for rank in local:
-                    _published(statuses[rank], f"rank {rank}")
-            if leaders:
-                for rank, status in zip(leaders, self.round.wait("xpub", leaders, self.seconds, self.what)):
-                    _expect_ok(status, f"rank {rank}")
-            for rank in local:
-                found[rank] = self._decode(self._fetch_on_host(rank, statuses[rank]), rank, target)
-            for leader in leaders:
-                if len(plan.hosts[leader]) == 1:
-                    found[leader] = self._decode(self.cross.fetch(self.token, leader), leader, target)
-                    continue
-                value = self._decode(self.cross.fetch(self.token, leader), leader, None)
-                for rank, part in zip(value["ranks"], value["parts"]):
-                    found[rank] = self._decode(wire.tensor_buffer(part), rank, target)
-        except BaseException as exc:
-            self.round.post("done", _status(exc))
-            self._discard(local, leaders)
-            raise
-        self.round.post("done", _OK.encode())
-        return [found[r] for r in plan.ranks]
-
-    def _discard(self, local: list[int], leaders: list[int]) -> None:
-        """After a failure, remove what peers published for us: a dead peer cannot.
-
-        Best effort, never raises: the error being handled is the one to report (an unusable
-        workspace, say, must not replace it).
-        """
-        try:
-            for rank in local:
-                self._local.release(self.token, rank)
-                if rank in self._in_workspace:
-                    self.workspace.release(self.token, rank)
-            if self.plan.cross == "workspace":
-                for rank in leaders:
-                    self.cross.release(self.token, rank)
-        except Exception as exc:
-            logger.warning("%s: could not remove what peers published: %s", self.what, exc)
-
-    @staticmethod
-    def _decode(buffer: Any, rank: int, target: torch.device | None) -> Any:
-        try:
-            return wire.decode(buffer, device=target)
-        except PayloadError as exc:
-            raise PayloadError(f"payload of rank {rank} is unusable: {exc}") from None
-
-
-def _collective_route(
-    group: dist.ProcessGroup | Sequence[int] | None, on_device: bool
-) -> tuple[dist.ProcessGroup | None, torch.device]:
-    """The group and device the collective transport sends on; no group is ever created.
-
-    Point-to-point messages need no other rank's help, so they travel over ``group`` itself
-    (the world for a mesh's rank list). A backend with gloo carries CPU bytes; with NCCL
-    only, or when every sender's tensors already live on the GPU, messages go through GPU
-    memory (the GPU fallback).
-    """
-    pg = group if group is None or isinstance(group, dist.ProcessGroup) else None
-    backend = str(dist.get_backend(pg))
-    if "nccl" in backend and (on_device or "gloo" not in backend):
-        return pg, torch.device("cuda", torch.cuda.current_device())
-    return pg, torch.device("cpu")
+        me = companion.rank
+        if me not in checked:
+            this.check_in(error)
+            if error is not None:
+                _raise_from(error, "")
+            result: list[Any] = []
+        elif me == checked[0]:
+            if error is None:
+                try:
+                    _check_device(device)
+                except ValueError as exc:
+                    error = _error_of(exc)
+            result = this.receive(value, device, error)
+        else:
+            this.send(value, error)
+            result = []
+    yield result
 
 
 def _check_device(device: str | torch.device | None) -> None:
@@ -528,30 +675,8 @@ def _check_device(device: str | torch.device | None) -> None:
         ) from None
 
 
-def _status(exc: BaseException) -> bytes:
-    return f"{type(exc).__name__}: {exc}".encode()[:4096] or b"error"
-
-
-def _expect_ok(status: bytes, who: str) -> None:
-    if status != _OK.encode():
-        raise GatherError(f"{who} failed: {status.decode(errors='replace')}")
-
-
-def _published(status: bytes, who: str) -> str:
-    """Where a sender on this host published (shm, a pooled segment, the workspace), else raise."""
-    text = status.decode(errors="replace")
-    if text in (_OK, _OK_WORKSPACE) or text.startswith(_OK_SEGMENT):
-        return text
-    raise GatherError(f"{who} failed: {text}")
-
-
 # -- public API ----------------------------------------------------------------------------------
 Workspace = str | PathLike[str] | None
-
-
-def _check_tensor(tensor: Any) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"get_tensors_parallel gathers a torch.Tensor; got {type(tensor).__name__}")
 
 
 @contextmanager

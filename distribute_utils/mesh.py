@@ -81,15 +81,13 @@ class ProcessGroupMesh:
         mine = msgpack.packb(
             [list(self.shape), list(self.axis_names or ()), self.layout.rank_offset, self._backend]
         )
-        values = sync.companion(None).exchange(mine, timeout, what="checking the mesh layout")
-        differing = [rank for rank, value in enumerate(values) if value != values[0]]
+        first, differing = sync.companion(None).agree(mine, timeout, what="checking the mesh layout")
         if differing:
-            first = msgpack.unpackb(values[0])
-            other = msgpack.unpackb(values[differing[0]])
+            rank, other = next(iter(differing.items()))
             raise ValueError(
-                f"ranks disagree on the mesh: rank 0 has (shape, names, offset, backend) {tuple(first)}, "
-                f"rank(s) {differing} differ (rank {differing[0]} has {tuple(other)}); "
-                "construct the mesh with the same arguments on every rank"
+                f"ranks disagree on the mesh: rank 0 has (shape, names, offset, backend) "
+                f"{tuple(msgpack.unpackb(first))}, rank(s) {sorted(differing)} differ (rank {rank} has "
+                f"{tuple(msgpack.unpackb(other))}); construct the mesh with the same arguments on every rank"
             )
 
     # -- properties ---------------------------------------------------------------------------------

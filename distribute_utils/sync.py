@@ -1,19 +1,35 @@
-"""Synchronisation of a set of ranks on the CPU: barriers, small exchanges, agreement checks.
+"""Synchronisation of a set of ranks on the CPU, through the job's rendezvous store.
 
-Every set of ranks gets one :class:`GroupSync`, its CPU companion, created on first use and
-cached: a private namespace in the job's rendezvous store (the ``TCPStore`` that
-``init_process_group`` already runs) plus a round counter. A barrier is one round: each rank
-posts a key and waits for the keys of the others. This works on any group, NCCL included
-(barriers on NCCL subgroups hang or error: torch issues 134391, 141020), needs no extra
-process group, costs about 0.15 ms on 4 local ranks (a gloo barrier costs 1-2 ms here, see
-docs/performance.md), and tells exactly which ranks did not arrive.
+Every set of ranks gets one :class:`GroupSync`, its CPU companion, made on first use and
+cached for the life of the default process group: its own client of the ``TCPStore`` that
+``init_process_group`` already runs (so threads gathering on different groups never queue
+behind each other), a private namespace and a call counter. It works on any group, NCCL
+included, needs no extra process group, and names the ranks that did not arrive.
+
+Every operation costs O(N) store operations for N ranks, never N²:
+
+- a **barrier** is torch's own pattern: each rank posts an arrival key, ``add``\\ s to a counter,
+  and the last one to arrive posts the key everybody waits on (one wait per rank);
+- a **gather call** (:class:`Call`, driven by :mod:`distribute_utils.gather`): each rank posts
+  one *claim*; the first rank of each gather reads only its own participants' claims and
+  posts one *verdict*; a sender waits for that one verdict. One hop each way.
+- an **exchange** (all-gather of small values) goes to the group's first rank and back.
+
+Keys are removed by the rank that posted them once every rank has provably moved on: after
+the next barrier of the group (one is added every :data:`COLLECT_EVERY` calls).
+
+State belongs to one *incarnation* of the default process group. When the default group is
+destroyed and made again (pytest suites, notebooks, elastic restarts), everything cached is
+dropped, and the new incarnation's keys live under a new generation number (each rank counts
+its incarnations in the store), so stale keys of an old one are never read.
 
 Dead peers on this host are noticed while waiting: a watchdog thread checks their pids and
 posts a tombstone in their place, so survivors fail within a fraction of a second instead of
 at the timeout. Peers on other hosts are reported when the timeout expires.
 
 Call order: every operation of a :class:`GroupSync` (``barrier``, ``exchange``, a gather
-round) must be entered by every rank of its ranks, in the same order on every rank.
+call) must be entered by every rank of its ranks, in the same order on every rank, from one
+thread at a time per group.
 """
 
 from __future__ import annotations
@@ -25,7 +41,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import msgpack
@@ -35,13 +52,16 @@ from ._host import ProcessInfo, process_alive, this_process
 from .errors import PeerLostError
 
 __all__ = [
+    "COLLECT_EVERY",
     "DEFAULT_TIMEOUT_S",
     "TIMEOUT_ENV",
+    "Call",
     "GroupSync",
-    "Round",
     "barrier",
     "companion",
     "group_ranks",
+    "on_new_incarnation",
+    "process_info",
     "resolve_timeout",
 ]
 
@@ -49,8 +69,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "DISTRIBUTE_UTILS_TIMEOUT"
-_TOMBSTONE = b"\x00dead"
+COLLECT_EVERY = 64  # calls between the group-wide barriers after which keys are removed
+TOMBSTONE = b"\x00dead"
 _WATCH_INTERVAL_S = 0.1
+_ROOT = "distribute_utils"
 
 
 def resolve_timeout(timeout: float | timedelta | None) -> float:
@@ -92,13 +114,47 @@ def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
+def short(ranks: Sequence[int]) -> str:
+    """``ranks`` for a message: in full up to 16, else first, last and count."""
+    ranks = list(ranks)
+    return str(ranks) if len(ranks) <= 16 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)} ranks)"
+
+
+def _digest(value: object) -> str:
+    return hashlib.blake2b(repr(value).encode(), digest_size=8).hexdigest()
+
+
+def _store_lost(what: str, exc: BaseException) -> PeerLostError:
+    return PeerLostError(
+        f"{what}: lost contact with the job's rendezvous store (hosted by the launcher or rank 0): {exc}", ()
+    )
+
+
+# -- liveness of local peers ---------------------------------------------------------------------
+class _Watch:
+    """One wait in progress: the keys a rank waits on, and whose death would fill them.
+
+    ``awaited`` maps a rank to the key its death must fill (with :data:`TOMBSTONE` plus its
+    rank number); ``arrived_key`` (for barriers) tells whether the rank had arrived first.
+    """
+
+    def __init__(
+        self,
+        source: _PeerDirectory,
+        store: dist.Store,
+        awaited: dict[int, str],
+        arrived_key: Callable[[int], str] | None,
+    ) -> None:
+        self.source, self.store, self.awaited, self.arrived_key = source, store, awaited, arrived_key
+
+
 class _Watchdog:
-    """One daemon thread per process that tombstones the keys of dead local peers."""
+    """One daemon thread per process that tombstones what dead local peers never posted."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._watched: tuple[dist.Store, list[tuple[str, int, ProcessInfo]]] | None = None
+        self._watches: dict[int, _Watch] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
         atexit.register(self.close)
@@ -106,26 +162,29 @@ class _Watchdog:
     def close(self) -> None:
         """End the thread (at exit: never leave it inside a store call, see :class:`_Janitor`)."""
         with self._lock:
-            self._closed, self._watched = True, None
+            self._closed = True
+            self._watches.clear()
         self._wake.set()
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def start_watching(self, store: dist.Store, entries: list[tuple[str, int, ProcessInfo]]) -> None:
+    def add(self, watch: _Watch) -> int:
         with self._lock:
             if self._closed:
-                return
-            self._watched = (store, entries)
+                return 0
+            ident = id(watch)
+            self._watches[ident] = watch
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="distribute-utils-watchdog", daemon=True
                 )
                 self._thread.start()
         self._wake.set()
+        return ident
 
-    def stop_watching(self) -> None:
+    def remove(self, ident: int) -> None:
         with self._lock:
-            self._watched = None
+            self._watches.pop(ident, None)
 
     def _run(self) -> None:
         while True:
@@ -133,26 +192,34 @@ class _Watchdog:
             with self._lock:
                 if self._closed:
                     return
-                watched = self._watched
-                if watched is None:
+                watches = list(self._watches.values())
+                if not watches:
                     self._wake.clear()
-            if watched is None:
+            for watch in watches:
+                try:
+                    self._check(watch)
+                except Exception:  # the store may be gone: the waiter will say so
+                    logger.debug("watchdog check failed", exc_info=True)
+            if watches:
+                time.sleep(_WATCH_INTERVAL_S)
+
+    @staticmethod
+    def _check(watch: _Watch) -> None:
+        local = watch.source.local_peers()
+        for rank, key in watch.awaited.items():
+            info = local.get(rank)
+            if info is None or process_alive(info):
                 continue
-            store, entries = watched
-            for key, rank, info in entries:
-                if not process_alive(info):
-                    try:
-                        store.compare_set(key, b"", _TOMBSTONE)
-                    except Exception:  # the store itself may be gone; the waiter will say so
-                        logger.debug("could not post a tombstone for rank %d", rank, exc_info=True)
-            time.sleep(_WATCH_INTERVAL_S)
+            if watch.arrived_key is not None and watch.store.check([watch.arrived_key(rank)]):
+                continue  # it arrived, then exited: not what anybody waits for
+            watch.store.compare_set(key, b"", TOMBSTONE + str(rank).encode())
 
 
 _WATCHDOG = _Watchdog()
 
 
 class _Janitor:
-    """Deletes keys of finished rounds off the critical path, on its own store client.
+    """Deletes keys of finished calls off the critical path, on its own store clients.
 
     Stopped and joined at interpreter exit: a daemon thread still inside a store call while
     the interpreter tears down makes the process abort ("terminate called without an active
@@ -161,13 +228,13 @@ class _Janitor:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[dist.Store, list[str]] | None] = queue.SimpleQueue()
-        self._clients: dict[int, dist.Store] = {}
+        self._clients: weakref.WeakKeyDictionary[dist.Store, dist.Store] = weakref.WeakKeyDictionary()
         self._thread: threading.Thread | None = None
         self._stopped = False
         atexit.register(self.stop)
 
     def delete(self, store: dist.Store, keys: list[str]) -> None:
-        if self._stopped:
+        if self._stopped or not keys:
             return
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="distribute-utils-janitor", daemon=True)
@@ -187,177 +254,460 @@ class _Janitor:
             if item is None:
                 return
             store, keys = item
-            client = self._clients.get(id(store))
-            if client is None:
-                client = self._clients[id(store)] = store.clone()
-            for key in keys:
-                try:
+            try:
+                client = self._clients.get(store)
+                if client is None:
+                    client = self._clients[store] = store.clone()
+                for key in keys:
                     client.delete_key(key)
-                except Exception:  # the job is ending or the store is gone: nothing to clean
-                    logger.debug("could not delete %s", key, exc_info=True)
+            except Exception:  # the job is ending or the store is gone: nothing to clean
+                logger.debug("could not delete %d keys", len(keys), exc_info=True)
 
 
 _JANITOR = _Janitor()
 
 
-class Round:
-    """One round of a :class:`GroupSync`: per-rank keys ``<ns>/<round>/<tag>/<rank>``."""
+# -- one incarnation of the default process group ----------------------------------------------------
+class _PeerDirectory:
+    """Where ranks run, posted once per rank and read only where needed (never all-to-all).
+
+    Each rank posts its :class:`ProcessInfo` under ``info/<rank>`` and appends its rank to
+    the list of its shared-memory domain; a rank reads another's info when it first needs it
+    (cached), and the list of its own domain when the watchdog needs its local peers.
+    """
+
+    def __init__(self, store: dist.Store, prefix: str, rank: int, me: ProcessInfo) -> None:
+        self.store, self.prefix, self.rank, self.me = store, prefix, rank, me
+        self._lock = threading.Lock()
+        self._infos: dict[int, ProcessInfo] = {rank: me}
+        self._local: dict[int, ProcessInfo] = {}
+        self._local_read = 0.0
+        self._watch_client: dist.Store | None = None
+        store.multi_set([self._key(rank)], [msgpack.packb(me.to_wire())])
+        store.append(self._domain_key(me), f"{rank},".encode())
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}/info/{rank}"
+
+    def _domain_key(self, info: ProcessInfo) -> str:
+        return f"{self.prefix}/domain/{_digest((info.shm_domain, info.pid_namespace))}"
+
+    def info(self, rank: int, store: dist.Store, timeout: float, what: str) -> ProcessInfo:
+        """Where ``rank`` runs (waits up to ``timeout`` for it to post; cached)."""
+        found = self._infos.get(rank)
+        if found is None:
+            value = _wait_values(store, [self._key(rank)], [rank], timeout, what, None)[0]
+            found = ProcessInfo.from_wire(msgpack.unpackb(value))
+            with self._lock:
+                self._infos[rank] = found
+        return found
+
+    def infos(self, ranks: Sequence[int], store: dist.Store, timeout: float, what: str) -> list[ProcessInfo]:
+        """Infos of ``ranks`` (one wait for all of those not cached yet)."""
+        missing = [r for r in ranks if r not in self._infos]
+        if missing:
+            values = _wait_values(store, [self._key(r) for r in missing], missing, timeout, what, None)
+            with self._lock:
+                for r, v in zip(missing, values):
+                    self._infos[r] = ProcessInfo.from_wire(msgpack.unpackb(v))
+        return [self._infos[r] for r in ranks]
+
+    def local_peers(self) -> dict[int, ProcessInfo]:
+        """Ranks this process can watch by pid (read by the watchdog thread, refreshed ≤ 2/s)."""
+        now = time.monotonic()
+        if now - self._local_read < 0.5:
+            return self._local
+        if self._watch_client is None:
+            self._watch_client = self.store.clone()
+        client = self._watch_client
+        listed = client.get(self._domain_key(self.me)).decode().split(",")
+        ranks = [int(r) for r in listed if r and int(r) != self.rank]
+        found = {}
+        for r in ranks:
+            info = self._infos.get(r)
+            if info is None and client.check([self._key(r)]):
+                info = ProcessInfo.from_wire(msgpack.unpackb(client.get(self._key(r))))
+            if info is not None and self.me.can_watch(info):
+                found[r] = info
+        self._local, self._local_read = found, now
+        return found
+
+
+class _Incarnation:
+    """Everything cached for one default process group; dropped when it is replaced."""
+
+    def __init__(self, pg: dist.ProcessGroup) -> None:
+        self.pg = weakref.ref(pg)
+        self.store = dist.distributed_c10d._get_default_store().clone()
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.generation = int(self.store.add(f"{_ROOT}/generation/{self.rank}", 1))
+        self.prefix = f"{_ROOT}/g{self.generation}"
+        self.peers = _PeerDirectory(self.store, self.prefix, self.rank, this_process())
+        self.companions: dict[tuple[int, ...], GroupSync] = {}
+        self.lock = threading.Lock()
+
+    def generation_of(self, rank: int) -> int | None:
+        """The generation ``rank`` is in (for messages when a wait fails)."""
+        try:
+            key = f"{_ROOT}/generation/{rank}"
+            return int(self.store.get(key)) if self.store.check([key]) else None
+        except Exception:
+            return None
+
+
+_STATE_LOCK = threading.Lock()
+_CURRENT: _Incarnation | None = None
+_RESET_HOOKS: list[Callable[[], None]] = []
+
+
+def on_new_incarnation(hook: Callable[[], None]) -> None:
+    """Call ``hook`` whenever the default process group is replaced (to drop caches)."""
+    _RESET_HOOKS.append(hook)
+
+
+def _incarnation() -> _Incarnation:
+    """The state of the current default process group, made anew after re-initialisation."""
+    global _CURRENT
+    _require_initialized()
+    pg = dist.distributed_c10d._get_default_group()
+    current = _CURRENT
+    if current is not None and current.pg() is pg:
+        return current
+    with _STATE_LOCK:
+        if _CURRENT is None or _CURRENT.pg() is not pg:
+            if _CURRENT is not None:
+                for hook in _RESET_HOOKS:
+                    hook()
+            _CURRENT = _Incarnation(pg)
+        return _CURRENT
+
+
+def process_info(rank: int, timeout: float | None = None) -> ProcessInfo:
+    """Where global ``rank`` runs (it posts this on its first use of the library)."""
+    inc = _incarnation()
+    seconds = resolve_timeout(timeout)
+    with inc.lock:
+        return inc.peers.info(rank, inc.store, seconds, f"looking up rank {rank}")
+
+
+# -- waiting -------------------------------------------------------------------------------------
+def _wait_values(
+    store: dist.Store,
+    keys: list[str],
+    ranks: Sequence[int],
+    timeout: float,
+    what: str,
+    watch: _Watch | None,
+    generation: Callable[[int], int | None] | None = None,
+    mine: int | None = None,
+) -> list[bytes]:
+    """Values of ``keys`` (posted by ``ranks``, one each), waiting at most ``timeout`` seconds.
+
+    Raises:
+        PeerLostError: some of ``ranks`` did not post in time, or died (named), or the store
+            itself is gone.
+    """
+    ident = _WATCHDOG.add(watch) if watch is not None else 0
+    try:
+        store.set_timeout(timedelta(seconds=timeout))
+        values = store.multi_get(keys)
+    except Exception as exc:
+        try:
+            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        except Exception:
+            raise _store_lost(what, exc) from None
+        if not missing:
+            values = store.multi_get(keys)  # they arrived just as the wait gave up
+        else:
+            raise _late(what, missing, timeout, generation, mine) from None
+    finally:
+        if ident:
+            _WATCHDOG.remove(ident)
+    dead = [r for r, v in zip(ranks, values) if v.startswith(TOMBSTONE)]
+    if dead:
+        raise PeerLostError(f"{what}: rank(s) {dead} exited while this rank was waiting for them", dead)
+    return values
+
+
+def _late(
+    what: str,
+    missing: list[int],
+    timeout: float,
+    generation: Callable[[int], int | None] | None,
+    mine: int | None,
+) -> PeerLostError:
+    note = ""
+    if generation is not None and mine is not None:
+        other = {r: generation(r) for r in missing[:4]}
+        stale = {r: g for r, g in other.items() if g != mine}
+        if stale:
+            note = (
+                f"; rank(s) {sorted(stale)} are in another generation of this store ({stale}, this rank: "
+                f"{mine}): every rank must use distribute_utils in every process group it joins, "
+                "or the job must start from a fresh store"
+            )
+    return PeerLostError(
+        f"{what}: rank(s) {short(missing)} did not arrive within {timeout:g} s "
+        f"(set the timeout argument or ${TIMEOUT_ENV} to wait longer){note}",
+        missing,
+    )
+
+
+# -- a group's companion -------------------------------------------------------------------------
+class Call:
+    """One operation of a :class:`GroupSync`: keys ``<ns>/<call>/<tag>[/<rank>]``.
+
+    Gather calls use :meth:`post`, :meth:`wait_for` and :meth:`wait_verdict`; see
+    :mod:`distribute_utils.gather` for the protocol.
+    """
 
     def __init__(self, sync: GroupSync, number: int) -> None:
         self.sync = sync
         self.number = number
+        self.token = f"{sync.token_base}{number:x}"
 
-    def key(self, tag: str, rank: int) -> str:
-        return f"{self.sync.namespace}/{self.number}/{tag}/{rank}"
+    def key(self, tag: str, rank: int | None = None) -> str:
+        base = f"{self.sync.namespace}/{self.number}/{tag}"
+        return base if rank is None else f"{base}/{rank}"
 
-    def post(self, tag: str, value: bytes) -> None:
-        """Publish this rank's ``value`` (non-empty) under ``tag``."""
-        if not value:
-            raise ValueError("posted values must be non-empty")
-        key = self.key(tag, self.sync.rank)
-        self.sync.store.set(key, value)
-        self.sync._own_keys.setdefault(self.number, []).append(key)
-
-    def wait(self, tag: str, ranks: Sequence[int], timeout: float, what: str) -> list[bytes]:
-        """Values posted under ``tag`` by ``ranks``, waiting at most ``timeout`` seconds.
-
-        Raises:
-            PeerLostError: some of ``ranks`` did not post in time, or died (named).
-        """
+    def post(self, values: dict[str, bytes]) -> None:
+        """Post this rank's ``values`` (tag -> bytes) in one message; they live until collected."""
         sync = self.sync
-        keys = [self.key(tag, r) for r in ranks]
-        watched = sync._watchable(ranks, keys)
-        if watched:
-            _WATCHDOG.start_watching(sync.watch_store, watched)
+        keys = [self.key(tag, sync.rank) for tag in values]
         try:
-            # multi_get blocks until every key exists, bounded by the client's timeout: one
-            # round trip instead of wait + get. The client is ours alone (see _our_store).
-            sync.store.set_timeout(timedelta(seconds=timeout))
-            values = sync.store.multi_get(keys)
+            sync.store.multi_set(keys, list(values.values()))
         except Exception as exc:
-            lost = self._lost(tag, ranks, keys, timeout, what, exc)
-            if lost.missing or not self._all_there(keys):
-                raise lost from None
-            values = sync.store.multi_get(keys)  # they arrived just as the wait gave up
-        finally:
-            if watched:
-                _WATCHDOG.stop_watching()
-        dead = [r for r, v in zip(ranks, values) if v == _TOMBSTONE]
-        if dead:
-            raise PeerLostError(
-                f"{what}: rank(s) {dead} exited while ranks {list(sync.ranks)} were waiting for them", dead
-            )
-        if tuple(ranks) == sync.ranks:
-            sync._forget_before(self.number)
-        return values
+            raise _store_lost(f"posting to ranks {short(sync.ranks)}", exc) from None
+        sync.own_keys.extend(keys)
 
-    def _all_there(self, keys: list[str]) -> bool:
+    def post_shared(self, tag: str, value: bytes) -> None:
+        """Post a key of the call that is not per rank (e.g. a plan); collected by its poster."""
+        key = self.key(tag)
         try:
-            return all(self.sync.store.check([k]) for k in keys)
-        except Exception:
-            return False
+            self.sync.store.set(key, value)
+        except Exception as exc:
+            raise _store_lost(f"posting to ranks {short(self.sync.ranks)}", exc) from None
+        self.sync.own_keys.append(key)
 
-    def _lost(
-        self, tag: str, ranks: Sequence[int], keys: list[str], timeout: float, what: str, exc: Exception
-    ) -> PeerLostError:
-        store = self.sync.store
+    def replace(self, tag: str, ranks: Sequence[int], value: bytes) -> None:
+        """Overwrite other ranks' ``tag`` keys with a small ``value`` (to drop bulky payloads early)."""
+        if ranks:
+            keys = [self.key(tag, r) for r in ranks]
+            try:
+                self.sync.store.multi_set(keys, [value] * len(keys))
+            except Exception as exc:
+                raise _store_lost(f"posting to ranks {short(self.sync.ranks)}", exc) from None
+
+    def wait_for(self, tag: str, ranks: Sequence[int], timeout: float, what: str) -> list[bytes]:
+        """The ``tag`` values of ``ranks``; a dead local rank or a late one is named."""
+        keys = [self.key(tag, r) for r in ranks]
+        return self.sync.wait(keys, ranks, timeout, what, dict(zip(ranks, keys)))
+
+    def wait_shared(self, tag: str, owner: int, timeout: float, what: str) -> bytes:
+        """A key of the call posted by ``owner`` (see :meth:`post_shared`)."""
+        key = self.key(tag)
+        return self.sync.wait([key], [owner], timeout, what, {owner: key})[0]
+
+    def wait_verdict(self, first: int, timeout: float, what: str) -> bytes:
+        """``first``'s ``v`` value. When it is late but has arrived (posted its ``c`` claim), it
+        is given a second ``timeout``: its own waits are bounded, so its reason will come."""
         try:
-            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
-        except Exception:
-            return PeerLostError(
-                f"{what}: lost contact with the job's rendezvous store (hosted by the launcher or rank 0): {exc}",
-                (),
-            )
-        if not missing:
-            return PeerLostError(f"{what}: waiting for ranks {list(ranks)} failed: {exc}", ())
-        return PeerLostError(
-            f"{what}: rank(s) {missing} did not arrive within {timeout:g} s "
-            f"(set the timeout argument or ${TIMEOUT_ENV} to wait longer)",
-            missing,
-        )
+            return self.wait_for("v", [first], timeout, what)[0]
+        except PeerLostError as exc:
+            if exc.ranks != (first,) or not self.sync.has(self.key("c", first)):
+                raise
+        return self.wait_for("v", [first], timeout, what)[0]
 
 
 class GroupSync:
-    """The CPU companion of one set of ranks; obtain it with :func:`companion`."""
+    """The CPU companion of one set of ranks; obtain it with :func:`companion`.
 
-    def __init__(self, ranks: tuple[int, ...], store: dist.Store, rank: int) -> None:
+    Args:
+        ranks: the global ranks, in group order.
+        rank: this process's global rank (one of ``ranks``).
+        store: a store client of its own (not shared with other groups or threads).
+        namespace: the key prefix of this group in the store.
+        peers: where ranks run, for the watchdog (None: dead peers are found at the timeout).
+        generation: this rank's generation and a lookup of others' (for messages).
+    """
+
+    def __init__(
+        self,
+        ranks: tuple[int, ...],
+        rank: int,
+        store: dist.Store,
+        namespace: str,
+        peers: _PeerDirectory | None = None,
+        generation: tuple[int, Callable[[int], int | None]] | None = None,
+    ) -> None:
         self.ranks = ranks
         self.rank = rank
         self.store = store
-        digest = hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
-        self.namespace = f"distribute_utils/{digest}"
-        self._next = 0
-        self._own_keys: dict[int, list[str]] = {}
-        self._peers: list[ProcessInfo] | None = None
-        self._watch_store: dist.Store | None = None
-        self.me = this_process()
+        self.namespace = namespace
+        self.token_base = _digest((namespace, ranks))[:8]
+        self.directory = peers
+        self._generation = generation
+        self._calls = 0
+        self._collected = 0  # calls before this number have been collected
+        self.own_keys: list[str] = []
+        self._busy = threading.Lock()
 
-    @property
-    def watch_store(self) -> dist.Store:
-        """A second client of the store, for the watchdog thread."""
-        if self._watch_store is None:
-            self._watch_store = self.store.clone()
-        return self._watch_store
+    # -- calls ---------------------------------------------------------------------------------
+    def new_call(self, timeout: float) -> Call:
+        """The next call; every rank must make the same calls in the same order.
 
-    def new_round(self) -> Round:
-        """Start the next round; every rank must start the same rounds in the same order."""
-        round_ = Round(self, self._next)
-        self._next += 1
-        return round_
-
-    def _forget_before(self, number: int) -> None:
-        for old in [n for n in self._own_keys if n < number]:
-            _JANITOR.delete(self.store, self._own_keys.pop(old))
-
-    def _watchable(self, ranks: Sequence[int], keys: list[str]) -> list[tuple[str, int, ProcessInfo]]:
-        if self._peers is None:
-            return []
-        index = {r: i for i, r in enumerate(self.ranks)}
-        found = []
-        for r, key in zip(ranks, keys):
-            peer = self._peers[index[r]]
-            if r != self.rank and self.me.can_watch(peer):
-                found.append((key, r, peer))
-        return found
-
-    def exchange(self, value: bytes, timeout: float, what: str = "exchange") -> list[bytes]:
-        """All-gather of one small non-empty ``bytes`` per rank, in the order of ``ranks``.
-
-        Must be called on every rank of ``ranks``.
+        Every :data:`COLLECT_EVERY` calls without a barrier, a barrier comes first (as a call of
+        its own), after which the keys of earlier calls are removed.
         """
-        self.peers(timeout)
-        round_ = self.new_round()
-        round_.post("x", value)
-        return round_.wait("x", self.ranks, timeout, what)
+        if self._calls - self._collected >= COLLECT_EVERY:
+            self._barrier(
+                self._next(), timeout, f"a barrier over ranks {short(self.ranks)} (collecting keys)"
+            )
+        return self._next()
 
+    def _next(self) -> Call:
+        call = Call(self, self._calls)
+        self._calls += 1
+        return call
+
+    def has(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except Exception:
+            return False
+
+    def wait(
+        self, keys: list[str], ranks: Sequence[int], timeout: float, what: str, awaited: dict[int, str] | None
+    ) -> list[bytes]:
+        watch = None
+        if self.directory is not None and awaited:
+            watch = _Watch(self.directory, self._watch_store(), awaited, None)
+        generation, lookup = self._generation if self._generation is not None else (None, None)
+        return _wait_values(self.store, keys, ranks, timeout, what, watch, lookup, generation)
+
+    def _watch_store(self) -> dist.Store:
+        """A second client of the store, for the watchdog thread (made once)."""
+        client = getattr(self, "_watch_client", None)
+        if client is None:
+            client = self._watch_client = self.store.clone()
+        return client
+
+    # -- barrier -------------------------------------------------------------------------------
     def barrier(self, timeout: float, what: str = "barrier") -> None:
         """Return once every rank of ``ranks`` has entered. Must be called on every rank."""
-        self.peers(timeout)
-        round_ = self.new_round()
-        round_.post("b", b"1")
-        round_.wait("b", self.ranks, timeout, what)
+        with self.exclusive(what):
+            self._barrier(self._next(), timeout, what)
+
+    def _barrier(self, call: Call, timeout: float, what: str) -> None:
+        n = len(self.ranks)
+        go = call.key("go")
+        try:
+            self.store.set(call.key("in", self.rank), b"1")
+            arrived = self.store.add(call.key("count"), 1)
+            if arrived >= n:
+                self.store.set(go, b"1")
+        except Exception as exc:
+            raise _store_lost(what, exc) from None
+        self.own_keys.append(call.key("in", self.rank))
+        if arrived < n:
+            others = [r for r in self.ranks if r != self.rank]
+            watch = None
+            if self.peers is not None:
+                watch = _Watch(
+                    self.directory,
+                    self._watch_store(),
+                    dict.fromkeys(others, go),
+                    lambda r: call.key("in", r),
+                )
+            try:
+                value = _wait_values(self.store, [go], [-1], timeout, what, watch)[0]
+            except PeerLostError:
+                missing = [r for r in others if not self.has(call.key("in", r))]
+                if not missing:
+                    raise
+                generation, lookup = self._generation if self._generation is not None else (None, None)
+                raise _late(what, missing, timeout, lookup, generation) from None
+            if value.startswith(TOMBSTONE):
+                dead = int(value[len(TOMBSTONE) :])
+                raise PeerLostError(
+                    f"{what}: rank {dead} exited while ranks {short(self.ranks)} waited for it", [dead]
+                )
+        self._collect(call.number)
+
+    def _collect(self, barrier_number: int) -> None:
+        """Every rank has left every call before ``barrier_number``: remove our keys of those."""
+        keys, self.own_keys = self.own_keys, self.own_keys[-1:]  # keep this barrier's arrival key
+        keys = keys[:-1]
+        if self.rank == self.ranks[0]:
+            previous = Call(self, self._collected - 1) if self._collected > 0 else None
+            if previous is not None:
+                keys += [previous.key("count"), previous.key("go")]
+        self._collected = barrier_number + 1 if barrier_number >= 0 else self._collected
+        _JANITOR.delete(self.store, keys)
+
+    # -- exchange ------------------------------------------------------------------------------
+    def exchange(self, value: bytes, timeout: float, what: str = "exchange") -> list[bytes]:
+        """All-gather of one small ``bytes`` per rank, in the order of ``ranks``: through the
+        group's first rank (O(N) store operations). Must be called on every rank of ``ranks``."""
+        with self.exclusive(what):
+            call = self.new_call(timeout)
+            first = self.ranks[0]
+            call.post({"x": value})
+            if self.rank == first:
+                values = call.wait_for("x", self.ranks, timeout, what)
+                call.post({"all": msgpack.packb(values)})
+                return values
+            return msgpack.unpackb(call.wait_for("all", [first], timeout, what)[0])
+
+    def agree(self, value: bytes, timeout: float, what: str = "agreement") -> tuple[bytes, dict[int, bytes]]:
+        """Check that every rank holds the same ``value``: the group's first rank compares, and
+        posts one verdict every rank reads (O(N) store operations, O(N) bytes).
+
+        Returns:
+            The first rank's value and, for up to three ranks whose value differs, theirs
+            (empty when all agree). Must be called on every rank of ``ranks``.
+        """
+        with self.exclusive(what):
+            call = self.new_call(timeout)
+            first = self.ranks[0]
+            call.post({"x": value})
+            if self.rank == first:
+                values = call.wait_for("x", self.ranks, timeout, what)
+                differing = {r: v for r, v in zip(self.ranks, values) if v != value}
+                shown = dict(list(differing.items())[:3])
+                verdict = msgpack.packb([value, [[r, v] for r, v in shown.items()], sorted(differing)])
+                call.post({"all": verdict})
+            else:
+                verdict = call.wait_for("all", [first], timeout, what)[0]
+            base, shown_pairs, _ = msgpack.unpackb(verdict)
+            return base, {r: v for r, v in shown_pairs}
 
     def peers(self, timeout: float) -> list[ProcessInfo]:
-        """Where every rank runs (exchanged once, on first use; collective)."""
-        if self._peers is None:
-            round_ = self.new_round()
-            round_.post("p", msgpack.packb(self.me.to_wire()))
-            values = round_.wait("p", self.ranks, timeout, f"meeting ranks {list(self.ranks)}")
-            self._peers = [ProcessInfo.from_wire(msgpack.unpackb(v)) for v in values]
-        return self._peers
+        """Where every rank of the group runs (one read per rank not looked up before)."""
+        if self.directory is None:
+            raise RuntimeError("this companion has no peer directory")
+        return self.directory.infos(self.ranks, self.store, timeout, f"looking up ranks {short(self.ranks)}")
+
+    def exclusive(self, what: str) -> _Exclusive:
+        """Hold the group for one operation; a second thread on the same group is refused."""
+        return _Exclusive(self, what)
 
 
-_COMPANIONS: dict[tuple[int, ...], GroupSync] = {}
-_STORES: dict[int, dist.Store] = {}
+class _Exclusive:
+    def __init__(self, sync: GroupSync, what: str) -> None:
+        self.sync, self.what = sync, what
 
+    def __enter__(self) -> None:
+        if not self.sync._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"{self.what}: another thread of this rank is inside an operation on ranks "
+                f"{short(self.sync.ranks)}; operations on one group must come from one thread at a time "
+                "(different groups may be used from different threads)"
+            )
 
-def _our_store() -> dist.Store:
-    """This process's own client of the job's store (its timeout is set per wait)."""
-    default = dist.distributed_c10d._get_default_store()
-    found = _STORES.get(id(default))
-    if found is None:
-        found = _STORES[id(default)] = default.clone()
-    return found
+    def __exit__(self, *exc: object) -> None:
+        self.sync._busy.release()
 
 
 def companion(ranks: Sequence[int] | dist.ProcessGroup | None) -> GroupSync:
@@ -366,18 +716,27 @@ def companion(ranks: Sequence[int] | dist.ProcessGroup | None) -> GroupSync:
     Raises:
         ValueError: the calling rank is not among ``ranks``.
     """
-    _require_initialized()
+    inc = _incarnation()
     if ranks is None or isinstance(ranks, dist.ProcessGroup):
         ranks = group_ranks(ranks)
     key = tuple(ranks)
-    sync = _COMPANIONS.get(key)
+    sync = inc.companions.get(key)
     if sync is None:
-        rank = dist.get_rank()
-        if rank not in key:
+        if inc.rank not in key:
             raise ValueError(
-                f"rank {rank} is not in group {list(key)}; only its members may synchronise on it"
+                f"rank {inc.rank} is not in group {short(key)}; only its members may synchronise on it"
             )
-        sync = _COMPANIONS[key] = GroupSync(key, _our_store(), rank)
+        with inc.lock:
+            sync = inc.companions.get(key)
+            if sync is None:
+                sync = inc.companions[key] = GroupSync(
+                    key,
+                    inc.rank,
+                    inc.store.clone(),
+                    f"{inc.prefix}/{_digest(key)}",
+                    inc.peers,
+                    (inc.generation, inc.generation_of),
+                )
     return sync
 
 
@@ -386,15 +745,11 @@ def barrier(
 ) -> None:
     """Barrier over the ranks of ``group`` (the world when None), on the CPU, with a timeout.
 
-    Must be called on every rank of ``group``; other ranks do not take part.
+    Must be called on every rank of ``group``; other ranks do not take part. Costs one
+    arrival key, one counter increment and one wait per rank (torch's store-barrier pattern).
 
     Raises:
         PeerLostError: (a ``TimeoutError``) naming the ranks that did not arrive in time.
     """
     sync = companion(group)
-    sync.barrier(resolve_timeout(timeout), what=f"barrier over ranks {_short(sync.ranks)}")
-
-
-def _short(ranks: Sequence[int]) -> str:
-    ranks = list(ranks)
-    return str(ranks) if len(ranks) <= 16 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)} ranks)"
+    sync.barrier(resolve_timeout(timeout), what=f"barrier over ranks {short(sync.ranks)}")

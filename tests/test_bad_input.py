@@ -523,21 +523,24 @@ def _segment_modes(rounds: int) -> dict[str, Any]:
     recorded: list[tuple[str, int, int]] = []
 
     def make(publish: Any) -> Any:
-        def spy(self: shm.SharedMemoryTransport, token: str, r: int, payload: Any) -> None:
-            publish(self, token, r, payload)
+        def spy(self: shm.SharedMemoryTransport, token: str, r: int, payload: Any) -> str:
+            receipt = publish(self, token, r, payload)
             path = shm.segment_path(token, r, os.getpid())
-            st = os.stat(path)  # the first rank cannot take it before this rank posts "pub"
+            st = os.stat(path)  # the first rank cannot take it before this rank posts its claim
             recorded.append((os.path.basename(path), stat.S_IMODE(st.st_mode), st.st_uid))
+            return receipt
 
         return spy
 
     old_umask = os.umask(0)
     undo = _patched(shm.SharedMemoryTransport, "publish", make)
+    take, shm._POOL.take = shm._POOL.take, lambda nbytes: None  # type: ignore[method-assign]
     try:
-        for i in range(rounds):
-            with get_tensors_parallel(torch.full((100 + i,), float(rank)), [0, 1, 2, 3], timeout=30):
+        for i in range(rounds):  # above the inline limit, so that each sender makes a named segment
+            with get_tensors_parallel(torch.full((40_000 + i,), float(rank)), [0, 1, 2, 3], timeout=30):
                 pass
     finally:
+        shm._POOL.take = take  # type: ignore[method-assign]
         undo()
         os.umask(old_umask)
     return {"rank": rank, "pid": os.getpid(), "recorded": recorded}
@@ -556,16 +559,16 @@ def test_segments_private_with_fresh_unguessable_names(ranks4: RankPool, row: Ro
             assert mode == 0o600, f"{name} has mode {mode:o} under umask 0"
             assert uid == os.getuid()
             tokens_by_round[i].add(m["token"])
-    assert all(len(t) == 1 for t in tokens_by_round), "one token per round, the same on every rank"
-    tokens = [next(iter(t)) for t in tokens_by_round]
-    assert len(set(tokens)) == rounds, "a fresh token every round"
+    assert all(len(t) == 3 for t in tokens_by_round), "each sender picks its own token in each round"
+    tokens = [t for round_tokens in tokens_by_round for t in sorted(round_tokens)]
+    assert len(set(tokens)) == 3 * rounds, "a fresh token for every sender in every round"
     values = [int(t, 16) for t in tokens]
     assert sorted(values) != values or len({b - a for a, b in itertools.pairwise(values)}) > 1, (
         "not a counter"
     )
     source = (ROOT / "distribute_utils" / "gather.py").read_text()
-    assert "secrets.randbits(63)" in source, "round tokens come from the secrets module"
-    row.leaked, row.detail = False, f"{rounds * 3} segments, all 0600, {rounds} distinct 64-bit tokens"
+    assert "secrets.token_hex(8)" in source, "tokens come from the secrets module"
+    row.leaked, row.detail = False, f"{rounds * 3} segments, all 0600, {rounds * 3} distinct 64-bit tokens"
     row.passed = True
 
 

@@ -248,7 +248,7 @@ def _bad_ranks(case: str) -> str:
         ("duplicate", "more than once"),
         ("outside", "outside the world (valid: 0..3)"),
         ("empty", "ranks is empty"),
-        ("differ", "different `ranks` lists"),
+        ("differ", "ranks disagree on a gather"),
         ("not int", "must be ints"),
     ],
 )

@@ -23,6 +23,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import threading
 import weakref
 from collections.abc import Collection
@@ -53,30 +54,23 @@ def shm_space() -> tuple[int, int]:
 class SharedMemoryTransport:
     """Moves payloads through ``/dev/shm`` between ranks of one host.
 
+    Receipts (what ``publish`` returns, carried to the receiver in the sender's claim) say
+    where the payload is: ``n:<pid>:<nbytes>`` for a named segment, or
+    ``p:<pid>:<id>:<fd>:<inode>:<nbytes>`` for a pooled one.
+
     Args:
-        pids: process id of every rank of the round (from the group's peer exchange), used to
-            name segments.
-        pool: publish large payloads from this process's warm pooled segments; only when the
-            receiver shares this process's pid namespace (it opens them by pid).
+        pool: publish payloads of :attr:`_SegmentPool.MIN_BYTES` or more from this process's
+            warm pooled segments; only when the receiver shares this process's pid namespace
+            (it opens them through ``/proc/<pid>/fd``).
     """
 
     name = "shm"
 
-    def __init__(self, pids: dict[int, int], pool: bool = False) -> None:
-        self._pids = pids
+    def __init__(self, pool: bool = False) -> None:
         self._pool = pool
 
-    def _path(self, token: str, rank: int) -> str:
-        return segment_path(token, rank, self._pids[rank])
-
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> str:
-        """Write ``payload`` into this round's segment.
-
-        Returns:
-            A receipt for the receiver: the id of the pooled segment used ("" for a fresh one),
-            which the receiver hands back once its views are gone (see :func:`take_freed`).
-        """
-        path = self._path(token, rank)
+        """Write ``payload`` into a segment; returns the receipt the receiver needs."""
         pooled = _POOL.take(payload.nbytes) if self._pool else None
         if pooled is not None:
             try:
@@ -85,8 +79,10 @@ class SharedMemoryTransport:
             except BaseException:
                 _POOL.discard(pooled)
                 raise
-            return f"{pooled.ident}:{pooled.fd}:{os.fstat(pooled.fd).st_ino}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            ino = os.fstat(pooled.fd).st_ino
+            return f"p:{os.getpid()}:{pooled.ident}:{pooled.fd}:{ino}:{payload.nbytes}"
+        path = segment_path(token, rank, os.getpid())
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             _reserve(fd, payload.nbytes, rank)
             payload.write_to_fd(fd)
@@ -95,51 +91,92 @@ class SharedMemoryTransport:
             raise
         finally:
             os.close(fd)
-        return ""
+        return f"n:{os.getpid()}:{payload.nbytes}"
 
-    def fetch(self, token: str, rank: int, receipt: str = "") -> mmap.mmap:
-        """Map ``rank``'s segment privately (and unlink its name).
+    def fetch(self, token: str, rank: int, receipt: str) -> mmap.mmap:
+        """Map ``rank``'s segment privately (and unlink a named one at once).
 
-        With a ``receipt`` (from ``publish``), the segment is the sender's pooled one, opened
-        through ``/proc/<pid>/fd``; it returns to the sender's pool once the returned map (and
-        so every tensor viewing it) is gone.
+        A pooled segment returns to its sender's pool once the returned map (and so every
+        tensor viewing it) is gone. Anything that is not a regular file of this user, readable
+        by nobody else, is refused: another local user can at worst make a gather fail.
         """
-        path = self._path(token, rank)
-        ident = ""
+        kind, pid, ident, fd_text, inode, nbytes = _parse_receipt(receipt, rank)
+        path = f"/proc/{pid}/fd/{fd_text}" if kind == "p" else segment_path(token, rank, pid)
+        flags = os.O_RDONLY | os.O_CLOEXEC | (0 if kind == "p" else os.O_NOFOLLOW)
         try:
-            if receipt:
-                ident, fd_text, inode = receipt.split(":")
-                path = f"/proc/{self._pids[rank]}/fd/{int(fd_text)}"
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, ValueError):
-            if receipt:
+            fd = os.open(path, flags)
+        except (FileNotFoundError, OSError) as exc:
+            if kind == "p":
                 raise PeerLostError(
-                    f"rank {rank} exited before its payload was read: its pooled segment ({path}) went "
-                    "with its process",
+                    f"rank {rank} exited or gave up before its payload was read: its pooled segment "
+                    f"({path}) is gone",
                     [rank],
                 ) from None
-            raise PayloadError(f"rank {rank} published no segment at {path}") from None
+            raise PayloadError(f"rank {rank} published no usable segment at {path}: {exc}") from None
         try:
             info = os.fstat(fd)
-            if receipt and info.st_ino != int(inode):
+            _check_owned(info, path, rank)
+            if kind == "p" and info.st_ino != inode:
                 raise PayloadError(f"{path} of rank {rank} is not the segment it published")
-            size = info.st_size
-            buf = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if info.st_size < nbytes:
+                raise PayloadError(
+                    f"segment {path} of rank {rank} holds {info.st_size} bytes but its receipt says {nbytes}"
+                )
+            buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-            if not receipt:
+            if kind == "n":
                 _unlink(path)
-        if ident:
+        if kind == "p":
             weakref.finalize(buf, _FREED.add, (rank, ident))
         prefix = read_prefix(buf)
-        if prefix.total_len != size:
+        if prefix.total_len != nbytes:
             raise PayloadError(
-                f"segment {path} of rank {rank} holds {size} bytes but its payload says {prefix.total_len}"
+                f"segment {path} of rank {rank} holds a payload of {prefix.total_len} bytes, not {nbytes}"
             )
         return buf
 
     def release(self, token: str, rank: int) -> None:
-        _unlink(self._path(token, rank))
+        """The sender: remove its named segment of ``token`` if the receiver never took it."""
+        _unlink(segment_path(token, rank, os.getpid()))
+
+    def discard(self, token: str, rank: int, receipt: str) -> None:
+        """The receiver, after a failure: remove ``rank``'s named segment if it is still there."""
+        kind, pid, *_ = _parse_receipt(receipt, rank)
+        if kind == "n":
+            _unlink(segment_path(token, rank, pid))
+
+    @staticmethod
+    def abandon(receipt: str) -> None:
+        """The sender gave up on its receiver: never write its pooled segment again."""
+        if receipt.startswith("p:"):
+            _POOL.drop(receipt.split(":")[2])
+
+
+def _parse_receipt(receipt: str, rank: int) -> tuple[str, int, str, str, int, int]:
+    """``(kind, pid, id, fd, inode, nbytes)`` of a receipt, checked (it came through the store)."""
+    parts = str(receipt).split(":")
+    try:
+        if parts[0] == "n" and len(parts) == 3:
+            return "n", int(parts[1]), "", "", 0, int(parts[2])
+        if parts[0] == "p" and len(parts) == 6:
+            return "p", int(parts[1]), parts[2], str(int(parts[3])), int(parts[4]), int(parts[5])
+    except ValueError:
+        pass
+    raise PayloadError(f"rank {rank} sent a malformed shared-memory receipt {receipt!r}")
+
+
+def _check_owned(info: os.stat_result, path: str, rank: int) -> None:
+    """Refuse a segment that is not a regular file of this user, private to it."""
+    if not stat.S_ISREG(info.st_mode):
+        raise PayloadError(f"{path} (claimed by rank {rank}) is not a regular file")
+    if info.st_uid != os.geteuid():
+        raise PayloadError(
+            f"{path} (claimed by rank {rank}) belongs to uid {info.st_uid}, not to this job's user "
+            f"(uid {os.geteuid()}); refusing data another user could have planted"
+        )
+    if info.st_mode & 0o077:
+        raise PayloadError(f"{path} (claimed by rank {rank}) has mode {stat.S_IMODE(info.st_mode):o}, not 600")
 
 
 def _reserve(fd: int, nbytes: int, rank: int) -> None:
@@ -183,7 +220,7 @@ class _SegmentPool:
     """
 
     LIMIT = 2
-    MIN_BYTES = 256 * 2**10
+    MIN_BYTES = 64 * 2**10
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -195,24 +232,28 @@ class _SegmentPool:
             return None
         with self._lock:
             free = [seg for seg in self._segments.values() if not seg.busy]
-            if free:
-                seg = max(free, key=lambda s: s.size)
+            fitting = [seg for seg in free if seg.size >= nbytes]
+            if fitting:  # the best fit: the smallest that holds it, its pages already touched
+                seg = min(fitting, key=lambda s: s.size)
                 seg.busy = True
                 return seg
             if len(self._segments) >= self.LIMIT or shm_space()[1] < 4 * nbytes:
-                return None
+                if not free:
+                    return None
+                seg = max(free, key=lambda s: s.size)  # grown in place
+                seg.busy = True
+                return seg
             fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
             seg = _Segment(secrets.token_hex(8), fd)
             self._segments[seg.ident] = seg
             return seg
 
     def fit(self, seg: _Segment, nbytes: int, rank: int) -> None:
-        """Make ``seg`` exactly ``nbytes`` long, its pages reserved."""
+        """Make ``seg`` hold at least ``nbytes``, its pages reserved; it never shrinks (a smaller
+        payload would give back pages that the next large one must fault in again)."""
         if seg.size < nbytes:
             _reserve(seg.fd, nbytes, rank)
-        if seg.size != nbytes:
-            os.ftruncate(seg.fd, nbytes)
-        seg.size = nbytes
+            seg.size = nbytes
 
     def freed(self, idents: set[str]) -> None:
         """The receivers' maps of these segments are gone: they may be written again."""
@@ -221,6 +262,13 @@ class _SegmentPool:
                 seg = self._segments.get(ident)
                 if seg is not None:
                     seg.busy = False
+
+    def drop(self, ident: str) -> None:
+        """Forget segment ``ident`` (its receiver may still map it; the kernel frees it later)."""
+        with self._lock:
+            seg = self._segments.pop(ident, None)
+        if seg is not None:
+            os.close(seg.fd)
 
     def discard(self, seg: _Segment) -> None:
         """Drop ``seg`` from the pool (after a failed publish)."""

@@ -1,0 +1,358 @@
+"""The gather round as real export code calls it (issue: round protocol).
+
+- ModelOpt's TP x PP call pattern: one synchronising group, several disjoint ``ranks`` lists
+  at once, each delivered to its own first rank.
+- Lists that overlap but differ: ValueError on the ranks concerned, no hang.
+- Ordering and liveness faults: nested gathers, threads on two groups, a late rank, a
+  sender resumed after its first rank gave up, the store host gone.
+- Re-initialisation of the default process group (twice, with swapped rank numbers).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distribute_utils import (
+    PeerLostError,
+    ProcessGroupMesh,
+    barrier,
+    get_configs_parallel,
+    get_tensors_parallel,
+    sync,
+)
+
+from harness import RankPool
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SIZES = {"inline": 16, "shm": 300_000}  # elements: inside the claim, or through /dev/shm
+
+
+def _layer(rank: int, layer: int, n: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * rank + layer)
+    return {"layer": layer, "rank": rank, "w": torch.randn(n, generator=g).to(torch.bfloat16), "s": None}
+
+
+def _modelopt_tp_pp(workspace: str | None, n: int) -> dict[str, Any]:
+    """TP2 x PP2 on 4 ranks, laid out [pp, tp] as ModelOpt assumes; its call pattern exactly."""
+    rank, world, tp = dist.get_rank(), dist.get_world_size(), 2
+    tp_rank, pp_rank = rank % tp, rank // tp
+    layers = [_layer(rank, i, n) for i in range(3)]
+    # PP merge: group=None (the whole world) while each pipeline group passes its own ranks.
+    pp_ranks = list(range(tp_rank, world, tp))
+    merged: list[Any] = []
+    for layer in layers:
+        with get_configs_parallel(layer, pp_ranks, None, workspace_path=workspace, timeout=60) as got:
+            merged.extend(got)
+    out: dict[str, Any] = {"pp": [(c["rank"], c["layer"]) for c in merged], "tp": None}
+    if merged:
+        out["pp_bytes_ok"] = all(torch.equal(c["w"], _layer(c["rank"], c["layer"], n)["w"]) for c in merged)
+    if pp_rank != 0:
+        return out
+    # TP merge: only pp_rank 0 ranks, synchronising on their own group; one TP list.
+    tp_group = dist.new_group([0, 1], use_local_synchronization=True)
+    weight = torch.full((4, n), float(rank))
+    with get_tensors_parallel(weight, [0, 1], tp_group, timeout=60) as shards:
+        if shards:
+            out["tp"] = torch.equal(
+                torch.cat(shards), torch.cat([torch.full((4, n), 0.0), torch.full((4, n), 1.0)])
+            )
+            out["tp_devices"] = sorted({str(s.device) for s in shards})
+    return out
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
+@pytest.mark.parametrize("where", ["shm", "workspace"])
+def test_modelopt_tp_pp_pattern(ranks4: RankPool, tmp_path: Any, where: str, size: str) -> None:
+    workspace = str(tmp_path / "ws") if where == "workspace" else None
+    results = ranks4.run(_modelopt_tp_pp, workspace, SIZES[size])
+    # Ranks 0 and 1 each receive their pipeline group's layers: own first, then the other stage's.
+    assert results[0]["pp"] == [(0, 0), (2, 0), (0, 1), (2, 1), (0, 2), (2, 2)]
+    assert results[1]["pp"] == [(1, 0), (3, 0), (1, 1), (3, 1), (1, 2), (3, 2)]
+    assert results[2]["pp"] == results[3]["pp"] == []
+    assert results[0]["pp_bytes_ok"] and results[1]["pp_bytes_ok"]
+    assert results[0]["tp"] is True and results[0]["tp_devices"] == ["cpu"]
+    assert results[1]["tp"] is None
+
+
+def _overlapping(case: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    lists = {
+        # rank 1 names [0, 1] but rank 0 passes [0, 1, 2]; rank 3 is in its own list.
+        "superset": {0: [0, 1, 2], 1: [0, 1], 2: [0, 1, 2], 3: [3, 2]},
+        # two firsts name each other: [0, 1] vs [1, 0]
+        "crossed": {0: [0, 1], 1: [1, 0], 2: [2, 3], 3: [2, 3]},
+        # a sender names as first a rank that only sends elsewhere
+        "first_is_sender": {0: [0, 1], 1: [0, 1], 2: [1, 2], 3: [3]},
+    }[case]
+    start = time.monotonic()
+    try:
+        with get_tensors_parallel(torch.full((3,), float(rank)), lists[rank], timeout=60) as got:
+            result = {"got": [t.tolist() for t in got]}
+    except Exception as exc:
+        result = {"error": type(exc).__name__, "message": str(exc)}
+    result["seconds"] = time.monotonic() - start
+    return result
+
+
+@pytest.mark.parametrize("case", ["superset", "crossed", "first_is_sender"])
+def test_overlapping_lists_raise_on_the_ranks_concerned_without_hanging(ranks4: RankPool, case: str) -> None:
+    results = ranks4.run(_overlapping, case)
+    for rank, r in enumerate(results):
+        assert r["seconds"] < 30, f"rank {rank} waited {r['seconds']:.1f} s: {r}"
+    errors = {rank: r for rank, r in enumerate(results) if "error" in r}
+    if case == "superset":
+        assert set(errors) >= {0, 1, 2}, results
+        assert errors[1]["error"] == "ValueError" and "[0, 1, 2]" in errors[1]["message"], errors[1]
+    if case == "crossed":
+        assert set(errors) == {0, 1}, results
+        assert all(e["error"] == "ValueError" and "[1, 0]" in e["message"] for e in errors.values()), errors
+        assert results[2]["got"] == [[2.0] * 3, [3.0] * 3]  # the disjoint gather is untouched
+    if case == "first_is_sender":
+        assert errors[2]["error"] == "ValueError" and "[0, 1]" in errors[2]["message"], errors[2]
+        assert results[0]["got"] == [[0.0] * 3, [1.0] * 3]
+    for r in errors.values():
+        assert "disagree" in r["message"] or "cannot take part" in r["message"] or "failed" in r["message"], r
+
+
+def _nested(n: int) -> list[Any]:
+    rank = dist.get_rank()
+    seen = []
+    with get_tensors_parallel(torch.full((n,), float(rank)), [0, 1, 2, 3], timeout=20) as outer:
+        with get_tensors_parallel(torch.full((n,), 10.0 + rank), [3, 2, 1, 0], timeout=20) as inner:
+            seen = [float(t[0]) for t in outer] + [float(t[0]) for t in inner]
+        with get_configs_parallel({"r": rank}, [1, 0, 2, 3], timeout=20) as third:
+            seen += [c["r"] for c in third]
+    barrier(timeout=20)
+    return seen
+
+
+@pytest.mark.parametrize("n", [8, 100_000])
+def test_nested_gathers(ranks4: RankPool, n: int) -> None:
+    start = time.monotonic()
+    results = ranks4.run(_nested, n, timeout=60)
+    assert time.monotonic() - start < 30
+    assert results[0] == [0.0, 1.0, 2.0, 3.0]
+    assert results[3] == [13.0, 12.0, 11.0, 10.0]
+    assert results[1] == [1, 0, 2, 3]
+    assert results[2] == []
+
+
+def _two_threads() -> dict[str, Any]:
+    """Each rank gathers along tp and pp at once, from two threads (a 2 x 2 mesh)."""
+    rank = dist.get_rank()
+    mesh = ProcessGroupMesh(2, 2, axis_names=("pp", "tp"))
+    out: dict[str, Any] = {}
+    failures: list[BaseException] = []
+
+    def along(axis: str) -> None:
+        try:
+            ranks = mesh.ranks_along_axis(axis)
+            for i in range(20):
+                with get_tensors_parallel(
+                    torch.full((4,), rank * 100.0 + i), ranks, ranks, timeout=20
+                ) as got:
+                    if got:
+                        out.setdefault(axis, []).append([float(t[0]) for t in got])
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=along, args=(a,)) for a in ("tp", "pp")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if failures:
+        raise failures[0]
+    return out
+
+
+def test_two_threads_gather_on_different_groups(ranks4: RankPool) -> None:
+    results = ranks4.run(_two_threads, timeout=90)
+    assert results[0]["tp"][5] == [5.0, 105.0] and results[0]["pp"][5] == [5.0, 205.0]
+    assert results[1]["pp"][19] == [119.0, 319.0]
+    assert results[2]["tp"][0] == [200.0, 300.0]
+    assert "tp" not in results[1] and results[3] == {}
+
+
+def _late_first_meeting(victim: int) -> dict[str, Any]:
+    """``victim`` is stopped past the timeout at a group's first gather, then resumed."""
+    rank = dist.get_rank()
+    ranks = [0, 1, 2, 3]
+    outcome: dict[str, Any] = {}
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test resumes it after the others gave up
+    try:
+        with get_tensors_parallel(torch.full((5,), float(rank)), ranks, timeout=3) as got:
+            outcome["first"] = len(got)
+    except Exception as exc:
+        outcome["first"] = type(exc).__name__
+    # Every later gather works: the group is not broken for good.
+    barrier(timeout=60)
+    for i in range(3):
+        with get_tensors_parallel(torch.full((5,), float(rank + i)), ranks, timeout=60) as got:
+            if got:
+                outcome.setdefault("later", []).append([float(t[0]) for t in got])
+    return outcome
+
+
+def test_a_late_rank_at_the_first_meeting_does_not_break_the_group(ranks4: RankPool) -> None:
+    pid = ranks4.pids[2]
+    done: list[Any] = []
+    runner = threading.Thread(target=lambda: done.append(ranks4.run(_late_first_meeting, 2, timeout=120)))
+    runner.start()
+    # Wait until rank 2 has stopped itself, then past the others' timeout, then resume it.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                break
+        time.sleep(0.05)
+    time.sleep(5)
+    os.kill(pid, signal.SIGCONT)
+    runner.join(120)
+    results = done[0]
+    assert results[0]["first"] == "PeerLostError"
+    assert results[2]["first"] in ("PeerLostError", "GatherError"), results[2]
+    assert results[0]["later"] == [[0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0], [2.0, 3.0, 4.0, 5.0]]
+
+
+def _sender_after_first_gave_up() -> dict[str, Any]:
+    """The first rank gives up on rank 3 (stopped); rank 3 resumes and hears why at once."""
+    rank = dist.get_rank()
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with get_tensors_parallel(torch.zeros(200_000), [0, 1, 2, 3], timeout=3):
+            pass
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    elapsed = time.monotonic() - start
+    barrier(timeout=60)
+    with get_tensors_parallel(torch.full((200_000,), float(rank)), [0, 1, 2, 3], timeout=60) as got:
+        ok = [float(t[0]) for t in got]
+    return {"error": error, "elapsed": elapsed, "after": ok}
+
+
+def test_sender_resumed_after_the_first_gave_up_hears_why(ranks4: RankPool) -> None:
+    pid = ranks4.pids[3]
+    done: list[Any] = []
+    runner = threading.Thread(
+        target=lambda: done.append(ranks4.run(_sender_after_first_gave_up, timeout=120))
+    )
+    runner.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                break
+        time.sleep(0.05)
+    time.sleep(5)
+    os.kill(pid, signal.SIGCONT)
+    runner.join(120)
+    results = done[0]
+    assert "did not arrive" in results[0]["error"] and "[3]" in results[0]["error"]
+    # The resumed sender finds the verdict at once instead of waiting for a timeout.
+    assert results[3]["error"] is not None and results[3]["elapsed"] < 2.5, results[3]
+    assert results[0]["after"] == [0.0, 1.0, 2.0, 3.0]
+
+
+def _reinit(new_rank: int, workspace: str) -> dict[str, Any]:
+    """Destroy the default group and make it again with ``new_rank``, then use everything."""
+    store = dist.distributed_c10d._get_default_store().underlying_store
+    host, port, world = store.host, store.port, dist.get_world_size()
+    old_rank = dist.get_rank()
+    seen: dict[str, Any] = {}
+    for attempt, rank in enumerate((new_rank, old_rank)):
+        # A first use in this incarnation (barrier, gathers, a mesh) ...
+        barrier(timeout=30)
+        with get_tensors_parallel(
+            torch.full((300_000,), float(dist.get_rank())), [0, 1, 2, 3], timeout=30
+        ) as got:
+            before = [float(t[0]) for t in got]
+        dist.destroy_process_group()
+        client = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", store=client, rank=rank, world_size=world)
+        barrier(timeout=30)
+        mesh = ProcessGroupMesh(2, 2, axis_names=("pp", "tp"))
+        results = []
+        for path in (None, workspace):
+            with get_tensors_parallel(
+                torch.full((300_000,), 100.0 + rank), [0, 1, 2, 3], workspace_path=path, timeout=30
+            ) as got:
+                results.append([float(t[0]) for t in got])
+            with get_configs_parallel({"rank": rank}, mesh.ranks_along_axis("tp"), timeout=30) as got:
+                results.append([c["rank"] for c in got])
+        mesh.barrier("tp", timeout=30)
+        seen[f"attempt{attempt}"] = {"before": before, "after": results, "rank": dist.get_rank()}
+    return seen
+
+
+def test_reinitialisation_twice_with_swapped_ranks(ranks4: RankPool, tmp_path: Any) -> None:
+    swapped = [1, 0, 3, 2]
+    results = ranks4.run(_reinit_with, swapped, str(tmp_path / "ws"), timeout=120)
+    for process, r in enumerate(results):
+        first, second = r["attempt0"], r["attempt1"]
+        assert first["rank"] == swapped[process] and second["rank"] == process
+    by_rank0 = {r["attempt0"]["rank"]: r["attempt0"] for r in results}
+    expected = [100.0, 101.0, 102.0, 103.0]
+    assert by_rank0[0]["after"] == [expected, [0, 1], expected, [0, 1]]
+    assert by_rank0[1]["after"] == [[], [], [], []]
+    assert by_rank0[2]["after"] == [[], [2, 3], [], [2, 3]]
+    by_rank1 = {r["attempt1"]["rank"]: r["attempt1"] for r in results}
+    assert by_rank1[0]["after"] == [expected, [0, 1], expected, [0, 1]]
+    assert by_rank1[0]["before"] == [0.0, 1.0, 2.0, 3.0]
+
+
+def _reinit_with(swapped: list[int], workspace: str) -> dict[str, Any]:
+    return _reinit(swapped[dist.get_rank()], workspace)
+
+
+def test_store_host_gone_is_a_peer_lost_error() -> None:
+    master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore(
+        "127.0.0.1", master.port, 1, is_master=False, timeout=datetime.timedelta(seconds=5)
+    )
+    group = sync.GroupSync((0, 1), 0, client, "test/store-gone")
+    failure: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            group.barrier(30, what="barrier over ranks [0, 1]")
+        except BaseException as exc:
+            failure.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)  # rank 1 never comes; the store's host goes away meanwhile
+    del master
+    waiter.join(40)
+    assert failure and isinstance(failure[0], PeerLostError), failure
+    assert "rendezvous store" in str(failure[0]) or "did not arrive" in str(failure[0])
+
+
+def test_sync_is_linear_in_store_operations() -> None:
+    """Smoke run of the scale benchmark at a small N (not timed: counts operations)."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_sync_scale", ROOT / "scripts" / "bench_sync_scale.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    report = bench.run_scale([8, 32], repeats=2)
+    for n, row in report.items():
+        assert row["ours_barrier_ops"] <= 4 * n, row
+        assert row["ours_gather_ops"] <= 4 * n, row
