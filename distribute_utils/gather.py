@@ -43,10 +43,11 @@ import torch
 import torch.distributed as dist
 
 from . import sync, wire
+from ._host import process_alive
 from .errors import GatherError, PayloadError, PeerLostError, SpaceError, TransportUnavailableError
 from .mesh import ProcessGroupMesh
 from .transports import CollectiveTransport, SharedMemoryTransport, Transport
-from .transports.shm import segments_freed, take_freed
+from .transports.shm import remove_segments_of, segments_freed, take_freed
 
 __all__ = [
     "TRANSPORTS",
@@ -108,7 +109,7 @@ class _Claim:
     ranks: list[int] | None  # shown in messages (None when too long)
     digest: str
     mode: str
-    error: tuple[str, str] | None  # (exception type name, message)
+    error: tuple[Any, ...] | None  # (exception type name, message)
     body: list[Any] | None = None
 
     def pack(self) -> bytes:
@@ -136,7 +137,7 @@ class _Verdict:
     receiver: bool
     ranks: list[int] | None
     digest: str
-    error: tuple[str, str] | None = None  # the receiver failed: (type name, message)
+    error: tuple[Any, ...] | None = None  # the receiver failed: (type name, message)
     freed: list[list[Any]] = field(default_factory=list)  # [sender rank, pooled segment id]
 
     def pack(self) -> bytes:
@@ -150,20 +151,24 @@ class _Verdict:
         return cls(receiver, ranks, digest, tuple(error) if error else None, freed)
 
 
-def _error_of(exc: BaseException) -> tuple[str, str]:
-    return (type(exc).__name__, str(exc)[:4096])
+def _error_of(exc: BaseException) -> tuple[Any, ...]:
+    """An error as it travels to other ranks: type name, message, and the ranks it names."""
+    missing = list(getattr(exc, "missing", ()) or ())
+    return (
+        (type(exc).__name__, str(exc)[:4096], missing) if missing else (type(exc).__name__, str(exc)[:4096])
+    )
 
 
-def _raise_from(error: tuple[str, str], prefix: str) -> NoReturn:
+def _raise_from(error: tuple[Any, ...], prefix: str) -> NoReturn:
     """Raise an error another rank posted: as its own type when it is one of ours to raise,
     else as :class:`GatherError` naming the type."""
-    kind, message = error
+    kind, message = error[0], error[1]
     exc_type = _RAISABLE.get(kind)
     if exc_type is None:
         prefix = prefix.replace("cannot take part in the gather: ", "failed: ")
         raise GatherError(f"{prefix}{kind}: {message}" if prefix else f"{kind}: {message}")
     if exc_type is PeerLostError:
-        raise PeerLostError(f"{prefix}{message}", ())
+        raise PeerLostError(f"{prefix}{message}", error[2] if len(error) > 2 else ())
     raise exc_type(f"{prefix}{message}")
 
 
@@ -297,7 +302,7 @@ class _Gather:
             )
         return found
 
-    def claim(self, kind: str, error: tuple[str, str] | None = None, body: list[Any] | None = None) -> _Claim:
+    def claim(self, kind: str, error: tuple[Any, ...] | None = None, body: list[Any] | None = None) -> _Claim:
         return _Claim(kind, self.shown, self.digest, self.mode, error, body)
 
     def marker(self) -> bytes:
@@ -405,6 +410,16 @@ class _Gather:
         except Exception as exc:
             logger.warning("%s: could not remove what rank %d published: %s", self.what, rank, exc)
 
+    def remove_leftovers_of(self, ranks: Sequence[int]) -> None:
+        """Senders that died before they could claim may have left a half-written named segment:
+        remove those of dead processes on this host (their tokens were never told)."""
+        directory = self.companion.directory
+        for rank in ranks:
+            info = directory.local_peers().get(rank) if directory is not None else None
+            if info is not None and not process_alive(info):
+                for path in remove_segments_of(rank, info.pid):
+                    logger.info("%s: removed %s, left by rank %d, which died", self.what, path, rank)
+
     def release(self, body: list[Any] | None, token: str) -> None:
         """Remove what this sender published, once its receiver is done (or gave up)."""
         if not body:
@@ -425,11 +440,11 @@ class _Gather:
             raise PayloadError(f"payload of rank {rank} is unusable: {exc}") from None
 
     # -- the roles ---------------------------------------------------------------------------------
-    def check_in(self, error: tuple[str, str] | None) -> None:
+    def check_in(self, error: tuple[Any, ...] | None) -> None:
         """A rank its own list does not name: post a claim and a marker, nothing else."""
         self.call.post({"c": self.claim("none", error).pack(), "v": self.marker()})
 
-    def send(self, value: Any, error: tuple[str, str] | None) -> None:
+    def send(self, value: Any, error: tuple[Any, ...] | None) -> None:
         """A participant that does not receive: publish, claim, wait for the verdict, release."""
         token = secrets.token_hex(8)
         body: list[Any] | None = None
@@ -503,7 +518,7 @@ class _Gather:
         return self.publish_across(plan, payload, token)
 
     def receive(
-        self, own: Any, device: str | torch.device | None, error: tuple[str, str] | None
+        self, own: Any, device: str | torch.device | None, error: tuple[Any, ...] | None
     ) -> list[Any]:
         """The first rank: read its senders' claims, fetch and decode, post the verdict."""
         self.call.post({"c": self.claim("first", error).pack()})
@@ -537,13 +552,14 @@ class _Gather:
             self.call.post({"v": _Verdict(True, self.shown, self.digest, _error_of(exc)).pack()})
             for rank, claim in claims.items():
                 self.discard(rank, claim.body)
+            self.remove_leftovers_of(getattr(exc, "missing", ()))
             raise
         freed = [list(item) for item in take_freed(self.ranks[1:])]
         self.call.post({"v": _Verdict(True, self.shown, self.digest, None, freed).pack()})
         self.call.replace("c", bulky, _Claim("taken", None, self.digest, self.mode, None).pack())
         return [found[r] for r in self.ranks]
 
-    def tell_go(self, error: tuple[str, str] | None, claims: dict[int, _Claim]) -> None:
+    def tell_go(self, error: tuple[Any, ...] | None, claims: dict[int, _Claim]) -> None:
         """Let collective senders send (or tell them why not); once, only where some may wait."""
         if self._go_posted:
             return
@@ -564,6 +580,7 @@ class _Gather:
         if plan.remote:
             self.call.post_shared("plan", msgpack.packb([self.digest, None, plan.pack()]))
         self.what = f"gather to rank {self.first} over {plan.describe()}"
+        logger.debug("round %s: %s", self.call.token, plan.describe())
         return plan
 
 
@@ -603,7 +620,7 @@ def _gather(
     root: str,
 ) -> Iterator[list[Any]]:
     # A local mistake is posted in this rank's claim: its gather partners raise it too, none waits.
-    error: tuple[str, str] | None = None
+    error: tuple[Any, ...] | None = None
     try:
         seconds = sync.resolve_timeout(timeout)
     except ValueError as exc:

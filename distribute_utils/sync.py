@@ -401,8 +401,11 @@ def _wait_values(
     watch: _Watch | None,
     generation: Callable[[int], int | None] | None = None,
     mine: int | None = None,
+    tombstones: bool = True,
 ) -> list[bytes]:
     """Values of ``keys`` (posted by ``ranks``, one each), waiting at most ``timeout`` seconds.
+
+    With ``tombstones`` (the default), a value the watchdog posted for a dead rank raises.
 
     Raises:
         PeerLostError: some of ``ranks`` did not post in time, or died (named), or the store
@@ -424,7 +427,7 @@ def _wait_values(
     finally:
         if ident:
             _WATCHDOG.remove(ident)
-    dead = [r for r, v in zip(ranks, values) if v.startswith(TOMBSTONE)]
+    dead = [r for r, v in zip(ranks, values) if v.startswith(TOMBSTONE)] if tombstones else []
     if dead:
         raise PeerLostError(f"{what}: rank(s) {dead} exited while this rank was waiting for them", dead)
     return values
@@ -515,7 +518,7 @@ class Call:
         try:
             return self.wait_for("v", [first], timeout, what)[0]
         except PeerLostError as exc:
-            if exc.ranks != (first,) or not self.sync.has(self.key("c", first)):
+            if exc.missing != (first,) or not self.sync.has(self.key("c", first)):
                 raise
         return self.wait_for("v", [first], timeout, what)[0]
 
@@ -621,7 +624,7 @@ class GroupSync:
                     lambda r: call.key("in", r),
                 )
             try:
-                value = _wait_values(self.store, [go], [-1], timeout, what, watch)[0]
+                value = _wait_values(self.store, [go], [-1], timeout, what, watch, tombstones=False)[0]
             except PeerLostError:
                 missing = [r for r in others if not self.has(call.key("in", r))]
                 if not missing:
@@ -631,7 +634,8 @@ class GroupSync:
             if value.startswith(TOMBSTONE):
                 dead = int(value[len(TOMBSTONE) :])
                 raise PeerLostError(
-                    f"{what}: rank {dead} exited while ranks {short(self.ranks)} waited for it", [dead]
+                    f"{what}: rank(s) [{dead}] exited while ranks {short(self.ranks)} were waiting for them",
+                    [dead],
                 )
         self._collect(call.number)
 

@@ -893,6 +893,13 @@ def _build_tensors(
     with warnings.catch_warnings() if mv.readonly else contextlib.nullcontext():
         if mv.readonly:
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        # One view of the whole buffer per dtype, and a strided view of it per tensor: a
+        # ``frombuffer`` per tensor costs several times more (offsets are multiples of ALIGN,
+        # so of every item size).
+        base = (
+            torch.frombuffer(mv, dtype=torch.uint8, count=total_len) if data is None and total_len else None
+        )
+        typed: dict[torch.dtype, torch.Tensor] = {}
         for offset, _nbytes, i, dtype, shape, numel in checked:
             try:
                 if numel == 0:
@@ -902,13 +909,27 @@ def _build_tensors(
                     if dev is not None:
                         t = _to_device(t, dev)
                 else:
-                    t = torch.frombuffer(mv, dtype=dtype, count=numel, offset=offset).view(shape)
+                    assert base is not None
+                    size = dtype.itemsize
+                    whole = typed.get(dtype)
+                    if whole is None:
+                        whole = typed[dtype] = _view_bytes(base[: total_len // size * size], dtype)
+                    t = whole.as_strided(shape, _strides(shape), offset // size)
                     if dev is not None:
                         t = _to_device(t, dev)
             except (RuntimeError, ValueError, OverflowError) as e:
                 raise PayloadError(f"tensor {i}: cannot build {dtype} of shape {shape}: {e}") from None
             out.append(t)
     return out
+
+
+def _strides(shape: list[int]) -> list[int]:
+    """Row-major strides (in elements) of a contiguous tensor of ``shape``."""
+    strides, step = [0] * len(shape), 1
+    for d in range(len(shape) - 1, -1, -1):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return strides
 
 
 def _view_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

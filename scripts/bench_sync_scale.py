@@ -138,7 +138,10 @@ def run_scale(ns: list[int], repeats: int = 5, timeout: float = 120.0) -> dict[i
         ops: dict[str, list[float]] = {"ours_barrier": [], "ours_gather": [], "torch_barrier": []}
         for i in range(repeats):  # interleaved, so that load changes hit every method alike
             bodies: list[tuple[str, Callable[[int], None]]] = [
-                ("torch_barrier", lambda r, c=clients, n=n, i=i: _torch_barrier(c[r], n, f"torch/{n}/{i}", timeout)),
+                (
+                    "torch_barrier",
+                    lambda r, c=clients, n=n, i=i: _torch_barrier(c[r], n, f"torch/{n}/{i}", timeout),
+                ),
                 ("ours_barrier", lambda r, g=groups: g[r].barrier(timeout)),
                 ("ours_gather", lambda r, g=groups: _gather_agreement(g[r], timeout)),
             ]

@@ -270,55 +270,84 @@ def test_sender_resumed_after_the_first_gave_up_hears_why(ranks4: RankPool) -> N
     assert results[0]["after"] == [0.0, 1.0, 2.0, 3.0]
 
 
-def _reinit(new_rank: int, workspace: str) -> dict[str, Any]:
-    """Destroy the default group and make it again with ``new_rank``, then use everything."""
+def _reinit(swapped: list[int], workspace: str, tag: str) -> dict[str, Any]:
+    """Destroy the default group and make it again with swapped rank numbers, then back; use
+    barriers, gathers over shm and the workspace, and a mesh in every incarnation."""
     store = dist.distributed_c10d._get_default_store().underlying_store
     host, port, world = store.host, store.port, dist.get_world_size()
     old_rank = dist.get_rank()
     seen: dict[str, Any] = {}
-    for attempt, rank in enumerate((new_rank, old_rank)):
-        # A first use in this incarnation (barrier, gathers, a mesh) ...
+    for attempt, rank in enumerate((swapped[old_rank], old_rank)):
         barrier(timeout=30)
-        with get_tensors_parallel(
-            torch.full((300_000,), float(dist.get_rank())), [0, 1, 2, 3], timeout=30
-        ) as got:
+        before_rank = dist.get_rank()
+        values = torch.full((300_000,), float(before_rank))
+        with get_tensors_parallel(values, list(range(world)), timeout=30) as got:
             before = [float(t[0]) for t in got]
         dist.destroy_process_group()
         client = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
-        dist.init_process_group("gloo", store=client, rank=rank, world_size=world)
+        # torch itself needs a fresh prefix to re-initialise on one store (its gloo rendezvous
+        # keys go stale otherwise), as torchrun's elastic restarts do.
+        base = dist.PrefixStore(f"reinit/{tag}/{attempt}", client)
+        dist.init_process_group("gloo", store=base, rank=rank, world_size=world)
         barrier(timeout=30)
-        mesh = ProcessGroupMesh(2, 2, axis_names=("pp", "tp"))
+        mesh = ProcessGroupMesh(world // 2, 2, axis_names=("pp", "tp"))
         results = []
         for path in (None, workspace):
             with get_tensors_parallel(
-                torch.full((300_000,), 100.0 + rank), [0, 1, 2, 3], workspace_path=path, timeout=30
+                torch.full((300_000,), 100.0 + rank), list(range(world)), workspace_path=path, timeout=30
             ) as got:
                 results.append([float(t[0]) for t in got])
             with get_configs_parallel({"rank": rank}, mesh.ranks_along_axis("tp"), timeout=30) as got:
                 results.append([c["rank"] for c in got])
         mesh.barrier("tp", timeout=30)
-        seen[f"attempt{attempt}"] = {"before": before, "after": results, "rank": dist.get_rank()}
+        seen[f"attempt{attempt}"] = {
+            "before": before,
+            "before_rank": before_rank,
+            "after": results,
+            "rank": dist.get_rank(),
+        }
     return seen
 
 
-def test_reinitialisation_twice_with_swapped_ranks(ranks4: RankPool, tmp_path: Any) -> None:
-    swapped = [1, 0, 3, 2]
-    results = ranks4.run(_reinit_with, swapped, str(tmp_path / "ws"), timeout=120)
-    for process, r in enumerate(results):
-        first, second = r["attempt0"], r["attempt1"]
-        assert first["rank"] == swapped[process] and second["rank"] == process
-    by_rank0 = {r["attempt0"]["rank"]: r["attempt0"] for r in results}
-    expected = [100.0, 101.0, 102.0, 103.0]
-    assert by_rank0[0]["after"] == [expected, [0, 1], expected, [0, 1]]
-    assert by_rank0[1]["after"] == [[], [], [], []]
-    assert by_rank0[2]["after"] == [[], [2, 3], [], [2, 3]]
-    by_rank1 = {r["attempt1"]["rank"]: r["attempt1"] for r in results}
-    assert by_rank1[0]["after"] == [expected, [0, 1], expected, [0, 1]]
-    assert by_rank1[0]["before"] == [0.0, 1.0, 2.0, 3.0]
+@pytest.mark.parametrize("world", [4, 2])
+def test_reinitialisation_twice_with_swapped_ranks(pools: Any, tmp_path: Any, world: int) -> None:
+    swapped = [1, 0, 3, 2][:world]
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"  # one fresh prefix per attempt, the same on every rank
+    results = pools.get(world).run(_reinit, swapped, str(tmp_path / "ws"), tag, timeout=120)
+    expected = [100.0 + r for r in range(world)]
+    for attempt, numbering in enumerate((swapped, list(range(world)))):
+        by_rank = {r[f"attempt{attempt}"]["rank"]: r[f"attempt{attempt}"] for r in results}
+        assert [by_rank[r]["rank"] for r in range(world)] == list(range(world))
+        assert [results[p][f"attempt{attempt}"]["rank"] for p in range(world)] == numbering
+        assert by_rank[0]["after"] == [expected, [0, 1], expected, [0, 1]]
+        assert by_rank[1]["after"] == [[], [], [], []]
+        if world == 4:
+            assert by_rank[2]["after"] == [[], [2, 3], [], [2, 3]]
+        first_before = [r[f"attempt{attempt}"] for r in results if r[f"attempt{attempt}"]["before_rank"] == 0]
+        assert first_before[0]["before"] == [float(r) for r in range(world)]
 
 
-def _reinit_with(swapped: list[int], workspace: str) -> dict[str, Any]:
-    return _reinit(swapped[dist.get_rank()], workspace)
+def test_a_new_incarnation_on_the_same_store_never_reads_the_old_keys() -> None:
+    """Re-made on the very same store, the default group gets a new generation: the keys the
+    old one left (not collected: the process may have crashed) are never read again."""
+    master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    namespaces, results, left = [], [], []
+    try:
+        for _ in range(2):
+            dist.init_process_group("gloo", store=master, rank=0, world_size=1)
+            barrier(timeout=10)
+            with get_configs_parallel({"a": len(namespaces)}, [0], timeout=10) as got:
+                results.append(got[0]["a"])
+            namespaces.append(sync.companion(None).namespace)
+            stale = f"{namespaces[0]}/0/in/0"  # the first incarnation's barrier key
+            left.append(bool(dist.distributed_c10d._get_default_store().check([stale])))
+            dist.destroy_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert results == [0, 1]
+    assert namespaces[0] != namespaces[1] and "/g1/" in namespaces[0] and "/g2/" in namespaces[1]
+    assert left == [True, True], "the old incarnation's keys are still there, unread"
 
 
 def test_store_host_gone_is_a_peer_lost_error() -> None:

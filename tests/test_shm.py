@@ -1,4 +1,4 @@
-"""The shared-memory transport on its own: names, modes, exact sizes, the background spare."""
+"""The shared-memory transport on its own: names, modes, exact sizes, the segment pool, owner checks."""
 
 from __future__ import annotations
 
@@ -19,18 +19,19 @@ def _ours() -> set[str]:
 
 
 def _transport() -> shm.SharedMemoryTransport:
-    return shm.SharedMemoryTransport({0: PID, 1: PID})
+    return shm.SharedMemoryTransport()
 
 
 def test_segment_is_private_exact_and_gone_after_fetch() -> None:
     transport = _transport()
     payload = wire.encode({"w": torch.arange(1000, dtype=torch.int32)})
-    transport.publish("00000000000000aa", 1, payload)
+    receipt = transport.publish("00000000000000aa", 1, payload)
+    assert receipt == f"n:{PID}:{payload.nbytes}"
     path = shm.segment_path("00000000000000aa", 1, PID)
     info = os.stat(path)
     assert stat.S_IMODE(info.st_mode) == 0o600
     assert info.st_size == payload.nbytes
-    buf = transport.fetch("00000000000000aa", 1)
+    buf = transport.fetch("00000000000000aa", 1, receipt)
     assert not os.path.exists(path)  # unlinked at attach
     assert torch.equal(wire.decode(buf)["w"], torch.arange(1000, dtype=torch.int32))
     transport.release("00000000000000aa", 1)  # idempotent after the reader took it
@@ -48,30 +49,59 @@ def test_publishing_twice_under_one_name_is_refused() -> None:
     assert _ours() == set()
 
 
-def test_a_segment_whose_size_disagrees_with_its_payload_is_rejected() -> None:
+def test_a_segment_whose_size_disagrees_with_its_receipt_is_rejected() -> None:
     transport = _transport()
-    transport.publish("00000000000000ac", 1, wire.encode(torch.zeros(100)))
+    receipt = transport.publish("00000000000000ac", 1, wire.encode(torch.zeros(100)))
     path = shm.segment_path("00000000000000ac", 1, PID)
-    os.truncate(path, os.stat(path).st_size + 64)
-    with pytest.raises(PayloadError, match=r"holds .* bytes but its payload says"):
-        transport.fetch("00000000000000ac", 1)
+    os.truncate(path, 64)
+    with pytest.raises(PayloadError, match=r"holds 64 bytes but its receipt says"):
+        transport.fetch("00000000000000ac", 1, receipt)
     assert not os.path.exists(path)
-    with pytest.raises(PayloadError, match="published no segment"):
-        transport.fetch("00000000000000ad", 1)
+    with pytest.raises(PayloadError, match="published no usable segment"):
+        transport.fetch("00000000000000ad", 1, receipt)
+    with pytest.raises(PayloadError, match="malformed shared-memory receipt"):
+        transport.fetch("00000000000000ad", 1, "n:../../etc:1")
+
+
+def test_segments_not_private_to_this_user_are_refused() -> None:
+    """What another local user could plant: a file of another owner, a loose mode, a symlink."""
+    transport = _transport()
+    token = "00000000000000ae"
+    payload = wire.encode(torch.ones(10))
+    receipt = transport.publish(token, 1, payload)
+    path = shm.segment_path(token, 1, PID)
+    os.chmod(path, 0o644)
+    with pytest.raises(PayloadError, match="has mode 644, not 600"):
+        transport.fetch(token, 1, receipt)
+    receipt = transport.publish(token, 1, payload)
+    os.chown(path, 65534, 65534)  # as root: hand it to "nobody", as if nobody had made it
+    with pytest.raises(PayloadError, match="belongs to uid 65534, not to this job's user"):
+        transport.fetch(token, 1, receipt)
+    target = os.path.join(shm.SHM_DIR, f"du-test-target-{PID}")
+    transport.publish(token, 1, payload)
+    os.rename(path, target)
+    os.symlink(target, path)
+    try:
+        with pytest.raises(PayloadError, match="published no usable segment"):
+            transport.fetch(token, 1, receipt)
+    finally:
+        os.unlink(target)
+        transport.release(token, 1)
+    assert _ours() == set()
 
 
 def test_pooled_segment_is_invisible_busy_until_freed_then_reused() -> None:
-    transport = shm.SharedMemoryTransport({0: PID, 1: PID}, pool=True)
+    transport = shm.SharedMemoryTransport(pool=True)
     big = torch.arange(2 * 2**20, dtype=torch.float32)  # 8 MiB, above the pool threshold
     receipt = transport.publish("00000000000000b0", 1, wire.encode(big))
-    assert receipt, "a large payload goes through a pooled segment"
-    ident, fd, inode = receipt.split(":")
+    assert receipt.startswith("p:"), "a large payload goes through a pooled segment"
+    _, _, ident, fd, inode, _ = receipt.split(":")
     assert stat.S_IMODE(os.fstat(int(fd)).st_mode) == 0o600
     assert _ours() == set(), "a pooled segment never has a name in /dev/shm"
     got = wire.decode(transport.fetch("00000000000000b0", 1, receipt))
     # While the receiver holds views, the segment is busy: the next round gets another one.
     second = transport.publish("00000000000000b1", 1, wire.encode(big * 2))
-    assert second and second.split(":")[0] != ident and second.split(":")[2] != inode
+    assert second.startswith("p:") and second.split(":")[2] != ident and second.split(":")[4] != inode
     kept = wire.decode(transport.fetch("00000000000000b1", 1, second))
     assert torch.equal(got, big) and torch.equal(kept, big * 2)
     # Dropping the views reports the segment freed; handing the report back makes it reusable.
@@ -85,10 +115,30 @@ def test_pooled_segment_is_invisible_busy_until_freed_then_reused() -> None:
     assert torch.equal(kept, big * 2), "a busy segment's views are never overwritten"
     # A receipt whose inode does not match is refused; small payloads never use the pool.
     with pytest.raises(PayloadError, match="not the segment it published"):
-        transport.fetch("00000000000000b4", 1, f"{ident}:{fd}:1")
-    assert transport.publish("00000000000000b3", 1, wire.encode(torch.zeros(10))) == ""
-    wire.decode(transport.fetch("00000000000000b3", 1))
+        transport.fetch("00000000000000b4", 1, f"p:{PID}:{ident}:{fd}:1:{big.nbytes}")
+    small = transport.publish("00000000000000b3", 1, wire.encode(torch.zeros(10)))
+    assert small.startswith("n:")
+    wire.decode(transport.fetch("00000000000000b3", 1, small))
     assert _ours() == set()
+
+
+def test_pool_gives_the_best_fit_and_never_shrinks_a_segment() -> None:
+    """A 64 MiB payload alternating with 16 MiB ones keeps its warm 64 MiB segment."""
+    pool = shm._SegmentPool()
+    large = pool.take(64 * 2**20)
+    small = pool.take(16 * 2**20)
+    assert large is not None and small is not None
+    pool.fit(large, 64 * 2**20, 1)
+    pool.fit(small, 16 * 2**20, 1)
+    pool.freed({large.ident, small.ident})
+    again = pool.take(16 * 2**20)
+    assert again is small, "the smallest free segment that holds the payload"
+    pool.fit(again, 15 * 2**20, 1)
+    assert again.size == 16 * 2**20 and os.fstat(again.fd).st_size == 16 * 2**20, "never shrunk"
+    big_again = pool.take(64 * 2**20)
+    assert big_again is large and os.fstat(large.fd).st_size == 64 * 2**20
+    for seg in (large, small):
+        pool.discard(seg)
 
 
 def test_a_pooled_payload_whose_sender_exited_is_reported_as_a_lost_peer() -> None:
@@ -99,15 +149,15 @@ def test_a_pooled_payload_whose_sender_exited_is_reported_as_a_lost_peer() -> No
         "import os, sys, torch\n"
         "from distribute_utils import wire\n"
         "from distribute_utils.transports import shm\n"
-        "t = shm.SharedMemoryTransport({1: os.getpid()}, pool=True)\n"
+        "t = shm.SharedMemoryTransport(pool=True)\n"
         "print(os.getpid(), t.publish('00000000000000c0', 1, wire.encode(torch.zeros(2**18))))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
     pid, receipt = int(out[0]), out[1]
-    transport = shm.SharedMemoryTransport({1: pid}, pool=True)
-    with pytest.raises(PeerLostError, match="rank 1 exited before its payload was read") as info:
+    transport = shm.SharedMemoryTransport(pool=True)
+    with pytest.raises(PeerLostError, match="rank 1 exited or gave up before its payload was read") as info:
         transport.fetch("00000000000000c0", 1, receipt)
     assert info.value.missing == (1,)
     assert not [n for n in os.listdir(shm.SHM_DIR) if n.endswith(f"_{pid}")]

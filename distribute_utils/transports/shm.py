@@ -33,7 +33,14 @@ from .._host import SHM_DIR
 from ..errors import PayloadError, PeerLostError, SpaceError
 from ..wire import EncodedPayload, read_prefix
 
-__all__ = ["SEGMENT_PREFIX", "SharedMemoryTransport", "segment_path", "segments_freed", "take_freed"]
+__all__ = [
+    "SEGMENT_PREFIX",
+    "SharedMemoryTransport",
+    "remove_segments_of",
+    "segment_path",
+    "segments_freed",
+    "take_freed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +160,23 @@ class SharedMemoryTransport:
             _POOL.drop(receipt.split(":")[2])
 
 
+def remove_segments_of(rank: int, pid: int) -> list[str]:
+    """Remove the named segments a dead sender (``rank``, process ``pid``) left: only regular
+    files of this user whose name says so. Returns the paths removed."""
+    suffix = f"_{int(rank)}_{int(pid)}"
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(SHM_DIR):
+            if name.startswith(SEGMENT_PREFIX) and name.endswith(suffix):
+                path = os.path.join(SHM_DIR, name)
+                with contextlib.suppress(OSError):
+                    info = os.lstat(path)
+                    if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                        os.unlink(path)
+                        removed.append(path)
+    return removed
+
+
 def _parse_receipt(receipt: str, rank: int) -> tuple[str, int, str, str, int, int]:
     """``(kind, pid, id, fd, inode, nbytes)`` of a receipt, checked (it came through the store)."""
     parts = str(receipt).split(":")
@@ -176,7 +200,9 @@ def _check_owned(info: os.stat_result, path: str, rank: int) -> None:
             f"(uid {os.geteuid()}); refusing data another user could have planted"
         )
     if info.st_mode & 0o077:
-        raise PayloadError(f"{path} (claimed by rank {rank}) has mode {stat.S_IMODE(info.st_mode):o}, not 600")
+        raise PayloadError(
+            f"{path} (claimed by rank {rank}) has mode {stat.S_IMODE(info.st_mode):o}, not 600"
+        )
 
 
 def _reserve(fd: int, nbytes: int, rank: int) -> None:

@@ -17,8 +17,8 @@ Cases (the victim is the last rank unless the name says "first rank"):
   enters the gather late.
 - ``sender_dies_mid_publish``: the victim dies with its segment half written.
 - ``sender_dies_after_publish``: the victim dies in the body of its ``with`` block.
-- ``sender_dies_while_reader_reads``: the first rank fetches the victim's payload only after
-  the victim has died.
+- ``sender_dies_while_reader_reads``: the victim dies right after posting its claim; the first
+  rank fetches its payload only after it has died.
 - ``first_rank_dies_before_gather`` / ``first_rank_dies_mid_read``: rank 0 dies before
   entering, or after fetching the first sender's payload.
 - ``workspace_sender_dies_mid_publish``: as ``sender_dies_mid_publish`` through the workspace
@@ -52,7 +52,10 @@ from distribute_utils.transports import shm
 
 RESULTS = os.environ.get("DU_RESULTS", ".")
 TIMEOUT = float(os.environ.get("DU_TIMEOUT", "5"))
-ELEMENTS = 32 * 1024  # 128 KiB of float32 per rank: below the pool threshold, so segments have names
+ELEMENTS = 32 * 1024  # 128 KiB of float32 per rank: above the inline limit, so through /dev/shm
+# This job exercises named segments (a dead sender's pooled segment dies with it; the pool
+# has tests of its own in test_shm.py): no pooled segments here.
+shm._POOL.take = lambda nbytes: None  # type: ignore[method-assign]
 
 
 def _die(note: dict[str, Any] | None = None) -> None:
@@ -210,7 +213,9 @@ def run_case(case: str, report: dict[str, Any]) -> None:
                 return fetch(self, token, r, receipt)
 
             shm.SharedMemoryTransport.fetch = fetch_after_death  # type: ignore[method-assign]
-        _gather(report, ranks, timeout=TIMEOUT, body=_die if rank == victim else None)
+        if rank == victim:  # dies once its claim is posted, waiting for the verdict
+            sync.Call.wait_verdict = lambda *args, **kwargs: _die()  # type: ignore[method-assign]
+        _gather(report, ranks, timeout=TIMEOUT)
         _next_sync(report)
     elif case == "first_rank_dies_before_gather":
         if rank == 0:

@@ -1,0 +1,296 @@
+"""Gather latency from 4 KiB to 256 MiB per rank: ours against the physical limit and the peers.
+
+On ``--nproc`` local ranks (gloo), every repetition runs every method once, in turn
+(interleaved, so that a change of load hits all methods alike), barrier to barrier: a
+``dist.barrier()``, then the time on rank 0 until it holds every rank's tensor.
+
+Methods, per size (one float32 tensor per rank to rank 0):
+
+- ``ours``: :func:`distribute_utils.get_tensors_parallel` (default transport);
+- ``limit``: the physical limit on this host: each sender ``pwrite``\\ s into its own
+  pre-touched, reused ``/dev/shm`` segment and posts one store key; rank 0 waits for the
+  keys, maps each segment and views it (``torch.frombuffer``), no decoding, no checks;
+- ``fresh``: the same with a new segment per repetition (create, ``posix_fallocate``, write,
+  map, unlink), what a first gather of that size costs;
+- ``gloo``: ``dist.gather`` into preallocated outputs;
+- ``modelopt``: ModelOpt's ``get_tensors_parallel`` (when ``nvidia-modelopt`` is installed).
+
+Then the tiny round trip (``{"a": 1}`` through ``get_configs_parallel``) and a decoder layer's
+config of 64 small tensors (ours; ModelOpt's helper carries at most ~32 tensors in one config,
+so both are also timed at 32).
+
+    python scripts/bench_latency.py                 # full sweep, ~2 minutes on 2 cores
+    python scripts/bench_latency.py --sizes 4K 64K --reps 20
+    python scripts/bench_latency.py --json out.json
+
+Prints one row per size with medians and the ratios ours/limit, gloo/ours, modelopt/ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from distribute_utils import get_configs_parallel, get_tensors_parallel
+from distribute_utils.launch import run_local
+
+SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
+LAYER_SHAPES = [(4096,), (128, 128), (), (128,)]
+LAYER_DTYPES = [torch.float32, torch.float16, torch.float32, torch.bfloat16]
+
+
+def _reps_for(nbytes: int, reps: int | None) -> int:
+    if reps is not None:
+        return reps
+    return 40 if nbytes <= 1 << 20 else 12 if nbytes <= 16 << 20 else 7 if nbytes <= 64 << 20 else 5
+
+
+def _modelopt() -> Any | None:
+    try:
+        import modelopt.torch.export.distribute as mo_dist
+        import modelopt.torch.export.model_config as mo_config
+    except Exception:
+        return None
+    return mo_dist, mo_config
+
+
+class _Limit:
+    """The physical limit: a sender writes its bytes into /dev/shm, rank 0 maps and views them."""
+
+    def __init__(self, nbytes: int, reuse: bool) -> None:
+        self.nbytes, self.reuse = nbytes, reuse
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.store = dist.distributed_c10d._get_default_store().clone()
+        self.rep = 0
+        self.fd = -1
+        self.path = f"/dev/shm/du-bench-limit-{os.getpid()}"
+        if reuse and self.rank != 0:
+            self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+            os.posix_fallocate(self.fd, 0, nbytes)
+            os.pwrite(self.fd, bytes(nbytes), 0)  # pre-touched
+        pids = [int(p) for p in _all_gather_str(str(os.getpid()))]
+        self.paths = [f"/dev/shm/du-bench-limit-{p}" for p in pids]
+
+    def run(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.rep += 1
+        tag = f"bench/limit/{self.reuse}/{self.nbytes}/{self.rep}"
+        data = memoryview(tensor.numpy()).cast("B")
+        if self.rank != 0:
+            if self.reuse:
+                os.pwrite(self.fd, data, 0)
+            else:
+                path = f"{self.path}-{self.rep}"
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                os.posix_fallocate(fd, 0, self.nbytes)
+                os.pwrite(fd, data, 0)
+                os.close(fd)
+            self.store.set(f"{tag}/{self.rank}", b"1")
+            return []
+        self.store.multi_get([f"{tag}/{r}" for r in range(1, self.world)])
+        out = [tensor]
+        for r in range(1, self.world):
+            path = self.paths[r] if self.reuse else f"{self.paths[r]}-{self.rep}"
+            fd = os.open(path, os.O_RDONLY)
+            buf = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            os.close(fd)
+            if not self.reuse:
+                os.unlink(path)
+            out.append(torch.frombuffer(buf, dtype=torch.float32))
+        return out
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+def _all_gather_str(value: str) -> list[str]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    """Barrier, then the time rank 0 spends in ``fn`` (it returns once rank 0 holds the data)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    result = fn()
+    elapsed = time.perf_counter() - t0
+    if dist.get_rank() == 0 and isinstance(result, list) and result:
+        _ = [float(t.reshape(-1)[-1]) for t in result if isinstance(t, torch.Tensor) and t.numel()]
+    return elapsed
+
+
+def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = list(range(world))
+    mo = _modelopt()
+    report: dict[str, Any] = {}
+    for name in sizes:
+        nbytes = SIZES[name]
+        tensor = torch.full((nbytes // 4,), float(rank))
+        outputs = [torch.empty_like(tensor) for _ in ranks] if rank == 0 else None
+        limit, fresh = _Limit(nbytes, reuse=True), _Limit(nbytes, reuse=False)
+
+        def ours(tensor: torch.Tensor = tensor) -> list[torch.Tensor]:
+            with get_tensors_parallel(tensor, ranks) as got:
+                return got
+
+        def gloo(tensor: torch.Tensor = tensor, outputs: Any = outputs) -> Any:
+            dist.gather(tensor, outputs, dst=0)
+            return outputs
+
+        methods: dict[str, Callable[[], Any]] = {
+            "ours": ours,
+            "limit": lambda limit=limit, tensor=tensor: limit.run(tensor),
+            "fresh": lambda fresh=fresh, tensor=tensor: fresh.run(tensor),
+            "gloo": gloo,
+        }
+        if mo is not None:
+
+            def modelopt(tensor: torch.Tensor = tensor) -> list[torch.Tensor]:
+                with mo[0].get_tensors_parallel(tensor, ranks) as got:
+                    return list(got)
+
+            methods["modelopt"] = modelopt
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        for fn in methods.values():  # warm-up: pools, connections, page cache
+            _timed(fn)
+        for _ in range(_reps_for(nbytes, reps)):
+            for method, fn in methods.items():
+                times[method].append(_timed(fn))
+        limit.close()
+        fresh.close()
+        report[name] = {m: statistics.median(v) for m, v in times.items()}
+        report[name]["load"] = os.getloadavg()[0]
+    report["small"] = _small_rank(reps)
+    report["layer"] = _layer_rank(mo, reps)
+    return report if rank == 0 else {}
+
+
+def _small_rank(reps: int | None) -> dict[str, float]:
+    ranks = list(range(dist.get_world_size()))
+
+    def tiny() -> Any:
+        with get_configs_parallel({"a": 1}, ranks) as got:
+            return got
+
+    for _ in range(20):
+        _timed(tiny)
+    times = [_timed(tiny) for _ in range(max(200, reps or 0))]
+    return {"ours": statistics.median(times), "load": os.getloadavg()[0]}
+
+
+def _layer(rank: int, layer: int, n: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(rank * 100_003 + layer)
+    config: dict[str, Any] = {"name": f"layers.{layer}", "hidden_act": "silu", "eps": 1e-5, "tp_rank": rank}
+    for j in range(n):
+        config[f"tensor_{j:02d}"] = torch.randn(LAYER_SHAPES[j % 4], generator=gen).to(LAYER_DTYPES[j % 4])
+    return config
+
+
+def _modelopt_layer(config: dict[str, Any], mc: Any) -> Any:
+    """The same tensors inside ModelOpt's own config dataclasses (its helper carries only those)."""
+    tensors = [v for k, v in config.items() if k.startswith("tensor_")]
+    linears = [mc.LinearConfig() for _ in range(8)]
+    slots = ["weight", "bias", "activation_scaling_factor", "weights_scaling_factor"]
+    for i, t in enumerate(tensors):
+        setattr(linears[i // 4], slots[i % 4], t)
+    qkv = mc.QKVConfig(q=linears[0], k=linears[1], v=linears[2])
+    layer = mc.DecoderLayerConfig(decoder_type="llama", num_attention_heads=32, num_kv_heads=8)
+    layer.attention = mc.AttentionConfig(qkv=qkv, dense=linears[3])
+    layer.mlp = mc.MLPConfig(fc=linears[4], gate=linears[5], proj=linears[6], hidden_act="silu")
+    layer.post_layernorm = mc.LayernormConfig(weight=linears[7].weight, eps=1e-5)
+    return layer
+
+
+def _layer_rank(mo: Any | None, reps: int | None) -> dict[str, Any]:
+    rank, ranks = dist.get_rank(), list(range(dist.get_world_size()))
+    out: dict[str, Any] = {}
+    for n in (64, 32):
+        configs = [_layer(rank, i, n) for i in range(16)]
+
+        def ours(configs: list[Any] = configs) -> None:
+            for c in configs:
+                with get_configs_parallel(c, ranks) as got:
+                    _ = [g["tensor_00"] for g in got]
+
+        methods: dict[str, Callable[[], Any]] = {"ours": ours}
+        if mo is not None and n <= 32:
+            mo_configs = [_modelopt_layer(c, mo[1]) for c in configs]
+
+            def modelopt(mo_configs: list[Any] = mo_configs) -> None:
+                for c in mo_configs:
+                    with mo[0].get_configs_parallel(c, ranks, None) as got:
+                        _ = [g.attention.qkv.q.weight for g in got]
+
+            methods["modelopt"] = modelopt
+        for fn in methods.values():
+            _timed(fn)
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        for _ in range(max(5, min(reps or 10, 10))):
+            for m, fn in methods.items():
+                times[m].append(_timed(fn) / len(configs))
+        out[str(n)] = {m: statistics.median(v) for m, v in times.items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per size (default: by size)")
+    parser.add_argument("--json", help="write the medians here")
+    args = parser.parse_args(argv)
+    report = run_local(_sweep_rank, args.nproc, args.sizes, args.reps)[0]
+    has_mo = any("modelopt" in v for k, v in report.items() if k in SIZES)
+    print(
+        f"gather of one float32 tensor per rank to rank 0, {args.nproc} ranks, medians (ms), load {os.getloadavg()[0]:.1f}"
+    )
+    head = f"{'size':>6} {'ours':>8} {'limit':>8} {'fresh':>8} {'gloo':>8}" + (
+        f" {'modelopt':>9}" if has_mo else ""
+    )
+    print(head + f" {'ours/limit':>11} {'gloo/ours':>10}" + (f" {'mo/ours':>8}" if has_mo else ""))
+    for name in args.sizes:
+        row = report[name]
+        line = f"{name:>6} " + " ".join(f"{row[m] * 1e3:8.2f}" for m in ("ours", "limit", "fresh", "gloo"))
+        if has_mo:
+            line += f" {row['modelopt'] * 1e3:9.2f}"
+        line += f" {row['ours'] / row['limit']:11.2f} {row['gloo'] / row['ours']:10.2f}"
+        if has_mo:
+            line += f" {row['modelopt'] / row['ours']:8.1f}"
+        print(line)
+    small = report["small"]
+    print(
+        f"tiny round trip ({{'a': 1}}, get_configs_parallel): {small['ours'] * 1e3:.3f} ms (load {small['load']:.1f})"
+    )
+    for n, row in report["layer"].items():
+        text = f"layer config of {n} tensors, per layer: ours {row['ours'] * 1e3:.2f} ms"
+        if "modelopt" in row:
+            text += f", ModelOpt {row['modelopt'] * 1e3:.2f} ms ({row['modelopt'] / row['ours']:.1f}x)"
+        print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
