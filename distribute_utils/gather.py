@@ -580,7 +580,7 @@ class _Gather:
         if plan.remote:
             self.call.post_shared("plan", msgpack.packb([self.digest, None, plan.pack()]))
         self.what = f"gather to rank {self.first} over {plan.describe()}"
-        logger.debug("round %s: %s", self.call.token, plan.describe())
+        logger.debug("round %s: %s", self.call.token, self.what)
         return plan
 
 

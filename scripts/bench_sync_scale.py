@@ -13,6 +13,11 @@ key the others wait on). Store operations are counted per rank.
 
     python scripts/bench_sync_scale.py                     # N = 64, 256, 1024, 4096
     python scripts/bench_sync_scale.py --ranks 64 256 --repeats 5
+    python scripts/bench_sync_scale.py --real 2 4 8 16     # real processes instead
+
+``--real``: real rank processes (gloo) on this machine: the median of our barrier, of a tiny
+gather (``{"a": 1}`` to rank 0 through ``get_configs_parallel``) and of ``dist.barrier``
+(gloo), 300 repetitions each, interleaved.
 
 Prints one row per N (medians in ms), the ratios, and the growth exponent between the
 smallest and largest N (1.0 is linear).
@@ -156,13 +161,57 @@ def run_scale(ns: list[int], repeats: int = 5, timeout: float = 120.0) -> dict[i
     return report
 
 
+def _real_rank(repeats: int) -> dict[str, float]:
+    from distribute_utils import barrier, get_configs_parallel
+
+    ranks = list(range(dist.get_world_size()))
+
+    def tiny() -> None:
+        with get_configs_parallel({"a": 1}, ranks):
+            pass
+
+    methods: dict[str, Callable[[], None]] = {
+        "ours_barrier": lambda: barrier(timeout=60),
+        "ours_tiny_gather": tiny,
+        "gloo_barrier": dist.barrier,
+    }
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for fn in methods.values():
+        for _ in range(20):
+            fn()
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def run_real(nprocs: list[int], repeats: int = 300) -> dict[int, dict[str, float]]:
+    """Median seconds on rank 0 of our barrier, a tiny gather and gloo's barrier, per world size."""
+    from distribute_utils.launch import run_local
+
+    return {n: run_local(_real_rank, n, repeats)[0] for n in nprocs}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--real", type=int, nargs="*", help="world sizes of real rank processes")
     args = parser.parse_args(argv)
+    if args.real:
+        print(f"real processes, medians on rank 0 (ms), load {os.getloadavg()[0]:.1f}")
+        print(f"{'ranks':>6} {'our barrier':>12} {'tiny gather':>12} {'gloo barrier':>13}")
+        for n, row in run_real(args.real).items():
+            print(
+                f"{n:>6} {row['ours_barrier'] * 1e3:>12.3f} {row['ours_tiny_gather'] * 1e3:>12.3f} "
+                f"{row['gloo_barrier'] * 1e3:>13.3f}"
+            )
+        return 0
     report = run_scale(args.ranks, args.repeats)
     print(
         f"{'N':>6} {'torch barrier':>14} {'our barrier':>12} {'ratio':>6} {'our gather':>11} {'ops/rank b,g':>13}"

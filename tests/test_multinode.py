@@ -76,9 +76,14 @@ def test_hierarchical_gather_over_workspace(tmp_path: Path, workspace: str) -> N
     assert routes["shm within hosts + workspace across 1 remote host(s)"] == 200
     assert routes["shm"] == 2  # the pairs inside one node
     assert routes["workspace"] == 1  # the cross-node pair: one file, no shm hop
+    # shm forced across hosts for ranks [0, 2]: both raise; ranks 1 and 3, which that list does
+    # not name, only check in.
     for r in reports:
-        assert r["forced_shm"].startswith("TransportUnavailableError: "), r["forced_shm"]
-        assert "span 2 shared-memory domains" in r["forced_shm"]
+        if r["rank"] in (0, 2):
+            assert r["forced_shm"].startswith("TransportUnavailableError: "), r["forced_shm"]
+            assert "span 2 shared-memory domains" in r["forced_shm"]
+        else:
+            assert r["forced_shm"] == "no error", r["forced_shm"]
 
 
 def test_collective_fallback_without_workspace(tmp_path: Path) -> None:

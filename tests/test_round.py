@@ -60,8 +60,9 @@ def _modelopt_tp_pp(workspace: str | None, n: int) -> dict[str, Any]:
         out["pp_bytes_ok"] = all(torch.equal(c["w"], _layer(c["rank"], c["layer"], n)["w"]) for c in merged)
     if pp_rank != 0:
         return out
-    # TP merge: only pp_rank 0 ranks, synchronising on their own group; one TP list.
-    tp_group = dist.new_group([0, 1], use_local_synchronization=True)
+    # TP merge: only pp_rank 0 ranks, synchronising on their own group (a rank list here: a torch
+    # group made by two of four ranks needs every rank's help in torch).
+    tp_group = [0, 1]
     weight = torch.full((4, n), float(rank))
     with get_tensors_parallel(weight, [0, 1], tp_group, timeout=60) as shards:
         if shards:
