@@ -77,14 +77,16 @@ def _check_ranks(ranks: Sequence[int], members: tuple[int, ...]) -> list[int]:
     bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)]
     if bad:
         raise ValueError(f"ranks must be ints; got {bad!r} in {ranks}")
-    duplicates = sorted({r for r in ranks if ranks.count(r) > 1})
-    if duplicates:
+    if len(set(ranks)) != len(ranks):
+        seen: set[int] = set()
+        duplicates = sorted({r for r in ranks if r in seen or seen.add(r)})
         raise ValueError(f"ranks {ranks} lists {duplicates} more than once; each rank may appear once")
     world = dist.get_world_size()
     outside_world = [r for r in ranks if not 0 <= r < world]
     if outside_world:
         raise ValueError(f"ranks {outside_world} are outside the world (valid: 0..{world - 1})")
-    outside_group = [r for r in ranks if r not in members]
+    member_set = set(members) if len(members) != world else None
+    outside_group = [] if member_set is None else [r for r in ranks if r not in member_set]
     if outside_group:
         raise ValueError(f"ranks {outside_group} are not in the group {_short(members)}; list members only")
     return ranks
@@ -266,7 +268,7 @@ class _Gather:
     ) -> None:
         self.companion, self.call, self.ranks = companion, call, ranks
         self.me, self.first = companion.rank, ranks[0]
-        self.digest = sync._digest(ranks)
+        self.digest = companion.digest(ranks)
         self.shown = ranks if len(ranks) <= 64 else None
         self.transport, self.workspace_path = transport, workspace_path
         self.mode = f"{transport}:{workspace_path is not None}"
@@ -555,8 +557,10 @@ class _Gather:
             self.remove_leftovers_of(getattr(exc, "missing", ()))
             raise
         freed = [list(item) for item in take_freed(self.ranks[1:])]
-        self.call.post({"v": _Verdict(True, self.shown, self.digest, None, freed).pack()})
-        self.call.replace("c", bulky, _Claim("taken", None, self.digest, self.mode, None).pack())
+        taken = _Claim("taken", None, self.digest, self.mode, None).pack()
+        self.call.post(
+            {"v": _Verdict(True, self.shown, self.digest, None, freed).pack()}, ("c", bulky, taken)
+        )
         return [found[r] for r in self.ranks]
 
     def tell_go(self, error: tuple[Any, ...] | None, claims: dict[int, _Claim]) -> None:

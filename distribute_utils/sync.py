@@ -72,6 +72,7 @@ TIMEOUT_ENV = "DISTRIBUTE_UTILS_TIMEOUT"
 COLLECT_EVERY = 64  # calls between the group-wide barriers after which keys are removed
 TOMBSTONE = b"\x00dead"
 _WATCH_INTERVAL_S = 0.1
+_WATCH_GRACE_S = 0.05  # waits shorter than this never cost the watchdog (or the CPU) anything
 _ROOT = "distribute_utils"
 
 
@@ -146,6 +147,7 @@ class _Watch:
         arrived_key: Callable[[int], str] | None,
     ) -> None:
         self.source, self.store, self.awaited, self.arrived_key = source, store, awaited, arrived_key
+        self.since = time.monotonic()
 
 
 class _Watchdog:
@@ -195,13 +197,21 @@ class _Watchdog:
                 watches = list(self._watches.values())
                 if not watches:
                     self._wake.clear()
-            for watch in watches:
+            if not watches:
+                continue
+            # Most waits end within a millisecond: look only at those that outlast the grace.
+            now = time.monotonic()
+            due = [w for w in watches if now - w.since >= _WATCH_GRACE_S]
+            for watch in due:
                 try:
                     self._check(watch)
                 except Exception:  # the store may be gone: the waiter will say so
                     logger.debug("watchdog check failed", exc_info=True)
-            if watches:
+            if due:
                 time.sleep(_WATCH_INTERVAL_S)
+            else:
+                oldest = min(w.since for w in watches)
+                time.sleep(max(0.0, _WATCH_GRACE_S - (now - oldest)))
 
     @staticmethod
     def _check(watch: _Watch) -> None:
@@ -345,6 +355,7 @@ class _Incarnation:
         self.prefix = f"{_ROOT}/g{self.generation}"
         self.peers = _PeerDirectory(self.store, self.prefix, self.rank, this_process())
         self.companions: dict[tuple[int, ...], GroupSync] = {}
+        self.world: GroupSync | None = None
         self.lock = threading.Lock()
 
     def generation_of(self, rank: int) -> int | None:
@@ -411,6 +422,8 @@ def _wait_values(
         PeerLostError: some of ``ranks`` did not post in time, or died (named), or the store
             itself is gone.
     """
+    if not keys:
+        return []
     ident = _WATCHDOG.add(watch) if watch is not None else 0
     try:
         store.set_timeout(timedelta(seconds=timeout))
@@ -474,12 +487,23 @@ class Call:
         base = f"{self.sync.namespace}/{self.number}/{tag}"
         return base if rank is None else f"{base}/{rank}"
 
-    def post(self, values: dict[str, bytes]) -> None:
-        """Post this rank's ``values`` (tag -> bytes) in one message; they live until collected."""
+    def post(self, values: dict[str, bytes], replace: tuple[str, Sequence[int], bytes] | None = None) -> None:
+        """Post this rank's ``values`` (tag -> bytes) in one message; they live until collected.
+
+        ``replace`` (tag, ranks, value) overwrites other ranks' keys in the same message (to drop
+        bulky payloads early; they stay their posters' to collect).
+        """
         sync = self.sync
         keys = [self.key(tag, sync.rank) for tag in values]
+        data = list(values.values())
+        if replace is not None and replace[1]:
+            tag, ranks, value = replace
+            others = [self.key(tag, r) for r in ranks]
+            keys_all, data_all = keys + others, data + [value] * len(others)
+        else:
+            keys_all, data_all = keys, data
         try:
-            sync.store.multi_set(keys, list(values.values()))
+            sync.store.multi_set(keys_all, data_all)
         except Exception as exc:
             raise _store_lost(f"posting to ranks {short(sync.ranks)}", exc) from None
         sync.own_keys.extend(keys)
@@ -492,15 +516,6 @@ class Call:
         except Exception as exc:
             raise _store_lost(f"posting to ranks {short(self.sync.ranks)}", exc) from None
         self.sync.own_keys.append(key)
-
-    def replace(self, tag: str, ranks: Sequence[int], value: bytes) -> None:
-        """Overwrite other ranks' ``tag`` keys with a small ``value`` (to drop bulky payloads early)."""
-        if ranks:
-            keys = [self.key(tag, r) for r in ranks]
-            try:
-                self.sync.store.multi_set(keys, [value] * len(keys))
-            except Exception as exc:
-                raise _store_lost(f"posting to ranks {short(self.sync.ranks)}", exc) from None
 
     def wait_for(self, tag: str, ranks: Sequence[int], timeout: float, what: str) -> list[bytes]:
         """The ``tag`` values of ``ranks``; a dead local rank or a late one is named."""
@@ -555,6 +570,17 @@ class GroupSync:
         self._collected = 0  # calls before this number have been collected
         self.own_keys: list[str] = []
         self._busy = threading.Lock()
+        self._digests: dict[tuple[int, ...], str] = {}
+
+    def digest(self, ranks: Sequence[int]) -> str:
+        """A short digest of a ranks list (cached: the same lists come back call after call)."""
+        key = tuple(ranks)
+        found = self._digests.get(key)
+        if found is None:
+            if len(self._digests) > 4096:
+                self._digests.clear()
+            found = self._digests[key] = _digest(list(key))
+        return found
 
     # -- calls ---------------------------------------------------------------------------------
     def new_call(self, timeout: float) -> Call:
@@ -721,6 +747,9 @@ def companion(ranks: Sequence[int] | dist.ProcessGroup | None) -> GroupSync:
         ValueError: the calling rank is not among ``ranks``.
     """
     inc = _incarnation()
+    if ranks is None and inc.world is not None:
+        return inc.world
+    world = ranks is None
     if ranks is None or isinstance(ranks, dist.ProcessGroup):
         ranks = group_ranks(ranks)
     key = tuple(ranks)
@@ -741,6 +770,8 @@ def companion(ranks: Sequence[int] | dist.ProcessGroup | None) -> GroupSync:
                     inc.peers,
                     (inc.generation, inc.generation_of),
                 )
+    if world:
+        inc.world = sync
     return sync
 
 

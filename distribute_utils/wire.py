@@ -934,11 +934,10 @@ def _strides(shape: list[int]) -> list[int]:
 
 def _view_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``raw`` (flat uint8) reinterpreted as ``dtype``, through a same-size carrier if needed."""
-    carrier = _CARRIERS.get(torch.empty((), dtype=dtype).element_size(), dtype)
     try:
         return raw.view(dtype)
     except RuntimeError:
-        return raw.view(carrier).view(dtype)
+        return raw.view(_CARRIERS.get(dtype.itemsize, dtype)).view(dtype)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -45,6 +45,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import itertools
+
 from distribute_utils import sync
 from distribute_utils.gather import _Claim, _Verdict
 
@@ -222,11 +224,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['ours_barrier'] / row['torch_barrier']:>6.2f} {row['ours_gather'] * 1e3:>8.1f} ms "
             f"{row['ours_barrier_ops'] / n:>6.1f},{row['ours_gather_ops'] / n:>5.1f}"
         )
-    lo, hi = min(report), max(report)
-    if hi > lo:
-        for name in ("torch_barrier", "ours_barrier", "ours_gather"):
-            exponent = math.log(report[hi][name] / report[lo][name]) / math.log(hi / lo)
-            print(f"growth exponent {lo}->{hi} of {name}: {exponent:.2f}")
+    ns = sorted(report)
+    for lo, hi in itertools.pairwise(ns):
+        exponents = {
+            name: math.log(report[hi][name] / report[lo][name]) / math.log(hi / lo)
+            for name in ("torch_barrier", "ours_barrier", "ours_gather")
+        }
+        print(f"growth exponent {lo}->{hi}: " + ", ".join(f"{k} {v:.2f}" for k, v in exponents.items()))
     return 0
 
 
