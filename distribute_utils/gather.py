@@ -29,6 +29,8 @@ participant on each remote host collects its host's payloads and forwards one bu
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import secrets
 from collections.abc import Iterator, Sequence
@@ -280,6 +282,7 @@ class _Gather:
         self._deferred: tuple[str, wire.EncodedPayload] | None = None  # a collective send awaiting "go"
         self._go_posted = False
         self._cross: str | None = None
+        self.place_own = True  # the first rank's own value goes to the target device like the rest
 
     # -- shared helpers ------------------------------------------------------------------------
     @property
@@ -538,7 +541,7 @@ class _Gather:
             for rank in direct:
                 self.check_claim(rank, claims[rank])
             self.tell_go(None, claims)
-            found: dict[int, Any] = {self.first: _place(own, target)}
+            found: dict[int, Any] = {self.first: _place(own, target) if self.place_own else own}
             decode_to = None if target.type == "cpu" else target
             for rank in direct:
                 body = claims[rank].body or []
@@ -605,9 +608,36 @@ def _carrier(group: dist.ProcessGroup | Sequence[int] | None, on_device: bool) -
 
 
 def _place(value: Any, target: torch.device) -> Any:
-    """The first rank's own value on ``target``, like every received one (ModelOpt: ``.cpu()``)."""
+    """The first rank's own value with every tensor on ``target``, like every received one
+    (ModelOpt's ``tensor.cpu()``). Containers and dataclasses are copied only along the paths
+    to tensors that move; a value with nothing to move comes back as the same object."""
     if isinstance(value, torch.Tensor):
         return value.detach().to(target) if value.device != target else value
+    if isinstance(value, (list, tuple)):
+        items = [_place(v, target) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(items) if type(value) in (list, tuple) else type(value)(*items)
+    if isinstance(value, dict):
+        placed = {k: _place(v, target) for k, v in value.items()}
+        if all(placed[k] is v for k, v in value.items()):
+            return value
+        out = copy.copy(value)
+        out.update(placed)
+        return out
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changed = {}
+        for f in dataclasses.fields(value):
+            old = getattr(value, f.name, None)
+            new = _place(old, target)
+            if new is not old:
+                changed[f.name] = new
+        if not changed:
+            return value
+        out = copy.copy(value)
+        for name, new in changed.items():
+            object.__setattr__(out, name, new)
+        return out
     return value
 
 
@@ -622,6 +652,7 @@ def _gather(
     timeout: float | timedelta | None,
     device: str | torch.device | None,
     root: str,
+    place_own: bool = True,
 ) -> Iterator[list[Any]]:
     # A local mistake is posted in this rank's claim: its gather partners raise it too, none waits.
     error: tuple[Any, ...] | None = None
@@ -670,6 +701,7 @@ def _gather(
                 _raise_from(error, "")
             result: list[Any] = []
         elif me == checked[0]:
+            this.place_own = place_own
             if error is None:
                 try:
                     _check_device(device)
@@ -726,7 +758,8 @@ def get_tensors_parallel(
             given, else the collective), ``"shm"``, ``"workspace"`` or ``"collective"``.
         timeout: bound on every wait, in seconds or a timedelta (default
             ``$DISTRIBUTE_UTILS_TIMEOUT`` or 600 s).
-        device: where the first rank wants the results (default: CPU; its own tensor as is).
+        device: where the first rank wants every yielded tensor, its own included (default:
+            the CPU, as ModelOpt's ``tensor.cpu()``).
 
     Yields:
         On ``ranks[0]``: one tensor per entry of ``ranks``, its own first; valid after the
@@ -757,8 +790,10 @@ def get_configs_parallel(
 ) -> Iterator[list[Any]]:
     """Gather ``config`` (a tree of plain values, dataclasses and tensors) to ``ranks[0]``.
 
-    Same contract as :func:`get_tensors_parallel`. Unlike ModelOpt, a rank that passes
-    ``None`` yields ``None`` at its position, so positions always match ``ranks``.
+    Same contract as :func:`get_tensors_parallel`; every tensor yielded, those of the first
+    rank's own config included, is on ``device`` (default: the CPU). Unlike ModelOpt, a rank
+    that passes ``None`` yields ``None`` at its position, so positions always match ``ranks``
+    (:mod:`distribute_utils.modelopt` has ModelOpt's behaviour, for its callers).
 
     Raises:
         TypeError: a value that cannot travel, named by its path (``config['layers'][3]``),

@@ -1,0 +1,190 @@
+"""ModelOpt's own export code, with its helpers and then with ours, compared bit for bit.
+
+``modelopt.torch.export.postprocess.postprocess_model_config`` is the archetypal caller of
+``get_tensors_parallel`` / ``get_configs_parallel``. Each rank builds its shard of a small
+llama-style model with ModelOpt's own config dataclasses (bfloat16, with and without FP8
+scales), runs ModelOpt's postprocessing once with ModelOpt's helpers and once with
+:mod:`distribute_utils.modelopt` patched into ``modelopt.torch.export.postprocess``, and the
+two results must agree in every field and every tensor byte. A reference computed without any
+gather checks that the merge did something.
+
+Fresh ranks per world size: ModelOpt's TP merge makes a torch group on the TP ranks only,
+which torch allows only while the ranks' group histories agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+HIDDEN, FFN, VOCAB, LAYERS = 64, 128, 96, 2
+
+
+def _tensor(shape: tuple[int, ...], *seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(hash(seed) % 2**31)
+    return torch.randn(shape, generator=gen).to(torch.bfloat16)
+
+
+def _linear(mc: Any, kind: str, shape: tuple[int, ...], quant: str, *seed: int) -> Any:
+    linear = mc.LinearConfig(linear_type=kind, weight=_tensor(shape, *seed))
+    if quant == "fp8":
+        linear.quantization = "fp8"
+        linear.activation_scaling_factor = (_tensor((), *seed, 1).float().abs() + 1).reshape(())
+        linear.weights_scaling_factor = (_tensor((), *seed, 2).float().abs() + 1).reshape(())
+    return linear
+
+
+def _shard(tp: int, pp: int, quant: str) -> Any:
+    """This rank's shard of the model, laid out [pp, tp] as ModelOpt assumes."""
+    from modelopt.torch.export import model_config as mc
+
+    rank = dist.get_rank()
+    t, p = rank % tp, rank // tp
+    layers = []
+    for i in range(LAYERS):
+        layer_id = p * LAYERS + i
+        col, row = mc.LINEAR_COLUMN, mc.LINEAR_ROW
+        qkv = mc.QKVConfig(
+            q=_linear(mc, col, (HIDDEN // tp, HIDDEN), quant, layer_id, t, 0),
+            k=_linear(mc, col, (HIDDEN // 2 // tp, HIDDEN), quant, layer_id, t, 1),
+            v=_linear(mc, col, (HIDDEN // 2 // tp, HIDDEN), quant, layer_id, t, 2),
+        )
+        layer = mc.DecoderLayerConfig(decoder_type="llama", num_attention_heads=4, num_kv_heads=2)
+        layer.attention = mc.AttentionConfig(
+            qkv=qkv, dense=_linear(mc, row, (HIDDEN, HIDDEN // tp), quant, layer_id, t, 3)
+        )
+        layer.mlp = mc.MLPConfig(
+            fc=_linear(mc, col, (FFN // tp, HIDDEN), quant, layer_id, t, 4),
+            gate=_linear(mc, col, (FFN // tp, HIDDEN), quant, layer_id, t, 5),
+            proj=_linear(mc, row, (HIDDEN, FFN // tp), quant, layer_id, t, 6),
+            hidden_act="silu",
+        )
+        layer.input_layernorm = mc.LayernormConfig(weight=_tensor((HIDDEN,), layer_id, 7))
+        layer.post_layernorm = mc.LayernormConfig(weight=_tensor((HIDDEN,), layer_id, 8))
+        layers.append(layer)
+    model = mc.ModelConfig(
+        dtype="bfloat16", vocab_size=VOCAB, tensor_parallel=tp, pipeline_parallel=pp, rank=rank
+    )
+    model.layers = layers
+    if p == 0:
+        model.vocab_embedding = mc.EmbeddingConfig(weight=_tensor((VOCAB // tp, HIDDEN), 100, t))
+    if p == pp - 1:
+        model.ln_f = mc.LayernormConfig(weight=_tensor((HIDDEN,), 101))
+        model.lm_head = _linear(mc, mc.LINEAR_COLUMN, (VOCAB // tp, HIDDEN), quant, 102, t)
+    return model
+
+
+def _flatten(value: Any, path: str = "") -> dict[str, Any]:
+    """Every leaf of a config tree: tensors as (dtype, shape, device, bytes), the rest by repr."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return {path: (str(value.dtype), tuple(value.shape), str(value.device), data)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {f"{path}:type": type(value).__name__}
+        for f in dataclasses.fields(value):
+            out.update(_flatten(getattr(value, f.name), f"{path}.{f.name}"))
+        return out
+    if isinstance(value, (list, tuple)):
+        out = {f"{path}:len": len(value)}
+        for i, v in enumerate(value):
+            out.update(_flatten(v, f"{path}[{i}]"))
+        return out
+    return {path: repr(value)}
+
+
+def _export(tp: int, pp: int, quant: str, helpers: str, workspace: str | None) -> dict[str, Any]:
+    import modelopt.torch.export.distribute as theirs
+    import modelopt.torch.export.postprocess as post
+
+    from distribute_utils import modelopt as ours
+
+    impl = ours if helpers == "ours" else theirs
+    saved = post.get_configs_parallel, post.get_tensors_parallel
+    post.get_configs_parallel, post.get_tensors_parallel = (
+        impl.get_configs_parallel,
+        impl.get_tensors_parallel,
+    )
+    try:
+        configs = post.postprocess_model_config(
+            _shard(tp, pp, quant),
+            inference_tensor_parallel=1,
+            training_pipeline_parallel=pp,
+            workspace_path=workspace,
+        )
+    finally:
+        post.get_configs_parallel, post.get_tensors_parallel = saved
+    dist.barrier()
+    return _flatten(configs)
+
+
+def _run_both(tp: int, pp: int, quant: str, workspace: str | None) -> dict[str, Any]:
+    theirs = _export(tp, pp, quant, "modelopt", workspace)
+    ours = _export(tp, pp, quant, "ours", workspace)
+    differing = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    return {"rank": dist.get_rank(), "keys": len(ours), "differing": differing[:10], "flat": ours}
+
+
+def _reference_q(tp: int, pp: int, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s merged q weight, computed without any gather."""
+    stage, i = divmod(layer, LAYERS)
+    return torch.cat([_tensor((HIDDEN // tp, HIDDEN), stage * LAYERS + i, t, 0) for t in range(tp)])
+
+
+def _check(results: list[dict[str, Any]], tp: int, pp: int) -> None:
+    for r in results:
+        assert r["differing"] == [], (
+            f"rank {r['rank']}: ModelOpt's helpers and ours differ at {r['differing']}"
+        )
+    merged = results[0]["flat"]
+    assert merged[":len"] == 1 and all(r["flat"] == {":len": 0} for r in results[1:])
+    assert merged["[0].layers:len"] == LAYERS * pp
+    for layer in range(LAYERS * pp):
+        dtype, shape, device, data = merged[f"[0].layers[{layer}].attention.qkv.q.weight"]
+        expected = _reference_q(tp, pp, layer)
+        assert (dtype, shape, device) == ("torch.bfloat16", (HIDDEN, HIDDEN), "cpu")
+        assert data == expected.reshape(-1).view(torch.uint8).numpy().tobytes(), f"layer {layer}"
+    assert merged["[0].lm_head.weight"][1] == (VOCAB, HIDDEN)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+def test_modelopt_tp2_pp2_export_is_identical_with_our_helpers(fresh_job: Any, quant: str) -> None:
+    results = fresh_job(4).run(_run_both, 2, 2, quant, None, timeout=180)
+    _check(results, tp=2, pp=2)
+
+
+def test_modelopt_tp2_and_pp2_exports_and_workspace_are_identical_with_our_helpers(
+    fresh_job: Any, tmp_path: Any
+) -> None:
+    pool = fresh_job(2)
+    _check(pool.run(_run_both, 2, 1, "fp8", None, timeout=180), tp=2, pp=1)
+    _check(pool.run(_run_both, 1, 2, "bf16", None, timeout=180), tp=1, pp=2)
+    # ModelOpt's NFS path: the pipeline merge through a shared directory.
+    _check(pool.run(_run_both, 1, 2, "bf16", str(tmp_path / "ws"), timeout=180), tp=1, pp=2)
+
+
+def _none_configs() -> dict[str, Any]:
+    from distribute_utils import get_configs_parallel
+    from distribute_utils import modelopt as compat
+
+    rank = dist.get_rank()
+    config = None if rank in (1, 3) else {"rank": rank, "w": torch.full((2,), float(rank))}
+    out: dict[str, Any] = {}
+    with compat.get_configs_parallel(config, [0, 1, 2, 3], None) as got:
+        out["compat"] = [None if c is None else c["rank"] for c in got]
+    with get_configs_parallel(config, [0, 1, 2, 3]) as got:
+        out["ours"] = [None if c is None else c["rank"] for c in got]
+    with compat.get_configs_parallel(config, [3, 0, 1, 2], None) as got:  # ModelOpt keeps the first's own None
+        out["first_none"] = [None if c is None else c["rank"] for c in got]
+    return out
+
+
+def test_compat_drops_other_ranks_none_configs_as_modelopt_does(ranks4: Any) -> None:
+    results = ranks4.run(_none_configs)
+    assert results[0]["compat"] == [0, 2], "ModelOpt's callers read configs[-1] as the last rank that had one"
+    assert results[0]["ours"] == [0, None, 2, None], "our own function keeps every position"
+    assert results[3]["first_none"] == [None, 0, 2]
+    assert results[1]["compat"] == results[1]["ours"] == []
