@@ -168,24 +168,39 @@ class ProcessGroupMesh:
         chosen = backend or self._backend
         return str(chosen) if chosen is not None else str(dist.get_backend())
 
+    @property
+    def backend(self) -> str | None:
+        """Default backend of the groups this mesh creates (None: the world's backend)."""
+        return self._backend
+
     def create_group_along_axis(
         self,
         axis: AxisSpec | Sequence[AxisSpec],
         indices_at_axis: IndicesAtAxis = None,
         backend: str | None = None,
+        *,
+        pg_options: object | None = None,
+        group_desc: str | None = None,
     ) -> dist.ProcessGroup | None:
         """Create every group along ``axis`` (cached) and return this rank's, or None.
 
         Must be called on every rank of the world with the same arguments (see module doc).
         Groups are cached by (ranks, backend): a gloo request never returns an NCCL group.
+        ``pg_options`` and ``group_desc`` go to ``torch.distributed.new_group`` (as Megatron's
+        ``HyperCommGrid.create_pg`` passes them).
         """
         backend_name = self._resolve_backend(backend)
         mine: dist.ProcessGroup | None = None
         member = False
+        extra: dict[str, object] = {}
+        if pg_options is not None:
+            extra["pg_options"] = pg_options
+        if group_desc is not None:
+            extra["group_desc"] = group_desc
         for ranks in self._layout.groups_along(axis, indices_at_axis):
             key = (tuple(ranks), backend_name)
             if key not in self._ranks_to_group:
-                group = dist.new_group(ranks, backend=backend_name)
+                group = dist.new_group(ranks, backend=backend_name, **extra)
                 is_member = self._rank in ranks
                 self._ranks_to_group[key] = group if is_member else None
                 if is_member:
@@ -201,13 +216,28 @@ class ProcessGroupMesh:
         axis: AxisSpec | Sequence[AxisSpec],
         indices_at_axis: IndicesAtAxis = None,
         backend: str | None = None,
+        *,
+        pg_options: object | None = None,
+        group_desc: str | None = None,
     ) -> dist.ProcessGroup | None:
-        """This rank's group along ``axis``, created (collectively, see module doc) if not cached."""
-        ranks = self.ranks_along_axis(axis, indices_at_axis)
-        key = (tuple(ranks), self._resolve_backend(backend))
-        if key in self._ranks_to_group:
-            return self._ranks_to_group[key]
-        return self.create_group_along_axis(axis, indices_at_axis, backend)
+        """This rank's group along ``axis``, created (collectively, see module doc) if not cached.
+
+        A rank in none of the groups (``indices_at_axis`` leaves it out, as ColossalAI's pipeline
+        stage manager asks for ``get_group_along_axis(0, [0, 2])`` on every rank) still takes
+        part in creating them, so every rank's creation count stays in step, and gets None.
+        """
+        try:
+            ranks: list[int] | None = self.ranks_along_axis(axis, indices_at_axis)
+        except ValueError:
+            self._layout.groups_along(axis, indices_at_axis)  # a bad axis or index raises here
+            ranks = None  # not a member of any of these groups
+        if ranks is not None:
+            key = (tuple(ranks), self._resolve_backend(backend))
+            if key in self._ranks_to_group:
+                return self._ranks_to_group[key]
+        return self.create_group_along_axis(
+            axis, indices_at_axis, backend, pg_options=pg_options, group_desc=group_desc
+        )
 
     def cached_group_along_axis(
         self,

@@ -257,3 +257,82 @@ def test_to_device_mesh_keeps_layout_and_names(ranks4: RankPool) -> None:
         assert layout == [[0, 1], [2, 3]] and names == ("pp", "tp")
         assert tp_ranks == MeshLayout((2, 2)).group_of(rank, 1)
         assert tuple(coordinate) == MeshLayout((2, 2)).coordinate(rank)
+
+
+def _stage_manager_pattern() -> dict:
+    """ColossalAI's pipeline stage manager: every rank asks for the group of stages [0, 2]."""
+    mesh = ProcessGroupMesh(4, backend="gloo")
+    rank = dist.get_rank()
+    group = mesh.get_group_along_axis(0, [0, 2], group_desc="pp_first_last")
+    out: dict = {"member": group is not None, "backend": mesh.backend}
+    if group is not None:
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        out["sum"] = float(t)
+        out["ranks"] = dist.get_process_group_ranks(group)
+        out["desc"] = getattr(group, "group_desc", "pp_first_last")
+    # Creation counts stayed in step: a group along the whole axis still works everywhere.
+    whole = mesh.get_group_along_axis(0)
+    t = torch.tensor([1.0])
+    dist.all_reduce(t, group=whole)
+    out["whole"] = float(t)
+    out["again"] = mesh.get_group_along_axis(0, [0, 2]) is group  # cached, no new group
+    return out
+
+
+def test_non_members_of_an_indexed_group_get_none_and_stay_in_step(fresh_job) -> None:
+    results = fresh_job(4).run(_stage_manager_pattern, timeout=120)
+    assert [r["member"] for r in results] == [True, False, True, False]
+    assert results[0]["sum"] == results[2]["sum"] == 2.0 and results[0]["ranks"] == [0, 2]
+    assert results[0]["desc"] == "pp_first_last"
+    assert all(r["whole"] == 4.0 and r["again"] and r["backend"] == "gloo" for r in results)
+
+
+def _own_config_placement() -> dict:
+    from distribute_utils import get_configs_parallel, get_tensors_parallel
+
+    rank = dist.get_rank()
+    own = {"w": torch.ones(2), "nested": [torch.zeros(1)], "plain": 1}
+    out: dict = {}
+    with get_configs_parallel(own, [0, 1, 2, 3]) as got:
+        if got:
+            out["same_object"] = got[0] is own  # nothing to move: yielded as passed
+    with get_tensors_parallel(torch.ones(2, dtype=torch.float64) * rank, [0, 1], device="cpu") as got:
+        if got:
+            out["devices"] = sorted({str(t.device) for t in got})
+    return out
+
+
+def test_first_ranks_own_values_are_yielded_on_the_target_device(ranks4: RankPool) -> None:
+    results = ranks4.run(_own_config_placement)
+    assert results[0]["same_object"] is True
+    assert results[0]["devices"] == ["cpu"]
+
+
+def test_placing_the_first_ranks_own_config_copies_only_what_moves() -> None:
+    """The walk behind "every yielded tensor on one device", with the meta device as target."""
+    import dataclasses
+
+    from distribute_utils.gather import _place
+
+    @dataclasses.dataclass
+    class Linear:
+        weight: torch.Tensor
+        name: str = "fc"
+
+    keep = {"note": "no tensors", "n": (1, 2)}
+    config = {
+        "fc": Linear(torch.ones(2)),
+        "list": [torch.zeros(1), 3],
+        "pair": (torch.ones(1),),
+        "keep": keep,
+    }
+    placed = _place(config, torch.device("meta"))
+    assert placed is not config and config["fc"].weight.device.type == "cpu", (
+        "the caller's config is untouched"
+    )
+    assert placed["fc"].weight.device.type == "meta" and placed["fc"].name == "fc"
+    assert type(placed["fc"]) is Linear and placed["list"][0].device.type == "meta" and placed["list"][1] == 3
+    assert type(placed["pair"]) is tuple and placed["pair"][0].device.type == "meta"
+    assert placed["keep"] is keep, "a subtree without tensors is not copied"
+    assert _place(config, torch.device("cpu")) is config, "nothing to move: the same object"

@@ -177,7 +177,9 @@ def _none_configs() -> dict[str, Any]:
         out["compat"] = [None if c is None else c["rank"] for c in got]
     with get_configs_parallel(config, [0, 1, 2, 3]) as got:
         out["ours"] = [None if c is None else c["rank"] for c in got]
-    with compat.get_configs_parallel(config, [3, 0, 1, 2], None) as got:  # ModelOpt keeps the first's own None
+    with compat.get_configs_parallel(
+        config, [3, 0, 1, 2], None
+    ) as got:  # ModelOpt keeps the first's own None
         out["first_none"] = [None if c is None else c["rank"] for c in got]
     return out
 
