@@ -19,10 +19,11 @@ Typical use::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import dataclasses
-import importlib
+import enum
 import math
 import os
 import struct
@@ -81,6 +82,10 @@ EXT_BIGINT: int = 3
 """msgpack ext code: int outside [-2**63, 2**64); data = two's-complement little-endian bytes."""
 EXT_DATACLASS: int = 4
 """msgpack ext code with empty data: marks an array ``[ext4, module, qualname, {field: value}]``."""
+EXT_TYPED: int = 5
+"""msgpack ext code with empty data: marks an array ``[ext5, kind, ...]``: ``"enum"``, module,
+qualname, value; ``"odict"``, {key: value}; ``"np"``, dtype string, raw bytes (a numpy
+scalar); ``"ndarray"``, tensor reference (a numpy array, its bytes travel as a tensor)."""
 
 _PREFIX = struct.Struct("<4sHHQQQ")
 assert _PREFIX.size == PREFIX_SIZE
@@ -98,6 +103,7 @@ except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
     _IOV_MAX = 16
 _TUPLE_EXT = msgpack.ExtType(EXT_TUPLE, b"")
 _DATACLASS_EXT = msgpack.ExtType(EXT_DATACLASS, b"")
+_TYPED_EXT = msgpack.ExtType(EXT_TYPED, b"")
 
 
 class _Marker:
@@ -111,6 +117,7 @@ class _Marker:
 
 _TUPLE_MARK = _Marker("tuple")
 _DATACLASS_MARK = _Marker("dataclass")
+_TYPED_MARK = _Marker("typed")
 # Types that must not survive into a decoded tree: stray markers, and msgpack's built-in
 # timestamp (ext -1), which msgpack decodes itself without asking the ext hook.
 _FORBIDDEN = frozenset({_Marker, msgpack.Timestamp})
@@ -146,6 +153,7 @@ _CARRIERS: dict[int, torch.dtype] = {
 _PLAIN = frozenset({str, float, bool, bytes, type(None)})
 _SUPPORTED_TEXT = (
     "supported: None, bool, int, float, str, bytes, list, tuple, dict with str/int keys, "
+    "OrderedDict, enum members, numpy scalars and arrays (bool, int, float, complex), "
     "dataclass instances and torch.Tensor"
 )
 
@@ -445,9 +453,31 @@ class _Encoder:
             return msgpack.ExtType(EXT_TENSOR, _pack(self._tensor(obj)))
         if dataclasses.is_dataclass(tp):
             return self._dataclass(obj, tp)
+        typed = self._typed(obj, tp)
+        if typed is not None:
+            return typed
         raise TypeError(
             f"{self.path()}: cannot encode a value of type {_type_name(tp)}; {_SUPPORTED_TEXT}{_hint(tp)}"
         )
+
+    def _typed(self, obj: Any, tp: type) -> list[Any] | None:
+        """Enum members, ``OrderedDict`` and numpy values (as ``torch.save`` / JSON carry them)."""
+        if isinstance(obj, enum.Enum):
+            module, qualname = tp.__module__, tp.__qualname__
+            if "<" in qualname:
+                raise TypeError(f"{self.path()}: enum {module}.{qualname} is defined inside a function")
+            return [_TYPED_EXT, "enum", module, qualname, self.walk(obj.value)]
+        if tp is collections.OrderedDict:
+            return [_TYPED_EXT, "odict", self.walk(dict(obj))]
+        if tp.__module__ == "numpy":
+            import numpy as np  # already imported: the value is one of its objects
+
+            if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
+                return [_TYPED_EXT, "np", obj.dtype.str, obj.tobytes()]
+            if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc" and obj.dtype.byteorder in "=|<":
+                tensor = torch.from_numpy(np.ascontiguousarray(obj))
+                return [_TYPED_EXT, "ndarray", msgpack.ExtType(EXT_TENSOR, _pack(self._tensor(tensor)))]
+        return None
 
     def _dataclass(self, obj: object, tp: type) -> list[Any]:
         module, qualname = tp.__module__, tp.__qualname__
@@ -556,8 +586,11 @@ def encode(
     Args:
         obj: the config tree: None, bool, int (any size), float, str, bytes, list, tuple,
             dict with str/int keys, dataclass instances and ``torch.Tensor`` (incl.
-            ``nn.Parameter``, which decodes as a plain tensor). Types must match exactly:
-            subclasses of built-ins (IntEnum, OrderedDict, namedtuple, numpy scalars) are rejected.
+            ``nn.Parameter``, which decodes as a plain tensor), and what ``torch.save`` / JSON
+            carry for ModelOpt: ``OrderedDict``, ``enum.Enum`` / ``IntEnum`` members and numpy
+            scalars and arrays, which decode as the same types (an enum or dataclass only when
+            its module is already imported on the reader). Other subclasses of built-ins
+            (namedtuple, str subclasses...) are rejected rather than silently changing type.
         root: name of ``obj`` in error messages, e.g. ``config['layers'][3].act_fn``.
         checksum: store the CRC-32 of every byte after the prefix (costs one read of the
             tensor bytes, about 6.7 GB/s).
@@ -966,12 +999,14 @@ def _check_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
 def _check_list(items: list[Any]) -> Any:
     """Turn marked arrays into tuples / dataclasses; reject stray markers (runs bottom-up, in C order)."""
     kind = items[0] if items else None
-    if kind is _TUPLE_MARK or kind is _DATACLASS_MARK:
+    if kind is _TUPLE_MARK or kind is _DATACLASS_MARK or kind is _TYPED_MARK:
         rest = items[1:]
         bad = _FORBIDDEN.intersection(map(type, rest))
         if bad:
             raise _forbidden(next(x for x in rest if type(x) in _FORBIDDEN))
-        return tuple(rest) if kind is _TUPLE_MARK else _rebuild_dataclass(rest)
+        if kind is _TUPLE_MARK:
+            return tuple(rest)
+        return _rebuild_dataclass(rest) if kind is _DATACLASS_MARK else _rebuild_typed(rest)
     if _FORBIDDEN.intersection(map(type, items)):
         raise _forbidden(next(x for x in items if type(x) in _FORBIDDEN))
     return items
@@ -993,12 +1028,13 @@ def _decode_tree(v_bytes: memoryview, tensors: list[torch.Tensor]) -> object:
             if not data:
                 raise PayloadError("empty big-int ext data: expected two's-complement bytes")
             return int.from_bytes(data, "little", signed=True)
-        if code in (EXT_TUPLE, EXT_DATACLASS):
+        if code in (EXT_TUPLE, EXT_DATACLASS, EXT_TYPED):
             if data:
                 raise PayloadError(f"ext type {code} marker carries {len(data)} data bytes, expected none")
-            return _TUPLE_MARK if code == EXT_TUPLE else _DATACLASS_MARK
+            return {EXT_TUPLE: _TUPLE_MARK, EXT_DATACLASS: _DATACLASS_MARK, EXT_TYPED: _TYPED_MARK}[code]
         raise PayloadError(
-            f"unknown ext type {code}: expected 1 (tensor), 2 (tuple), 3 (big int) or 4 (dataclass); "
+            f"unknown ext type {code}: expected 1 (tensor), 2 (tuple), 3 (big int), 4 (dataclass) or 5 "
+            "(enum, OrderedDict, numpy); "
             "was the payload written by a newer version?"
         )
 
@@ -1020,6 +1056,40 @@ def _decode_tree(v_bytes: memoryview, tensors: list[torch.Tensor]) -> object:
     return tree
 
 
+def _rebuild_typed(value: list[Any]) -> object:
+    kind = value[0] if value else None
+    try:
+        if kind == "enum" and len(value) == 4 and type(value[1]) is str and type(value[2]) is str:
+            cls = _find_class(value[1], value[2], "enum")
+            if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
+                raise PayloadError(f"{value[1]}.{value[2]} is not an enum; refusing to build it")
+            return cls(value[3])
+        if kind == "odict" and len(value) == 2 and type(value[1]) is dict:
+            return collections.OrderedDict(value[1])
+        if kind == "np" and len(value) == 3 and type(value[1]) is str and type(value[2]) is bytes:
+            np = _numpy()
+            dtype = np.dtype(value[1])
+            if dtype.kind not in "biufc" or dtype.itemsize != len(value[2]):
+                raise PayloadError(f"numpy scalar of dtype {value[1]!r:.20} with {len(value[2])} bytes")
+            return np.frombuffer(value[2], dtype=dtype)[0]
+        if kind == "ndarray" and len(value) == 2 and isinstance(value[1], torch.Tensor):
+            _numpy()
+            return value[1].numpy()
+    except PayloadError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise PayloadError(f"typed value {kind!r:.20} cannot be rebuilt: {e}") from None
+    raise PayloadError(f"typed-value marker followed by {value!r:.100}: unknown kind or layout")
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        raise PayloadError("the payload holds numpy values: install numpy on the reading rank") from None
+    return numpy
+
+
 def _rebuild_dataclass(value: list[Any]) -> object:
     if (
         len(value) != 3
@@ -1031,7 +1101,11 @@ def _rebuild_dataclass(value: list[Any]) -> object:
             f"dataclass marker followed by {value!r:.100}, expected module, qualname, {{field: value}}"
         )
     module, qualname, stored = value
-    cls = _find_dataclass(module, qualname)
+    cls = _find_class(module, qualname, "dataclass")
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise PayloadError(
+            f"{module}.{qualname} is a {_type_name(type(cls))}, expected a dataclass type; refusing to build it"
+        )
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
     if set(names) != set(stored) or len(names) != len(stored):
@@ -1048,30 +1122,29 @@ def _rebuild_dataclass(value: list[Any]) -> object:
     return obj
 
 
-def _find_dataclass(module: str, qualname: str) -> type:
+def _find_class(module: str, qualname: str, what: str) -> Any:
+    """The class ``module.qualname``, from a module the reader has imported already.
+
+    Nothing is imported: a payload naming a module must never run that module's code (as
+    ``torch.load(weights_only=True)`` allows only known globals). Import the module on the
+    reading rank before the gather (the config's own package usually is).
+    """
     full = f"{module}.{qualname}"
     parts = qualname.split(".")
     if not all(p.isidentifier() for p in module.split(".")) or not all(p.isidentifier() for p in parts):
-        raise PayloadError(f"dataclass {full!r:.200} not found: not a valid module path and qualified name")
+        raise PayloadError(f"{what} {full!r:.200} not found: not a valid module path and qualified name")
     mod = sys.modules.get(module)
     if mod is None:
-        try:
-            mod = importlib.import_module(module)
-        except Exception as e:
-            raise PayloadError(
-                f"dataclass {full} not found: cannot import module {module!r} ({type(e).__name__}: {e}); "
-                "make it importable on the reading rank"
-            ) from None
+        raise PayloadError(
+            f"{what} {full} not found: module {module!r} is not imported on the reading rank, and payloads "
+            f"never import modules; import {module} there before the gather"
+        )
     obj: Any = mod
     for part in parts:
         try:
             obj = getattr(obj, part)
         except Exception:
-            raise PayloadError(f"dataclass {full} not found: module {module!r} has no {qualname!r}") from None
-    if not (isinstance(obj, type) and dataclasses.is_dataclass(obj)):
-        raise PayloadError(
-            f"{full} is a {_type_name(type(obj))}, expected a dataclass type; refusing to build it"
-        )
+            raise PayloadError(f"{what} {full} not found: module {module!r} has no {qualname!r}") from None
     return obj
 
 

@@ -128,7 +128,7 @@ TABLE: list[tuple[str, str, list[str]]] = [
         ],
     ),
     (
-        "a dataclass the first rank cannot import",
+        "a dataclass whose module the first rank has not imported (never imported on decode)",
         "first rank: `PayloadError` naming the rank and the class; senders: `GatherError` quoting it",
         ["tests/test_gather.py::test_reader_failure_is_reported_to_every_rank"],
     ),
