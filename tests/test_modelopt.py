@@ -15,6 +15,8 @@ which torch allows only while the ranks' group histories agree.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,60 +24,22 @@ import torch
 import torch.distributed as dist
 
 HIDDEN, FFN, VOCAB, LAYERS = 64, 128, 96, 2
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench() -> Any:
+    """The model builder and the patched export, shared with scripts/bench_modelopt_export.py."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_modelopt_export", ROOT / "scripts" / "bench_modelopt_export.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _tensor(shape: tuple[int, ...], *seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(hash(seed) % 2**31)
-    return torch.randn(shape, generator=gen).to(torch.bfloat16)
-
-
-def _linear(mc: Any, kind: str, shape: tuple[int, ...], quant: str, *seed: int) -> Any:
-    linear = mc.LinearConfig(linear_type=kind, weight=_tensor(shape, *seed))
-    if quant == "fp8":
-        linear.quantization = "fp8"
-        linear.activation_scaling_factor = (_tensor((), *seed, 1).float().abs() + 1).reshape(())
-        linear.weights_scaling_factor = (_tensor((), *seed, 2).float().abs() + 1).reshape(())
-    return linear
-
-
-def _shard(tp: int, pp: int, quant: str) -> Any:
-    """This rank's shard of the model, laid out [pp, tp] as ModelOpt assumes."""
-    from modelopt.torch.export import model_config as mc
-
-    rank = dist.get_rank()
-    t, p = rank % tp, rank // tp
-    layers = []
-    for i in range(LAYERS):
-        layer_id = p * LAYERS + i
-        col, row = mc.LINEAR_COLUMN, mc.LINEAR_ROW
-        qkv = mc.QKVConfig(
-            q=_linear(mc, col, (HIDDEN // tp, HIDDEN), quant, layer_id, t, 0),
-            k=_linear(mc, col, (HIDDEN // 2 // tp, HIDDEN), quant, layer_id, t, 1),
-            v=_linear(mc, col, (HIDDEN // 2 // tp, HIDDEN), quant, layer_id, t, 2),
-        )
-        layer = mc.DecoderLayerConfig(decoder_type="llama", num_attention_heads=4, num_kv_heads=2)
-        layer.attention = mc.AttentionConfig(
-            qkv=qkv, dense=_linear(mc, row, (HIDDEN, HIDDEN // tp), quant, layer_id, t, 3)
-        )
-        layer.mlp = mc.MLPConfig(
-            fc=_linear(mc, col, (FFN // tp, HIDDEN), quant, layer_id, t, 4),
-            gate=_linear(mc, col, (FFN // tp, HIDDEN), quant, layer_id, t, 5),
-            proj=_linear(mc, row, (HIDDEN, FFN // tp), quant, layer_id, t, 6),
-            hidden_act="silu",
-        )
-        layer.input_layernorm = mc.LayernormConfig(weight=_tensor((HIDDEN,), layer_id, 7))
-        layer.post_layernorm = mc.LayernormConfig(weight=_tensor((HIDDEN,), layer_id, 8))
-        layers.append(layer)
-    model = mc.ModelConfig(
-        dtype="bfloat16", vocab_size=VOCAB, tensor_parallel=tp, pipeline_parallel=pp, rank=rank
-    )
-    model.layers = layers
-    if p == 0:
-        model.vocab_embedding = mc.EmbeddingConfig(weight=_tensor((VOCAB // tp, HIDDEN), 100, t))
-    if p == pp - 1:
-        model.ln_f = mc.LayernormConfig(weight=_tensor((HIDDEN,), 101))
-        model.lm_head = _linear(mc, mc.LINEAR_COLUMN, (VOCAB // tp, HIDDEN), quant, 102, t)
-    return model
+    return _bench().tensor(shape, *seed)
 
 
 def _flatten(value: Any, path: str = "") -> dict[str, Any]:
@@ -97,26 +61,9 @@ def _flatten(value: Any, path: str = "") -> dict[str, Any]:
 
 
 def _export(tp: int, pp: int, quant: str, helpers: str, workspace: str | None) -> dict[str, Any]:
-    import modelopt.torch.export.distribute as theirs
-    import modelopt.torch.export.postprocess as post
-
-    from distribute_utils import modelopt as ours
-
-    impl = ours if helpers == "ours" else theirs
-    saved = post.get_configs_parallel, post.get_tensors_parallel
-    post.get_configs_parallel, post.get_tensors_parallel = (
-        impl.get_configs_parallel,
-        impl.get_tensors_parallel,
-    )
-    try:
-        configs = post.postprocess_model_config(
-            _shard(tp, pp, quant),
-            inference_tensor_parallel=1,
-            training_pipeline_parallel=pp,
-            workspace_path=workspace,
-        )
-    finally:
-        post.get_configs_parallel, post.get_tensors_parallel = saved
+    bench = _bench()
+    model = bench.shard(tp, pp, quant, HIDDEN, FFN, VOCAB, LAYERS)
+    configs = bench.export(model, pp, helpers, workspace)
     dist.barrier()
     return _flatten(configs)
 

@@ -1,0 +1,186 @@
+"""ModelOpt's own export postprocessing, end to end: with its helpers, and with ours patched in.
+
+On 4 local ranks (TP2 x PP2, laid out [pp, tp] as ModelOpt assumes), each rank builds its shard
+of a llama-style model with ModelOpt's own config dataclasses (bfloat16, FP8 scales) and runs
+``modelopt.torch.export.postprocess.postprocess_model_config`` down to TP1 x PP1, once with
+ModelOpt's ``get_configs_parallel`` / ``get_tensors_parallel`` and once with
+:mod:`distribute_utils.modelopt` patched into ``modelopt.torch.export.postprocess`` (the
+same calls, the same merges). Repetitions alternate between the two; the time is rank 0's,
+barrier to barrier; the merged models are compared bit for bit once.
+
+    python scripts/bench_modelopt_export.py                       # hidden 1024, 4 layers per stage
+    python scripts/bench_modelopt_export.py --hidden 512 --layers 2 --reps 3
+
+The model builder (:func:`shard`) is also what ``tests/test_modelopt.py`` exports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def tensor(shape: tuple[int, ...], *seed: int) -> torch.Tensor:
+    """A reproducible bfloat16 tensor (the same on every process for the same seed)."""
+    gen = torch.Generator().manual_seed(hash(seed) % 2**31)
+    return torch.randn(shape, generator=gen).to(torch.bfloat16)
+
+
+def linear(mc: Any, kind: str, shape: tuple[int, ...], quant: str, *seed: int) -> Any:
+    """A ModelOpt ``LinearConfig``; with ``quant="fp8"``, scalar FP8 scaling factors."""
+    config = mc.LinearConfig(linear_type=kind, weight=tensor(shape, *seed))
+    if quant == "fp8":
+        config.quantization = "fp8"
+        config.activation_scaling_factor = (tensor((), *seed, 1).float().abs() + 1).reshape(())
+        config.weights_scaling_factor = (tensor((), *seed, 2).float().abs() + 1).reshape(())
+    return config
+
+
+def shard(tp: int, pp: int, quant: str, hidden: int, ffn: int, vocab: int, layers: int) -> Any:
+    """This rank's shard of a llama-style model, laid out [pp, tp] as ModelOpt assumes."""
+    from modelopt.torch.export import model_config as mc
+
+    rank = dist.get_rank()
+    t, p = rank % tp, rank // tp
+    col, row = mc.LINEAR_COLUMN, mc.LINEAR_ROW
+    decoder = []
+    for i in range(layers):
+        n = p * layers + i
+        qkv = mc.QKVConfig(
+            q=linear(mc, col, (hidden // tp, hidden), quant, n, t, 0),
+            k=linear(mc, col, (hidden // 2 // tp, hidden), quant, n, t, 1),
+            v=linear(mc, col, (hidden // 2 // tp, hidden), quant, n, t, 2),
+        )
+        layer = mc.DecoderLayerConfig(decoder_type="llama", num_attention_heads=4, num_kv_heads=2)
+        layer.attention = mc.AttentionConfig(
+            qkv=qkv, dense=linear(mc, row, (hidden, hidden // tp), quant, n, t, 3)
+        )
+        layer.mlp = mc.MLPConfig(
+            fc=linear(mc, col, (ffn // tp, hidden), quant, n, t, 4),
+            gate=linear(mc, col, (ffn // tp, hidden), quant, n, t, 5),
+            proj=linear(mc, row, (hidden, ffn // tp), quant, n, t, 6),
+            hidden_act="silu",
+        )
+        layer.input_layernorm = mc.LayernormConfig(weight=tensor((hidden,), n, 7))
+        layer.post_layernorm = mc.LayernormConfig(weight=tensor((hidden,), n, 8))
+        decoder.append(layer)
+    model = mc.ModelConfig(
+        dtype="bfloat16", vocab_size=vocab, tensor_parallel=tp, pipeline_parallel=pp, rank=rank
+    )
+    model.layers = decoder
+    if p == 0:
+        model.vocab_embedding = mc.EmbeddingConfig(weight=tensor((vocab // tp, hidden), 100, t))
+    if p == pp - 1:
+        model.ln_f = mc.LayernormConfig(weight=tensor((hidden,), 101))
+        model.lm_head = linear(mc, mc.LINEAR_COLUMN, (vocab // tp, hidden), quant, 102, t)
+    return model
+
+
+def export(model: Any, pp: int, helpers: str, workspace: str | None = None) -> list[Any]:
+    """``postprocess_model_config`` to TP1, with ModelOpt's helpers ("modelopt") or ours ("ours")."""
+    import modelopt.torch.export.distribute as theirs
+    import modelopt.torch.export.postprocess as post
+
+    from distribute_utils import modelopt as ours
+
+    impl = ours if helpers == "ours" else theirs
+    saved = post.get_configs_parallel, post.get_tensors_parallel
+    post.get_configs_parallel, post.get_tensors_parallel = (
+        impl.get_configs_parallel,
+        impl.get_tensors_parallel,
+    )
+    try:
+        return post.postprocess_model_config(
+            model, inference_tensor_parallel=1, training_pipeline_parallel=pp, workspace_path=workspace
+        )
+    finally:
+        post.get_configs_parallel, post.get_tensors_parallel = saved
+
+
+def _tensors(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    import dataclasses
+
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _tensors(getattr(value, f.name), out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors(v, out)
+    return out
+
+
+def _rank_main(sizes: dict[str, int], reps: int) -> dict[str, Any]:
+    import contextlib
+    import io
+
+    times: dict[str, list[float]] = {"modelopt": [], "ours": []}
+    results: dict[str, list[torch.Tensor]] = {}
+    quiet = contextlib.redirect_stdout(io.StringIO())  # ModelOpt prints a line per rank and step
+    for i in range(reps + 1):  # the first round warms up both
+        for helpers in ("modelopt", "ours"):
+            model = shard(2, 2, "fp8", sizes["hidden"], sizes["ffn"], sizes["vocab"], sizes["layers"])
+            dist.barrier()
+            t0 = time.perf_counter()
+            with quiet:
+                merged = export(model, 2, helpers)
+            dist.barrier()
+            if i:
+                times[helpers].append(time.perf_counter() - t0)
+            if i == 0 and merged:
+                results[helpers] = _tensors(merged, [])
+    identical = None
+    if results:
+        a, b = results["modelopt"], results["ours"]
+        identical = len(a) == len(b) and all(
+            x.dtype == y.dtype
+            and x.shape == y.shape
+            and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+            for x, y in zip(a, b)
+        )
+    return {
+        "medians": {k: statistics.median(v) for k, v in times.items()},
+        "identical": identical,
+        "bytes": sum(t.numel() * t.element_size() for t in results.get("ours", [])),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers per pipeline stage")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args(argv)
+    from distribute_utils.launch import run_local
+
+    sizes = {"hidden": args.hidden, "ffn": args.ffn, "vocab": args.vocab, "layers": args.layers}
+    report = run_local(_rank_main, 4, sizes, args.reps)[0]
+    m = report["medians"]
+    print(
+        f"ModelOpt postprocess_model_config, TP2 x PP2 -> TP1 on 4 ranks, {args.layers * 2} layers, "
+        f"hidden {args.hidden}, merged model {report['bytes'] / 2**20:.0f} MiB, FP8 scales"
+    )
+    print(f"  with ModelOpt's helpers: {m['modelopt'] * 1e3:9.1f} ms (median of {args.reps})")
+    print(f"  with ours              : {m['ours'] * 1e3:9.1f} ms")
+    print(
+        f"  ratio: ours {m['modelopt'] / m['ours']:.2f}x faster; merged models bit-identical: {report['identical']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
