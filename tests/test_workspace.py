@@ -345,7 +345,7 @@ _SPACE_SCRIPT = textwrap.dedent(
     except SpaceError as exc:
         out["nfs"] = [exc.errno, str(exc)]
     out["left"] = sorted(n for n in os.listdir(tr.namespace) if not n.startswith("owner-"))
-    out["left_nfs"] = sorted(n for n in os.listdir(nfs.path) if not n.startswith("owner-"))
+    out["left_nfs"] = sorted(n for n in os.listdir(nfs.namespace) if not n.startswith("owner-"))
     try:
         ws.WorkspaceTransport(ro, "rojob", 5.0)
     except ws.WorkspaceError as exc:
@@ -427,26 +427,30 @@ def test_two_sshfs_mounts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 # -- NFSWorkspace: ModelOpt semantics ------------------------------------------------------------
 def test_nfs_workspace_single_process(tmp_path: Path) -> None:
     assert not NFSWorkspace().is_initialized
+    assert NFSWorkspace().path == Path("")  # ModelOpt's attribute, with its meaning
     with pytest.raises(ValueError, match="not initialized"):
         NFSWorkspace().write_configs_and_weights({}, {})
     nfs = NFSWorkspace(tmp_path / "ws")
-    assert nfs.is_initialized
+    assert nfs.is_initialized and nfs.path == tmp_path / "ws" and nfs.namespace is not None
     assert nfs.read_configs_and_weights_from_rank(0) == (None, None)
+    assert not nfs.state_path.exists()
     names: list[set[str]] = []
     for k in range(3):
         nfs.write_configs_and_weights({"k": k, "t": (1, 2)}, {"w": torch.full((3,), float(k))} if k else None)
-        names.append(set(_entries(str(nfs.path))))
-        config, weights = nfs.read_configs_and_weights_from_rank(0)
-        assert config == {"k": k, "t": (1, 2)}
-        assert (weights is None) if k == 0 else torch.equal(weights["w"], torch.full((3,), float(k)))
-    assert names[0].isdisjoint(names[1]) and names[1].isdisjoint(names[2]), names
-    assert all(stat.S_IMODE(os.stat(nfs.path / n).st_mode) == 0o600 for n in names[2])
-    assert nfs.read_configs_and_weights_from_rank(0) == (None, None), "nothing new written"
+        names.append(set(_entries(str(nfs.namespace))))
+        assert nfs.state_path.exists()
+        for _ in range(2):  # ModelOpt: reading twice returns the state twice
+            config, weights = nfs.read_configs_and_weights_from_rank(0)
+            assert config == {"k": k, "t": (1, 2)}
+            assert (weights is None) if k == 0 else torch.equal(weights["w"], torch.full((3,), float(k)))
+    assert names[0].isdisjoint(names[1]) and names[1].isdisjoint(names[2]), "fresh names for every write"
+    assert all(stat.S_IMODE(os.stat(nfs.namespace / n).st_mode) == 0o600 for n in names[2])
     nfs.close()
-    assert not nfs.path.exists()
-    again = NFSWorkspace(tmp_path / "ws")  # reopening continues the counters: no name reused
+    assert not nfs.namespace.exists()
+    again = NFSWorkspace(tmp_path / "ws")  # a new one removes this rank's earlier state (ModelOpt)
+    assert again.read_configs_and_weights_from_rank(0) == (None, None)
     again.write_configs_and_weights({"k": 3}, None)
-    assert set(_entries(str(again.path))).isdisjoint(set().union(*names))
+    assert set(_entries(str(again.namespace))).isdisjoint(set().union(*names)), "no name reused"
     assert again.read_configs_and_weights_from_rank(0) == ({"k": 3}, None)
     again.close()
     nfs.write_configs_and_weights({"k": 4}, None)  # a closed workspace joins the namespace again
@@ -464,9 +468,9 @@ def test_nfs_workspace_refuses_code_in_weights(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("DU_TEST_MARKER", str(marker))
     nfs = NFSWorkspace(tmp_path / "ws")
     nfs.write_configs_and_weights({"a": 1}, {"w": torch.ones(2)})
-    weights = [n for n in _entries(str(nfs.path)) if n.endswith(".pt")]
+    weights = [n for n in _entries(str(nfs.namespace)) if n.endswith(".pt")]
     assert len(weights) == 1
-    torch.save({"w": _Evil()}, nfs.path / weights[0])  # a crafted file at the expected name
+    torch.save({"w": _Evil()}, nfs.namespace / weights[0])  # a crafted file at the expected name
     with pytest.raises(PayloadError, match=r"refusing to load weights .* not a plain state dict"):
         nfs.read_configs_and_weights_from_rank(0)
     assert not marker.exists(), "the pickle's code ran"
@@ -477,7 +481,7 @@ def _nfs_modelopt(workspace: str) -> dict:
     """On 4 ranks: ModelOpt's write / barrier / read protocol, then the transport itself."""
     rank = dist.get_rank()
     nfs = NFSWorkspace(workspace)
-    report: dict = {"token": job_token(), "namespace": str(nfs.path)}
+    report: dict = {"token": job_token(), "namespace": str(nfs.namespace)}
     if rank != 3:  # rank 3 writes nothing in the first round
         nfs.write_configs_and_weights({"rank": rank, "round": 1}, {"w": torch.full((4,), float(rank))})
     distribute_utils.barrier()
@@ -487,7 +491,7 @@ def _nfs_modelopt(workspace: str) -> dict:
         seen.append(None if config is None else (config["round"], config["rank"], weights["w"].tolist()))
     report["round1"] = seen
     distribute_utils.barrier()
-    nfs = NFSWorkspace(workspace)  # ModelOpt builds one per call: the counters are per process
+    nfs = NFSWorkspace(workspace)  # ModelOpt builds one per call: it removes this rank's round 1
     nfs.write_configs_and_weights({"rank": rank, "round": 2}, {})
     distribute_utils.barrier()
     if rank == 0:
@@ -509,7 +513,7 @@ def _nfs_modelopt(workspace: str) -> dict:
         tr.release(token, rank)
     tr.close()  # leaves the namespace: this rank's owner record and last NFSWorkspace files
     distribute_utils.barrier()
-    report["namespace_left"] = os.path.exists(nfs.path)
+    report["namespace_left"] = os.path.exists(nfs.namespace)
     return report
 
 
@@ -525,12 +529,15 @@ def test_nfs_workspace_on_four_ranks(ranks4: RankPool, tmp_path: Path) -> None:
     assert os.listdir(tmp_path / "ws") == [ws._lock_path("").lstrip("/")]
 
 
-def test_reader_out_of_step_is_reported(tmp_path: Path) -> None:
+def test_latest_write_wins_and_a_reader_may_skip_writes(tmp_path: Path) -> None:
     nfs = NFSWorkspace(tmp_path)
     nfs.write_configs_and_weights({"k": 0}, None)
-    nfs.write_configs_and_weights({"k": 1}, None)  # the reader never read write 0
-    with pytest.raises(PayloadError, match="reader out of step: expected write 0 of rank 0"):
-        nfs.read_configs_and_weights_from_rank(0)
+    nfs.write_configs_and_weights({"k": 1}, {"w": torch.ones(1)})  # the reader never read write 0
+    config, weights = nfs.read_configs_and_weights_from_rank(0)
+    assert config == {"k": 1} and torch.equal(weights["w"], torch.ones(1))
+    assert len([n for n in _entries(str(nfs.namespace)) if n.startswith("ws-r0-")]) == 2, (
+        "only the latest write"
+    )
     nfs.close()
 
 

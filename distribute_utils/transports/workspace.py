@@ -698,14 +698,13 @@ _ENVELOPE = "distribute_utils.nfs_workspace/1"
 
 @dataclass
 class _RankState:
-    """Counters of one rank in one namespace, shared by every NFSWorkspace of the process."""
+    """One rank's writes in one namespace, shared by every NFSWorkspace of the process."""
 
     namespace: str
     rank: int
-    writes: int = 0
-    reads: dict[int, int] = field(default_factory=dict)
+    writes: int = 0  # the number of this rank's next write (continues across NFSWorkspace objects)
     last: list[str] = field(default_factory=list)
-    cleaned: bool = False
+    seen: dict[int, int] = field(default_factory=dict)  # the latest write found, per rank read
 
     def remove_last(self) -> None:
         for path in self.last:
@@ -768,54 +767,67 @@ def _storage_bytes(obj: Any) -> int:
 class NFSWorkspace:
     """ModelOpt-compatible shared workspace: configs and weights per rank, as files.
 
-    Drop-in for ``modelopt.torch.export.distribute.NFSWorkspace``. Reads and writes involve no
-    collective and no barrier: the caller synchronises all ranks (write, barrier, read,
-    barrier), as in ModelOpt. The contract: the k-th read of rank r's files by a process
-    returns rank r's k-th write; a read that finds nothing returns ``(None, None)`` and does
-    not count. Each write removes the same rank's previous write, so call the next write only
-    after every reader has read (the barrier). Names are never reused.
+    Drop-in for ``modelopt.torch.export.distribute.NFSWorkspace``, with its observable
+    behaviour: making one removes this rank's earlier state; a read returns the target rank's
+    latest write (``(None, None)`` when it has none), as often as it is asked; a new write
+    replaces the rank's previous one. Reads and writes involve no collective and no barrier:
+    the caller synchronises all ranks (write, barrier, read, barrier), as with ModelOpt.
 
-    Files live in the job's namespace ``<workspace>/du-job-<token>/``: the config as a wire
-    payload (msgpack with a checksum; JSON-like values, tuples, dataclasses and tensors),
-    the weights as ``torch.save`` output, read back with ``torch.load(weights_only=True)``,
-    mapped on local filesystems and copied into memory on network ones (a mapping of a file
-    another host deletes dies with SIGBUS).
+    Kept from us, unlike ModelOpt's plain ``rank_<r>_state.pth``: every write goes to fresh
+    names (a network filesystem's cached attributes of an old file can never be taken for a
+    new one), appears atomically (temp + fsync + rename, the config last), carries a checksum,
+    and is read without unpickling anything (the config as a wire payload, the weights with
+    ``torch.load(weights_only=True)``), in the job's private namespace
+    ``<workspace>/du-job-<token>/`` (:attr:`namespace`).
+
+    Attributes:
+        path: the workspace directory, as given (ModelOpt's meaning).
+        namespace: the job's directory inside it, where the files are.
+        rank: this process's global rank.
 
     Args:
         workspace_path: the shared directory; None leaves the workspace uninitialised.
     """
 
     def __init__(self, workspace_path: str | os.PathLike[str] | None = None) -> None:
-        self.path: Path | None = None
+        self.path = Path("") if workspace_path is None else Path(workspace_path)
+        self.namespace: Path | None = None
         self._state: _RankState | None = None
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if workspace_path is None:
             return
         from ..sync import resolve_timeout
 
         self._timeout = resolve_timeout(None)
-        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._ns = _open_namespace(workspace_path, job_token(), self._timeout)
         _sweep_once(self._ns.workspace, self._timeout)
-        self.path = Path(self._ns.path)
+        self.namespace = Path(self._ns.path)
         self._mmap = self._ns.fs_type in _LOCAL_FS
         key = (self._ns.path, self.rank)
         with _NS_LOCK:
             self._state = _WORKSPACE_STATES.setdefault(key, _RankState(self._ns.path, self.rank))
-            if not self._state.cleaned:
-                self._state.cleaned = True
-                self._remove_own_leftovers()
+            self._state.last = []
+            self._remove_own_files()  # ModelOpt's _clean_up() at construction
 
     @property
     def is_initialized(self) -> bool:
         """Whether a workspace path was given."""
         return self._state is not None
 
+    @property
+    def state_path(self) -> Path:
+        """This rank's latest config file (a name that does not exist before its first write)."""
+        state = self._require()
+        latest = self._latest(self.rank)
+        name = self._names(self.rank, latest)[0] if latest is not None else f"ws-r{self.rank}-unwritten"
+        return Path(state.namespace, name)
+
     def _names(self, rank: int, write: int) -> tuple[str, str]:
         stem = f"ws-r{rank}-w{write}"
         return f"{stem}.config{_SUFFIX}", f"{stem}.weights.pt"
 
-    def _remove_own_leftovers(self) -> None:
-        """Remove this rank's files left by an earlier process of the same job token."""
+    def _remove_own_files(self) -> None:
+        """Remove this rank's state: earlier writes, and leftovers of an earlier process."""
         prefix = f"ws-r{self.rank}-w"
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self._ns.path):
@@ -830,7 +842,7 @@ class NFSWorkspace:
         return self._state
 
     def write_configs_and_weights(self, config_json: Any, weights: dict[str, Any] | None) -> None:
-        """Write this rank's config and weights (its next write); removes its previous write.
+        """Write this rank's config and weights; they replace its previous write.
 
         Args:
             config_json: the config: JSON-like values, tuples, dataclasses and tensors.
@@ -883,78 +895,97 @@ class NFSWorkspace:
         state.last = made
         state.writes = k + 1
 
-    def read_configs_and_weights_from_rank(self, target_rank: int) -> tuple[Any, Any]:
-        """Rank ``target_rank``'s next write: ``(config, weights)``, or ``(None, None)``.
+    def _exists(self, rank: int, write: int) -> bool:
+        # A lookup of one name is revalidated by NFS / FUSE clients; a cached directory
+        # listing may hide a new file for many seconds.
+        return os.path.exists(os.path.join(self._ns.path, self._names(rank, write)[0]))
 
-        Returns:
-            The config and weights of the write this process has not read yet, or
-            ``(None, None)`` when that rank has not written it.
-
-        Raises:
-            PayloadError: a file is corrupt or truncated, the weights are not a plain state
-                dict (``torch.load(weights_only=True)`` refused them), or this reader is out of
-                step with the writer (the caller did not synchronise).
-        """
-        state = self._require()
-        target = int(target_rank)
-        k = state.reads.get(target, 0)
-        config_name, weights_name = self._names(target, k)
-        config_path = os.path.join(self._ns.path, config_name)
-        buf = self._read_config(config_path, target, k)
-        if buf is None:
-            return None, None
-        try:
-            envelope = decode(buf)
-        except PayloadError as exc:
-            raise PayloadError(f"config {config_path} of rank {target}: {exc}") from None
-        if (
-            not isinstance(envelope, dict)
-            or envelope.get("format") != _ENVELOPE
-            or envelope.get("rank") != target
-            or envelope.get("write") != k
-        ):
-            raise PayloadError(
-                f"config {config_path} is not write {k} of rank {target} in NFSWorkspace format"
-            )
-        weights = None
-        if envelope["weights"] == "file":
-            weights = self._load_weights(os.path.join(self._ns.path, weights_name), target)
-        state.reads[target] = k + 1
-        return envelope["config"], weights
-
-    def _read_config(self, path: str, target: int, k: int) -> Any:
-        deadline = time.monotonic() + self._timeout
-        what = f"config of rank {target}"
-        kwargs = {"deadline": deadline, "use_mmap": False, "what": what, "timeout": self._timeout}
-        buf = _read_payload_file(path, wait_missing=False, **kwargs)
-        if buf is not None:
-            return buf
-        # Listing the directory refreshes a network client's view of it, and shows whether
-        # the writer has moved past the write we expect.
+    def _listed(self, rank: int) -> int | None:
+        pattern = re.compile(rf"ws-r{int(rank)}-w(\d+)\.config{re.escape(_SUFFIX)}")
         try:
             names = os.listdir(self._ns.path)
         except FileNotFoundError:
             return None
-        if os.path.basename(path) in names:
-            return _read_payload_file(path, wait_missing=True, **kwargs)
-        prefix = f"ws-r{target}-w"
-        later = sorted(
-            int(m.group(1))
-            for n in names
-            if n.startswith(prefix) and (m := re.fullmatch(rf"{prefix}(\d+)\.config{re.escape(_SUFFIX)}", n))
-        )
-        if later and later[-1] > k:
-            raise PayloadError(
-                f"reader out of step: expected write {k} of rank {target}, but that rank has already "
-                f"made write {later[-1]} ({path} is gone); the k-th read of a rank returns its k-th "
-                "write, so synchronise (barrier) between writes and reads on every rank"
-            )
-        return None
+        found = [int(m.group(1)) for n in names if (m := pattern.fullmatch(n))]
+        return max(found) if found else None
 
-    def _load_weights(self, path: str, target: int) -> Any:
+    def _latest(self, rank: int) -> int | None:
+        """The number of ``rank``'s latest complete write: from the last one this process found
+        (or a listing, the first time), probing the next names one by one."""
+        state = self._require()
+        start = state.seen.get(rank)
+        if start is None or not self._exists(rank, start):
+            listed = self._listed(rank)
+            start = max(start if start is not None else -1, listed if listed is not None else -1)
+            if start < 0 and not self._exists(rank, 0):
+                return None
+            start = max(start, 0)
+        k = start
+        while self._exists(rank, k + 1):
+            k += 1
+        if not self._exists(rank, k):
+            return None
+        state.seen[rank] = k
+        return k
+
+    def read_configs_and_weights_from_rank(self, target_rank: int) -> tuple[Any, Any]:
+        """Rank ``target_rank``'s latest write: ``(config, weights)``, or ``(None, None)``.
+
+        Raises:
+            PayloadError: a file is corrupt or truncated, or the weights are not a plain state
+                dict (``torch.load(weights_only=True)`` refused them).
+        """
+        self._require()
+        target = int(target_rank)
+        deadline = time.monotonic() + self._timeout
+        while True:
+            k = self._latest(target)
+            if k is None:
+                return None, None
+            config_name, weights_name = self._names(target, k)
+            config_path = os.path.join(self._ns.path, config_name)
+            buf = _read_payload_file(
+                config_path,
+                deadline=deadline,
+                use_mmap=False,
+                wait_missing=False,
+                what=f"config of rank {target}",
+                timeout=self._timeout,
+            )
+            if buf is not None:
+                try:
+                    envelope = decode(buf)
+                except PayloadError as exc:
+                    raise PayloadError(f"config {config_path} of rank {target}: {exc}") from None
+                if (
+                    not isinstance(envelope, dict)
+                    or envelope.get("format") != _ENVELOPE
+                    or envelope.get("rank") != target
+                    or envelope.get("write") != k
+                ):
+                    raise PayloadError(
+                        f"config {config_path} is not write {k} of rank {target} in NFSWorkspace format"
+                    )
+                if envelope["weights"] != "file":
+                    return envelope["config"], None
+                weights = self._load_weights(
+                    os.path.join(self._ns.path, weights_name), target, missing_ok=True
+                )
+                if weights is not None:
+                    return envelope["config"], weights
+            # Superseded by a newer write while we read: read that one.
+            if time.monotonic() > deadline:
+                raise PayloadError(
+                    f"rank {target}'s write {k} disappeared while it was read, for {self._timeout:g} s; "
+                    "synchronise writes and reads (barrier) as with ModelOpt's NFSWorkspace"
+                )
+
+    def _load_weights(self, path: str, target: int, missing_ok: bool = False) -> Any:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=self._mmap)
         except FileNotFoundError:
+            if missing_ok:
+                return None
             raise PayloadError(
                 f"weights {path} of rank {target} are missing although its config exists"
             ) from None
