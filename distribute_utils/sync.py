@@ -677,41 +677,41 @@ class GroupSync:
         _JANITOR.delete(self.store, keys)
 
     # -- exchange ------------------------------------------------------------------------------
-    def exchange(self, value: bytes, timeout: float, what: str = "exchange") -> list[bytes]:
-        """All-gather of one small ``bytes`` per rank, in the order of ``ranks``: through the
-        group's first rank (O(N) store operations). Must be called on every rank of ``ranks``."""
+    def _through_first(
+        self, value: bytes, timeout: float, what: str, combine: Callable[[list[bytes]], bytes]
+    ) -> bytes:
+        """Every rank posts ``value``; the group's first rank reads them all and posts
+        ``combine(values)``, which every rank returns (O(N) store operations)."""
         with self.exclusive(what):
             call = self.new_call(timeout)
             first = self.ranks[0]
             call.post({"x": value})
             if self.rank == first:
-                values = call.wait_for("x", self.ranks, timeout, what)
-                call.post({"all": msgpack.packb(values)})
-                return values
-            return msgpack.unpackb(call.wait_for("all", [first], timeout, what)[0])
+                combined = combine(call.wait_for("x", self.ranks, timeout, what))
+                call.post({"all": combined})
+                return combined
+            return call.wait_for("all", [first], timeout, what)[0]
+
+    def exchange(self, value: bytes, timeout: float, what: str = "exchange") -> list[bytes]:
+        """All-gather of one small ``bytes`` per rank, in the order of ``ranks``, through the
+        group's first rank. Must be called on every rank of ``ranks``."""
+        return msgpack.unpackb(self._through_first(value, timeout, what, msgpack.packb))
 
     def agree(self, value: bytes, timeout: float, what: str = "agreement") -> tuple[bytes, dict[int, bytes]]:
-        """Check that every rank holds the same ``value``: the group's first rank compares, and
-        posts one verdict every rank reads (O(N) store operations, O(N) bytes).
+        """Check that every rank holds the same ``value``: the group's first rank compares and
+        posts one verdict (O(N) store operations, O(N) bytes). Must be called on every rank.
 
         Returns:
             The first rank's value and, for up to three ranks whose value differs, theirs
-            (empty when all agree). Must be called on every rank of ``ranks``.
+            (empty when all agree).
         """
-        with self.exclusive(what):
-            call = self.new_call(timeout)
-            first = self.ranks[0]
-            call.post({"x": value})
-            if self.rank == first:
-                values = call.wait_for("x", self.ranks, timeout, what)
-                differing = {r: v for r, v in zip(self.ranks, values) if v != value}
-                shown = dict(list(differing.items())[:3])
-                verdict = msgpack.packb([value, [[r, v] for r, v in shown.items()], sorted(differing)])
-                call.post({"all": verdict})
-            else:
-                verdict = call.wait_for("all", [first], timeout, what)[0]
-            base, shown_pairs, _ = msgpack.unpackb(verdict)
-            return base, {r: v for r, v in shown_pairs}
+
+        def verdict(values: list[bytes]) -> bytes:
+            differing = [[r, v] for r, v in zip(self.ranks, values) if v != values[0]]
+            return msgpack.packb([values[0], differing[:3]])
+
+        base, shown = msgpack.unpackb(self._through_first(value, timeout, what, verdict))
+        return base, {r: v for r, v in shown}
 
     def peers(self, timeout: float) -> list[ProcessInfo]:
         """Where every rank of the group runs (one read per rank not looked up before)."""

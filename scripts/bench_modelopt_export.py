@@ -36,8 +36,15 @@ def tensor(shape: tuple[int, ...], *seed: int) -> torch.Tensor:
 
 
 def linear(mc: Any, kind: str, shape: tuple[int, ...], quant: str, *seed: int) -> Any:
-    """A ModelOpt ``LinearConfig``; with ``quant="fp8"``, scalar FP8 scaling factors."""
+    """A ModelOpt ``LinearConfig``; with ``quant="fp8"``, scalar FP8 scaling factors; with
+    ``"int4_awq"``, per-block weight scales and per-input-channel pre-quant scales (block 16)."""
     config = mc.LinearConfig(linear_type=kind, weight=tensor(shape, *seed))
+    if quant == "int4_awq":
+        out_features, in_features = shape
+        config.quantization = "int4_awq"
+        config.awq_block_size = 16
+        config.weights_scaling_factor = tensor((out_features, in_features // 16), *seed, 2).abs() + 0.5
+        config.prequant_scaling_factor = tensor((in_features,), *seed, 3).abs() + 0.5
     if quant == "fp8":
         config.quantization = "fp8"
         config.activation_scaling_factor = (tensor((), *seed, 1).float().abs() + 1).reshape(())

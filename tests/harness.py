@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.util
 import multiprocessing as mp
 import os
 import pickle
@@ -27,13 +28,24 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Died", "RankFailure", "RankPool"]
+__all__ = ["Died", "RankFailure", "RankPool", "load_script"]
 
 _SPAWN = mp.get_context("spawn")
+_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str) -> Any:
+    """The module ``scripts/<name>.py`` (benchmarks double as test fixtures)."""
+    spec = importlib.util.spec_from_file_location(name, _SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @dataclass(frozen=True)

@@ -15,27 +15,20 @@ which torch allows only while the ranks' group histories agree.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from harness import load_script
+
 HIDDEN, FFN, VOCAB, LAYERS = 64, 128, 96, 2
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench() -> Any:
     """The model builder and the patched export, shared with scripts/bench_modelopt_export.py."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_modelopt_export", ROOT / "scripts" / "bench_modelopt_export.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_modelopt_export")
 
 
 def _tensor(shape: tuple[int, ...], *seed: int) -> torch.Tensor:
@@ -81,7 +74,9 @@ def _reference_q(tp: int, pp: int, layer: int) -> torch.Tensor:
     return torch.cat([_tensor((HIDDEN // tp, HIDDEN), stage * LAYERS + i, t, 0) for t in range(tp)])
 
 
-def _check(results: list[dict[str, Any]], tp: int, pp: int) -> None:
+def _check(results: list[dict[str, Any]], tp: int, pp: int, resmoothed: bool = False) -> None:
+    """Ours equal ModelOpt's everywhere; merged q weights equal a gather-free reference (INT4
+    AWQ re-smooths merged weights, so there only shapes are checked against it)."""
     for r in results:
         assert r["differing"] == [], (
             f"rank {r['rank']}: ModelOpt's helpers and ours differ at {r['differing']}"
@@ -93,14 +88,15 @@ def _check(results: list[dict[str, Any]], tp: int, pp: int) -> None:
         dtype, shape, device, data = merged[f"[0].layers[{layer}].attention.qkv.q.weight"]
         expected = _reference_q(tp, pp, layer)
         assert (dtype, shape, device) == ("torch.bfloat16", (HIDDEN, HIDDEN), "cpu")
-        assert data == expected.reshape(-1).view(torch.uint8).numpy().tobytes(), f"layer {layer}"
+        if not resmoothed:
+            assert data == expected.reshape(-1).view(torch.uint8).numpy().tobytes(), f"layer {layer}"
     assert merged["[0].lm_head.weight"][1] == (VOCAB, HIDDEN)
 
 
-@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "int4_awq"])
 def test_modelopt_tp2_pp2_export_is_identical_with_our_helpers(fresh_job: Any, quant: str) -> None:
     results = fresh_job(4).run(_run_both, 2, 2, quant, None, timeout=180)
-    _check(results, tp=2, pp=2)
+    _check(results, tp=2, pp=2, resmoothed=quant == "int4_awq")
 
 
 def test_modelopt_tp2_and_pp2_exports_and_workspace_are_identical_with_our_helpers(
@@ -109,7 +105,9 @@ def test_modelopt_tp2_and_pp2_exports_and_workspace_are_identical_with_our_helpe
     pool = fresh_job(2)
     _check(pool.run(_run_both, 2, 1, "fp8", None, timeout=180), tp=2, pp=1)
     _check(pool.run(_run_both, 1, 2, "bf16", None, timeout=180), tp=1, pp=2)
-    # ModelOpt's NFS path: the pipeline merge through a shared directory.
+    # ModelOpt's NFS path: the pipeline merge through a shared directory. ModelOpt creates it on
+    # rank 0 only while the others write into it at once (its documented race): make it first.
+    (tmp_path / "ws").mkdir()
     _check(pool.run(_run_both, 1, 2, "bf16", str(tmp_path / "ws"), timeout=180), tp=1, pp=2)
 
 

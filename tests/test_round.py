@@ -11,12 +11,10 @@
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,9 +30,7 @@ from distribute_utils import (
     sync,
 )
 
-from harness import RankPool
-
-ROOT = Path(__file__).resolve().parents[1]
+from harness import RankPool, load_script
 
 SIZES = {"inline": 16, "shm": 300_000}  # elements: inside the claim, or through /dev/shm
 
@@ -208,22 +204,26 @@ def _late_first_meeting(victim: int) -> dict[str, Any]:
     return outcome
 
 
-def test_a_late_rank_at_the_first_meeting_does_not_break_the_group(ranks4: RankPool) -> None:
-    pid = ranks4.pids[2]
+def _run_with_a_stopped_rank(pool: RankPool, victim: int, fn: Any, *args: Any) -> list[Any]:
+    """Run ``fn`` while ``victim`` stops itself (SIGSTOP); resume it well past the others' timeout."""
+    pid = pool.pids[victim]
     done: list[Any] = []
-    runner = threading.Thread(target=lambda: done.append(ranks4.run(_late_first_meeting, 2, timeout=120)))
+    runner = threading.Thread(target=lambda: done.append(pool.run(fn, *args, timeout=120)))
     runner.start()
-    # Wait until rank 2 has stopped itself, then past the others' timeout, then resume it.
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # until the victim shows as stopped ("T")
         with open(f"/proc/{pid}/stat") as f:
             if f.read().rsplit(")", 1)[1].split()[0] == "T":
                 break
         time.sleep(0.05)
-    time.sleep(5)
+    time.sleep(5)  # the others' timeout is 3 s
     os.kill(pid, signal.SIGCONT)
     runner.join(120)
-    results = done[0]
+    return done[0]
+
+
+def test_a_late_rank_at_the_first_meeting_does_not_break_the_group(ranks4: RankPool) -> None:
+    results = _run_with_a_stopped_rank(ranks4, 2, _late_first_meeting, 2)
     assert results[0]["first"] == "PeerLostError"
     assert results[2]["first"] in ("PeerLostError", "GatherError"), results[2]
     assert results[0]["later"] == [[0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0], [2.0, 3.0, 4.0, 5.0]]
@@ -249,22 +249,7 @@ def _sender_after_first_gave_up() -> dict[str, Any]:
 
 
 def test_sender_resumed_after_the_first_gave_up_hears_why(ranks4: RankPool) -> None:
-    pid = ranks4.pids[3]
-    done: list[Any] = []
-    runner = threading.Thread(
-        target=lambda: done.append(ranks4.run(_sender_after_first_gave_up, timeout=120))
-    )
-    runner.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                break
-        time.sleep(0.05)
-    time.sleep(5)
-    os.kill(pid, signal.SIGCONT)
-    runner.join(120)
-    results = done[0]
+    results = _run_with_a_stopped_rank(ranks4, 3, _sender_after_first_gave_up)
     assert "did not arrive" in results[0]["error"] and "[3]" in results[0]["error"]
     # The resumed sender finds the verdict at once instead of waiting for a timeout.
     assert results[3]["error"] is not None and results[3]["elapsed"] < 2.5, results[3]
@@ -376,12 +361,7 @@ def test_store_host_gone_is_a_peer_lost_error() -> None:
 
 def test_sync_is_linear_in_store_operations() -> None:
     """Smoke run of the scale benchmark at a small N (not timed: counts operations)."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_sync_scale", ROOT / "scripts" / "bench_sync_scale.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_sync_scale")
     report = bench.run_scale([8, 32], repeats=2)
     for n, row in report.items():
         assert row["ours_barrier_ops"] <= 4 * n, row
