@@ -450,8 +450,9 @@ def test_bad_call_fails_fast_everywhere(
     first, others = first.format(tmp=tmp_path), (others or first).format(tmp=tmp_path)
     ran = [r for r in results if not r.get("skipped")]
     seen = sorted({name for r in ran for name in r["seen"]})
-    ws_left = [p.name for p in (tmp_path / "ws").rglob("*")] if (tmp_path / "ws").exists() else []
-    ws_left = [n for n in ws_left if not n.startswith(".du-sweep-")]
+    ws = tmp_path / "ws"
+    ws_left = [str(p.relative_to(ws)) for p in ws.rglob("*")] if ws.exists() else []
+    ws_left = [n for n in ws_left if not n.startswith(".du-")]  # this user's lock directory
     row.leaked = bool(ws_left) or (unwritten and bool(seen))
     for rank, r in enumerate(ran):
         assert r["error_type"] is not None, f"rank {rank} raised nothing: {r}"
@@ -612,7 +613,7 @@ def test_workspace_files_private(ranks4: RankPool, tmp_path: Path, row: Row) -> 
         assert r["file"] == 0o600 and r["owner"] == 0o600, r
         assert r["namespace"] == 0o700 and r["workspace"] == 0o700, r
         assert r["names"] == 32, "the job token is 128 random bits (32 hex digits)"
-    left = [p.name for p in workspace.iterdir() if not p.name.startswith(".du-sweep-")]
+    left = [p.name for p in workspace.iterdir() if not p.name.startswith(".du-")]
     row.leaked = bool(left)
     assert not left, left
     row.detail = "payload files and owner records 0600, namespace and workspace 0700 (umask 0)"

@@ -193,9 +193,11 @@ def _segments_of(pids: list[int]) -> list[str]:
 
 
 def _workspace_files(workspace: Path) -> list[str]:
-    """Everything in ``workspace`` except its lock file."""
+    """Everything in ``workspace`` except this user's lock directory."""
     return sorted(
-        str(p.relative_to(workspace)) for p in workspace.rglob("*") if not p.name.startswith(".du-sweep-")
+        str(p.relative_to(workspace))
+        for p in workspace.rglob("*")
+        if not str(p.relative_to(workspace)).startswith(".du-")
     )
 
 

@@ -133,7 +133,9 @@ def test_doctor_reports_what_is_there(scene: Scene) -> None:
     assert f"pid {scene.live.pid} (alive)" in live_line and "stale" not in live_line
     assert "result: ok (2 stale leftover(s)" in text
     # doctor changes nothing: its own probe namespace is gone, the leftovers are still there
-    assert sorted(p.name for p in scene.workspace.iterdir() if p.is_dir()) == [
+    assert sorted(
+        p.name for p in scene.workspace.iterdir() if p.is_dir() and not p.name.startswith(".du-")
+    ) == [
         scene.dead_ns.name,
         scene.live_ns.name,
     ]

@@ -60,7 +60,7 @@ def _check_clean(reports: list[dict], backing: Path) -> None:
     assert all(r["wrong"] == [] for r in reports), [r["wrong"][:5] for r in reports]
     assert all(r["shm_left"] == [] for r in reports)
     left = sorted(str(p.relative_to(backing)) for p in backing.rglob("*"))
-    assert left == [] or all(name.startswith(".du-sweep") for name in left), left
+    assert left == [] or all(name.startswith(".du-") for name in left), left
 
 
 @pytest.mark.parametrize("workspace", ["dir", "sshfs"])

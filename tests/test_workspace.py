@@ -421,7 +421,7 @@ def test_two_sshfs_mounts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         nfs_a.close()
         writer.close()
         reader.close()
-        assert os.listdir(export / "ws") == [ws._lock_path("").lstrip("/")]
+        assert os.listdir(export / "ws") == [os.path.basename(ws._user_dir(""))]
 
 
 # -- NFSWorkspace: ModelOpt semantics ------------------------------------------------------------
@@ -526,7 +526,7 @@ def test_nfs_workspace_on_four_ranks(ranks4: RankPool, tmp_path: Path) -> None:
     assert reports[0]["round2"] == [({"rank": r, "round": 2}, {}) for r in range(4)]
     assert reports[0]["fetched"] == 3
     assert not any(r["namespace_left"] for r in reports)
-    assert os.listdir(tmp_path / "ws") == [ws._lock_path("").lstrip("/")]
+    assert os.listdir(tmp_path / "ws") == [os.path.basename(ws._user_dir(""))]
 
 
 def test_latest_write_wins_and_a_reader_may_skip_writes(tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ import re
 import secrets
 import shutil
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -369,14 +370,90 @@ def _read_open(fd: int, path: str, seen: _Seen, use_mmap: bool, what: str) -> An
 
 
 # -- namespaces --------------------------------------------------------------------------------
+def _user_dir(workspace: str) -> str:
+    """This user's private directory in the workspace (``.du-<uid>``, mode 0700): its lock."""
+    return os.path.join(workspace, f".du-{os.getuid()}")
+
+
 def _lock_path(workspace: str) -> str:
-    # One lock per user: a 0600 lock file of one user would lock every other user out, and a
-    # user can only sweep its own (0700) namespaces anyway.
-    return os.path.join(workspace, f".du-sweep-{os.getuid()}.lock")
+    # One lock per user, inside a directory only that user can write: a lock file in the
+    # shared workspace itself could be planted (a symlink to truncate, a file another user
+    # owns or holds locked); here nobody else can create, replace or hold it.
+    return os.path.join(_user_dir(workspace), "sweep.lock")
+
+
+_FS_UIDS: dict[str, int] = {}
+
+
+def _fs_uid(workspace: str) -> int:
+    """The uid the workspace's filesystem gives this user's files (root squashing maps root to
+    another uid on NFS): learnt once per process, from a file it creates and removes."""
+    found = _FS_UIDS.get(workspace)
+    if found is None:
+        fd, path = tempfile.mkstemp(prefix=".du-uid-", dir=workspace)
+        try:
+            found = _FS_UIDS[workspace] = os.fstat(fd).st_uid
+        finally:
+            os.close(fd)
+            _unlink(path)
+    return found
+
+
+def check_private_dir(path: str, what: str, workspace: str) -> None:
+    """Refuse a directory another local or remote user could have made or could write into.
+
+    It must be a real directory (not a symbolic link), owned by this user (as the filesystem
+    maps it), with no group or other permission bits. Otherwise another user could read this
+    job's files or put their own in place of a rank's payload.
+
+    Raises:
+        WorkspaceError: naming the path, its owner and mode, and how to fix it.
+    """
+    st = os.lstat(path)
+    problem = None
+    if stat.S_ISLNK(st.st_mode):
+        problem = f"is a symbolic link (to {os.readlink(path)!r})"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif st.st_uid not in (os.geteuid(), _fs_uid(workspace) if st.st_uid != os.geteuid() else -1):
+        problem = (
+            f"belongs to uid {st.st_uid} ({_user_name(st.st_uid)}), not to this user (uid {os.geteuid()})"
+        )
+    elif st.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):o}, not 700"
+    if problem is not None:
+        raise WorkspaceError(
+            errno.EPERM,
+            f"{what} {path} {problem}: another user may have made it to read or replace this job's "
+            "files, so it is not used. Remove it (as its owner or root); if the job token is "
+            f"predictable, set ${JOB_TOKEN_ENV} to an unguessable value",
+        )
+
+
+def _user_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, ImportError):
+        return "unknown user"
+
+
+def _private_mkdir(path: str, what: str, workspace: str) -> None:
+    """Make ``path`` (0700) unless it exists, then check that it is this user's, private."""
+    try:
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)  # exact mode whatever the umask
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise _write_error(exc, workspace, None, what) from None
+    check_private_dir(path, what, workspace)
 
 
 @contextlib.contextmanager
 def _workspace_lock(workspace: str, timeout: float) -> Iterator[None]:
+    _private_mkdir(_user_dir(workspace), "this user's lock directory", workspace)
     path = _lock_path(workspace)
     lock = filelock.FileLock(path, timeout=timeout, mode=0o600)
     try:
@@ -384,7 +461,7 @@ def _workspace_lock(workspace: str, timeout: float) -> Iterator[None]:
     except filelock.Timeout:
         raise WorkspaceError(
             errno.ETIMEDOUT,
-            f"could not acquire lock on '{path}' within {timeout:g} s; another process holds it",
+            f"could not acquire lock on '{path}' within {timeout:g} s; another process of this user holds it",
         ) from None
     except OSError as exc:
         raise _write_error(exc, workspace, None, f"the lock file {path}") from None
@@ -453,6 +530,7 @@ class _Namespace:
         self.fs_type = fs_type
         self.pid = os.getpid()
         self.closed = False
+        self.locked = True  # created under this user's workspace lock (False: doctor's probe)
 
 
 _NAMESPACES: dict[str, _Namespace] = {}
@@ -460,8 +538,12 @@ _NS_LOCK = threading.Lock()
 _ATEXIT = False
 
 
-def _open_namespace(workspace_path: str | os.PathLike[str], token: str, timeout: float) -> _Namespace:
-    """The job's namespace, created on first use in this process (every rank does it)."""
+def _open_namespace(
+    workspace_path: str | os.PathLike[str], token: str, timeout: float, lock: bool = True
+) -> _Namespace:
+    """The job's namespace, created on first use in this process (every rank does it); refused
+    when another user made it (see :func:`check_private_dir`). ``lock=False`` (doctor's probe,
+    a namespace nobody else knows) leaves no lock behind."""
     _check_token(token, "job token")
     workspace = _prepare_workspace(workspace_path)
     path = namespace_path(workspace, token)
@@ -472,15 +554,12 @@ def _open_namespace(workspace_path: str | os.PathLike[str], token: str, timeout:
         info = this_process()
         owner = os.path.join(path, _owner_name(info))
         data = _owner_record(info)
-        with _workspace_lock(workspace, timeout):
+        with _workspace_lock(workspace, timeout) if lock else contextlib.nullcontext():
             for attempt in range(3):  # another host may rmdir an empty namespace meanwhile
                 try:
-                    os.mkdir(path, 0o700)
-                    os.chmod(path, 0o700)  # exact mode whatever the umask
-                except FileExistsError:
-                    pass
-                except OSError as exc:
-                    raise _write_error(exc, workspace, None, "the job's namespace directory") from None
+                    _private_mkdir(path, "the job's namespace directory", workspace)
+                except FileNotFoundError:
+                    continue
                 _unlink(owner)
                 try:
                     _atomic_write(
@@ -495,6 +574,7 @@ def _open_namespace(workspace_path: str | os.PathLike[str], token: str, timeout:
                     if attempt == 2:
                         raise
         ns = _Namespace(workspace, token, path, owner, filesystem_type(path))
+        ns.locked = lock
         _NAMESPACES[path] = ns
         global _ATEXIT
         if not _ATEXIT:
@@ -523,7 +603,7 @@ def _close_namespace(ns: _Namespace, timeout: float = 60.0) -> None:
     if not os.path.isdir(ns.path):
         return  # already gone (swept, or the whole workspace was removed)
     try:
-        with _workspace_lock(ns.workspace, timeout):
+        with _workspace_lock(ns.workspace, timeout) if ns.locked else contextlib.nullcontext():
             _unlink(ns.owner)
             try:
                 os.rmdir(ns.path)
@@ -597,6 +677,8 @@ class WorkspaceTransport:
         sweep_stale: once per process and workspace, remove the namespaces of dead jobs
             (:func:`sweep_stale_namespaces`; failures are logged, not raised). The gather
             functions and :class:`NFSWorkspace` do this when they open a job's namespace.
+        lock: take this user's workspace lock to create the namespace (False: a private
+            probe namespace no other process knows, as ``doctor`` uses; nothing is left).
 
     Raises:
         WorkspaceError: the workspace is missing (parent too), not a directory, not writable.
@@ -613,10 +695,11 @@ class WorkspaceTransport:
         fsync: bool = True,
         read_mode: ReadMode = "auto",
         sweep_stale: bool = False,
+        lock: bool = True,
     ) -> None:
         if read_mode not in ("auto", "read", "mmap"):
             raise ValueError(f"read_mode must be 'auto', 'read' or 'mmap'; got {read_mode!r}")
-        self._ns = _open_namespace(workspace_path, job_token, timeout)
+        self._ns = _open_namespace(workspace_path, job_token, timeout, lock)
         if sweep_stale:
             _sweep_once(self._ns.workspace, timeout)
         self._timeout = float(timeout)
@@ -1093,7 +1176,8 @@ def sweep_stale_namespaces(
     me = this_process()
     now = time.time()
     found: list[tuple[str, str]] = []
-    with _workspace_lock(workspace, timeout):
+    # A dry run changes nothing, not even the lock file (a read-only user may run it).
+    with contextlib.nullcontext() if dry_run else _workspace_lock(workspace, timeout):
         for entry in sorted(os.scandir(workspace), key=lambda e: e.name):
             if not entry.name.startswith(NAMESPACE_PREFIX) or not entry.is_dir(follow_symlinks=False):
                 continue

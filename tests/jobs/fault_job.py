@@ -152,7 +152,7 @@ def _payload_files(workspace: str) -> list[str]:
     found = []
     for directory, _, files in os.walk(workspace):
         for name in files:
-            if not name.startswith(("owner-", ".du-sweep-")):
+            if not name.startswith(("owner-", ".du-")):
                 found.append(os.path.relpath(os.path.join(directory, name), workspace))
     return sorted(found)
 
