@@ -94,6 +94,7 @@ _MIN_HEADER = 7  # b"\x82\xa1v\xc0\xa1t\x90" == {"v": None, "t": []}
 _I64_MIN = -(2**63)
 _U64_MAX = 2**64 - 1
 _MAX_NDIM = 64
+_MAX_EMPTY_TENSORS = 4096  # plus one per 64 payload bytes (see _build_tensors)
 _MAX_DIM = 2**63 - 1
 _ZEROS = bytes(ALIGN)
 _MAX_WRITE = 2**30  # split writes larger than 1 GiB
@@ -604,6 +605,8 @@ def encode(
     Raises:
         TypeError: a value, dict key or tensor kind is not supported, a reference cycle, or
             nesting deeper than :data:`MAX_DEPTH`; the message names the path inside ``obj``.
+        ValueError: the non-tensor part encodes to more than :data:`DEFAULT_MAX_HEADER_BYTES`
+            (what every reader accepts), raised before anything is written.
     """
     if checksum and keep_device:
         raise ValueError("encode: checksum needs the bytes on the CPU; do not combine it with keep_device")
@@ -636,6 +639,12 @@ def encode(
             break
         start = new_start
 
+    if len(header) > DEFAULT_MAX_HEADER_BYTES:
+        raise ValueError(
+            f"{root}: its non-tensor part (strings, bytes, numbers, structure) takes {len(header):,} bytes "
+            f"encoded, over the limit of {DEFAULT_MAX_HEADER_BYTES:,} that every reader applies; put bulk "
+            "data in tensors (e.g. torch.frombuffer(bytearray(data), dtype=torch.uint8))"
+        )
     total = end if tensors else header_end
     chunks = tuple((e[2], t) for e, t in zip(entries, tensors, strict=True) if e[3])
     head_end = chunks[0][0] if chunks else total
@@ -707,8 +716,8 @@ def read_prefix(buf: Any, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -
         raise PayloadError(f"header length {header_len} is too small: expected at least {_MIN_HEADER} bytes")
     if header_len > max_header_bytes:
         raise PayloadError(
-            f"header length {header_len} exceeds the limit of {max_header_bytes} bytes "
-            "(pass a larger max_header_bytes if the payload is trusted)"
+            f"header length {header_len} exceeds the limit of {max_header_bytes} bytes; a payload "
+            "whose config (strings, bytes, structure) is that large was not written by encode()"
         )
     if total_len < PREFIX_SIZE + header_len:
         raise PayloadError(
@@ -864,6 +873,10 @@ def _build_tensors(
         raise PayloadError(f'malformed header: "t" is a {type(entries).__name__}, expected a list')
     checked = []
     data_end = header_end
+    # Decoding costs memory per tensor (a tensor object, ~1 KiB). Non-empty tensors occupy at
+    # least 64 payload bytes each (alignment), empty ones none: bound those, so that decoding
+    # never costs more than a small multiple of the payload's size.
+    empty_left = _MAX_EMPTY_TENSORS + total_len // ALIGN
     for i, entry in enumerate(entries):
         if type(entry) is not list or len(entry) != 4:
             raise PayloadError(f"tensor {i}: entry {entry!r:.100} is not [dtype, shape, offset, nbytes]")
@@ -885,6 +898,14 @@ def _build_tensors(
         if type(offset) is not int or type(nbytes) is not int:
             raise PayloadError(f"tensor {i}: offset {offset!r:.40} and nbytes {nbytes!r:.40} must be ints")
         numel = math.prod(shape)
+        if numel == 0:
+            empty_left -= 1
+            if empty_left < 0:
+                raise PayloadError(
+                    f"more than {_MAX_EMPTY_TENSORS + total_len // ALIGN} empty tensors in a payload of "
+                    f"{total_len} bytes: refused (a crafted payload; a real config with that many empty "
+                    "tensors must store them differently)"
+                )
         if nbytes != numel * dtype.itemsize:
             raise PayloadError(
                 f"tensor {i}: nbytes {nbytes} != {numel} elements x {dtype.itemsize} bytes "

@@ -1057,3 +1057,20 @@ def test_keep_device_and_to_cpu() -> None:
     assert payload.to_cpu() is payload
     with pytest.raises(ValueError, match="checksum"):
         wire.encode({"t": t}, checksum=True, keep_device=True)
+
+
+def test_decoding_work_is_bounded_by_the_payload_size() -> None:
+    """Empty tensors cost a reader memory but no payload bytes: a flood of them is refused."""
+    many = encode([torch.empty(0)] * 1).to_bytes()  # one is fine
+    assert decode(bytearray(many))[0].numel() == 0
+    flood = encode([torch.empty(0) for _ in range(20_000)]).to_bytes()
+    with pytest.raises(PayloadError, match="empty tensors in a payload of"):
+        decode(bytearray(flood))
+    fine = [torch.empty(0) for _ in range(4000)]  # a real config's worth passes
+    assert len(decode(bytearray(encode(fine).to_bytes()))) == 4000
+
+
+def test_the_header_limit_is_checked_when_encoding() -> None:
+    """One limit, before anything is written: a sender learns it, not the reader after a write."""
+    with pytest.raises(ValueError, match="over the limit of 67,108,864 that every reader applies"):
+        encode({"s": "x" * (64 * 2**20 + 1)})
