@@ -17,6 +17,7 @@ from .layout import MeshLayout
 from .mesh import ProcessGroupMesh
 from .sync import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, barrier
 from .transports import NFSWorkspace
+from .transports.shm import release_shared_memory
 
 __version__ = "0.1.0"
 
@@ -40,4 +41,5 @@ __all__ = [
     "gather_tensors",
     "get_configs_parallel",
     "get_tensors_parallel",
+    "release_shared_memory",
 ]

@@ -49,7 +49,13 @@ from ._host import process_alive
 from .errors import GatherError, PayloadError, PeerLostError, SpaceError, TransportUnavailableError
 from .mesh import ProcessGroupMesh
 from .transports import CollectiveTransport, SharedMemoryTransport, Transport
-from .transports.shm import remove_segments_of, segments_freed, take_freed
+from .transports.shm import (
+    note_payload,
+    release_shared_memory,
+    remove_segments_of,
+    segments_freed,
+    take_freed,
+)
 
 __all__ = [
     "TRANSPORTS",
@@ -60,6 +66,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+sync.on_new_incarnation(release_shared_memory)  # nothing kept warm past a process group
 
 TRANSPORTS = ("auto", "shm", "workspace", "collective")
 INLINE_MAX_BYTES = 64 * 2**10
@@ -360,6 +367,7 @@ class _Gather:
 
     def publish_on_host(self, payload: wire.EncodedPayload, token: str, receiver: int) -> list[Any]:
         """Put ``payload`` where ``receiver`` (on this host) finds it; returns the claim body."""
+        note_payload(payload.nbytes)
         if payload.nbytes <= INLINE_MAX_BYTES:
             return ["inline", payload.to_bytes()]
         directory = self.companion.directory

@@ -46,6 +46,7 @@ __all__ = [
     "clean",
     "doctor",
     "find_segments",
+    "held_unnamed_files",
     "inspect_namespaces",
     "workspace_round_trip",
 ]
@@ -285,7 +286,38 @@ def _shm_section(rep: _Report, shm_dir: str) -> list[Segment]:
         rep.line(f"{s.name}  {_size(s.size)}  owner pid {s.pid} {state}{tail}", 2)
         if s.stale:
             rep.note(f"stale segment {s.path}")
+    held = held_unnamed_files(shm_dir)
+    total = sum(size for _, size in held)
+    pids = sorted({pid for pid, _ in held})
+    rep.line(
+        f"unnamed files held open in {shm_dir} (pooled segments of running gathers, and others'): "
+        f"{len(held)}, {_size(total)}" + (f", by pids {pids[:8]}" if pids else "")
+    )
     return segments
+
+
+def held_unnamed_files(shm_dir: str = SHM_DIR) -> list[tuple[int, int]]:
+    """``(pid, bytes)`` of every unnamed (or deleted) file in ``shm_dir`` that a process this
+    user can inspect holds open: where pooled segments live (they never have a name), so
+    ``doctor`` can show the shared memory running jobs keep warm."""
+    found = []
+    prefix = shm_dir.rstrip("/") + "/"
+    for pid_dir in os.listdir("/proc"):
+        if not pid_dir.isdigit():
+            continue
+        fd_dir = f"/proc/{pid_dir}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"{fd_dir}/{fd}")
+                if target.startswith(prefix) and target.endswith("(deleted)"):
+                    found.append((int(pid_dir), os.stat(f"{fd_dir}/{fd}").st_size))
+            except OSError:
+                continue
+    return found
 
 
 def _workspace_section(rep: _Report, workspace: str) -> None:

@@ -348,6 +348,7 @@ class _Incarnation:
 
     def __init__(self, pg: dist.ProcessGroup) -> None:
         self.pg = weakref.ref(pg)
+        weakref.finalize(pg, _run_reset_hooks)  # destroy_process_group() drops the group
         self.store = dist.distributed_c10d._get_default_store().clone()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -373,8 +374,17 @@ _RESET_HOOKS: list[Callable[[], None]] = []
 
 
 def on_new_incarnation(hook: Callable[[], None]) -> None:
-    """Call ``hook`` whenever the default process group is replaced (to drop caches)."""
+    """Call ``hook`` when the default process group is destroyed or replaced (to drop caches
+    and give back resources)."""
     _RESET_HOOKS.append(hook)
+
+
+def _run_reset_hooks() -> None:
+    for hook in _RESET_HOOKS:
+        try:
+            hook()
+        except Exception:
+            logger.debug("a reset hook failed", exc_info=True)
 
 
 def _incarnation() -> _Incarnation:
@@ -388,8 +398,7 @@ def _incarnation() -> _Incarnation:
     with _STATE_LOCK:
         if _CURRENT is None or _CURRENT.pg() is not pg:
             if _CURRENT is not None:
-                for hook in _RESET_HOOKS:
-                    hook()
+                _run_reset_hooks()
             _CURRENT = _Incarnation(pg)
         return _CURRENT
 

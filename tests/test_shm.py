@@ -161,3 +161,61 @@ def test_a_pooled_payload_whose_sender_exited_is_reported_as_a_lost_peer() -> No
         transport.fetch("00000000000000c0", 1, receipt)
     assert info.value.missing == (1,)
     assert not [n for n in os.listdir(shm.SHM_DIR) if n.endswith(f"_{pid}")]
+
+
+def _shmem_kib() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
+
+
+def _pool_after_large_then_small() -> dict:
+    """A 64 MiB gather, then 20 small ones (inline, 4 KiB): what each sender's pool holds."""
+    import torch.distributed as dist
+
+    from distribute_utils import get_tensors_parallel, release_shared_memory
+
+    rank, ranks = dist.get_rank(), [0, 1]
+    out: dict = {}
+    with get_tensors_parallel(torch.full((16 * 2**20,), float(rank)), ranks) as got:
+        if got:
+            assert float(got[1][-1]) == 1.0
+    del got  # the receiver's views go: its next verdict tells the sender
+    out["after_large"] = shm.pooled_bytes()[1]
+    for _ in range(20):
+        with get_tensors_parallel(torch.full((1024,), float(rank)), ranks):
+            pass
+    out["after_small"] = shm.pooled_bytes()[1]
+    with get_tensors_parallel(torch.full((4 * 2**20,), float(rank)), ranks):
+        pass
+    dist.barrier()
+    before = _shmem_kib()
+    out["released_at_once"] = release_shared_memory()  # its segment is still mapped by rank 0
+    with get_tensors_parallel(torch.full((8,), float(rank)), ranks):
+        pass  # this verdict tells the sender the receiver's views are gone: released then
+    dist.barrier()
+    out["shmem_drop_kib"] = before - _shmem_kib()
+    out["after_release"] = shm.pooled_bytes()[1]
+    return out
+
+
+def test_the_pool_gives_back_what_recent_rounds_do_not_need(pools) -> None:
+    sender = pools.get(2).run(_pool_after_large_then_small, timeout=120)[1]
+    assert sender["after_large"] >= 64 * 2**20, "the large payload was pooled"
+    assert sender["after_small"] < 2**20, f"still holding {sender['after_small']} bytes after small rounds"
+    assert sender["after_release"] == 0, sender
+    assert sender["shmem_drop_kib"] >= 8 * 1024, f"/proc/meminfo Shmem fell by {sender['shmem_drop_kib']} KiB"
+
+
+def test_doctor_sees_unnamed_segments_held_open_and_release_gives_them_back() -> None:
+    from distribute_utils import hygiene
+
+    pool = shm._SegmentPool()
+    seg = pool.take(4 * 2**20)
+    assert seg is not None
+    pool.fit(seg, 4 * 2**20, 1)
+    held = [size for pid, size in hygiene.held_unnamed_files() if pid == PID]
+    assert 4 * 2**20 in held, held
+    assert pool.release() == 0, "a busy segment is not given back under its receiver"
+    pool.freed({seg.ident})  # the receiver's views are gone: it goes now
+    assert pool.held() == (0, 0)
+    assert 4 * 2**20 not in [size for pid, size in hygiene.held_unnamed_files() if pid == PID]

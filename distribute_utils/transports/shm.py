@@ -36,6 +36,9 @@ from ..wire import EncodedPayload, read_prefix
 __all__ = [
     "SEGMENT_PREFIX",
     "SharedMemoryTransport",
+    "note_payload",
+    "pooled_bytes",
+    "release_shared_memory",
     "remove_segments_of",
     "segment_path",
     "segments_freed",
@@ -229,6 +232,7 @@ class _Segment:
     fd: int
     size: int = 0
     busy: bool = True
+    drop_when_freed: bool = False
 
 
 class _SegmentPool:
@@ -247,10 +251,45 @@ class _SegmentPool:
 
     LIMIT = 2
     MIN_BYTES = 64 * 2**10
+    RECENT = 8  # a free segment larger than twice the largest of the last 8 payloads is released
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._segments: dict[str, _Segment] = {}
+        self._recent: list[int] = []
+
+    def note_payload(self, nbytes: int) -> None:
+        """A sender's payload size, pooled or not: segments much larger than what recent rounds
+        sent are given back (a 1 GiB gather followed by small ones does not pin 1 GiB)."""
+        with self._lock:
+            self._recent = [*self._recent[-(self.RECENT - 1) :], nbytes]
+            bound = 2 * max(self._recent)
+            dropped = [s for s in self._segments.values() if not s.busy and s.size > bound]
+            for seg in dropped:
+                del self._segments[seg.ident]
+        for seg in dropped:
+            os.close(seg.fd)
+
+    def release(self) -> int:
+        """Give back every free segment; busy ones go when their receiver frees them.
+
+        Returns:
+            The bytes given back now.
+        """
+        with self._lock:
+            free = [s for s in self._segments.values() if not s.busy]
+            for seg in free:
+                del self._segments[seg.ident]
+            for seg in self._segments.values():
+                seg.drop_when_freed = True
+        for seg in free:
+            os.close(seg.fd)
+        return sum(s.size for s in free)
+
+    def held(self) -> tuple[int, int]:
+        """``(segments, bytes)`` this process's pool holds in ``/dev/shm``."""
+        with self._lock:
+            return len(self._segments), sum(s.size for s in self._segments.values())
 
     def take(self, nbytes: int) -> _Segment | None:
         """A free pooled segment (marked busy), a new one, or None to use a fresh named one."""
@@ -283,11 +322,16 @@ class _SegmentPool:
 
     def freed(self, idents: set[str]) -> None:
         """The receivers' maps of these segments are gone: they may be written again."""
+        dropped = []
         with self._lock:
             for ident in idents:
                 seg = self._segments.get(ident)
                 if seg is not None:
                     seg.busy = False
+                    if seg.drop_when_freed:
+                        dropped.append(self._segments.pop(ident))
+        for seg in dropped:
+            os.close(seg.fd)
 
     def drop(self, ident: str) -> None:
         """Forget segment ``ident`` (its receiver may still map it; the kernel frees it later)."""
@@ -305,6 +349,27 @@ class _SegmentPool:
 
 _POOL = _SegmentPool()
 _FREED: set[tuple[int, str]] = set()  # (sender rank, segment id) whose receiver map is gone
+
+
+def release_shared_memory() -> int:
+    """Give back the shared memory this process keeps warm for its next gathers.
+
+    Free pooled segments are closed at once (the kernel frees their pages); segments a
+    receiver still maps go as soon as it reports them freed. Called when the default process
+    group is destroyed or replaced; call it yourself after a large gather when the job goes
+    on without more. Returns the bytes given back now.
+    """
+    return _POOL.release()
+
+
+def pooled_bytes() -> tuple[int, int]:
+    """``(segments, bytes)`` of ``/dev/shm`` this process's segment pool holds."""
+    return _POOL.held()
+
+
+def note_payload(nbytes: int) -> None:
+    """Tell the pool a sender's payload size (every send, inline ones included)."""
+    _POOL.note_payload(nbytes)
 
 
 def take_freed(ranks: Collection[int]) -> list[tuple[int, str]]:
