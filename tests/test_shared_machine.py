@@ -157,3 +157,50 @@ def test_dry_runs_and_doctor_create_nothing(tmp_path: Path) -> None:
     hygiene.doctor(str(workspace), out)
     assert "round trip" in out.getvalue() and "result: ok" in out.getvalue(), out.getvalue()
     assert sorted(p.name for p in workspace.rglob("*")) == before, "doctor left something behind"
+
+
+def _crafted_through_a_gather(module_dir: str, case: str) -> dict[str, Any]:
+    import sys
+
+    rank = dist.get_rank()
+    value: Any = {"rank": rank}
+    if case == "unimported_class" and rank == 1:
+        sys.path.insert(0, module_dir)
+        import du_planted_mod  # type: ignore[import-not-found]  # only the sender has it
+
+        value = du_planted_mod.Config(1)
+    if case == "oversized" and rank == 2:
+        value = {"s": "x" * (64 * 2**20 + 1)}
+    try:
+        with get_tensors_parallel(torch.zeros(1), [0, 1, 2, 3]):  # the group is fine
+            pass
+        from distribute_utils import get_configs_parallel
+
+        with get_configs_parallel(value, [0, 1, 2, 3], timeout=30) as got:
+            return {"got": len(got)}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)[:300]}
+
+
+def test_crafted_values_fail_cleanly_through_a_real_gather(ranks4: RankPool, tmp_path: Path) -> None:
+    marker_dir = tmp_path / "imported-by"
+    marker_dir.mkdir()
+    (tmp_path / "du_planted_mod.py").write_text(
+        "import dataclasses, os\n"
+        f"open(os.path.join({str(marker_dir)!r}, str(os.getpid())), 'w').close()\n"
+        "@dataclasses.dataclass\nclass Config:\n    x: int\n"
+    )
+    results = ranks4.run(_crafted_through_a_gather, str(tmp_path), "unimported_class", timeout=90)
+    assert (
+        results[0]["error"] == "PayloadError"
+        and "is not imported on the reading rank" in results[0]["message"]
+    )
+    assert all("error" in r for r in results), results
+    assert [p.name for p in marker_dir.iterdir()] == [str(ranks4.pids[1])], "only the sender ran the module"
+    before = set(os.listdir("/dev/shm"))
+    results = ranks4.run(_crafted_through_a_gather, str(tmp_path), "oversized", timeout=90)
+    assert results[2]["error"] == "ValueError" and "over the limit" in results[2]["message"], results[2]
+    assert results[0]["error"] == "ValueError" and "rank 2 cannot take part" in results[0]["message"], (
+        results[0]
+    )
+    assert set(os.listdir("/dev/shm")) - before == set(), "nothing was written"
