@@ -374,7 +374,7 @@ class _Gather:
         assert directory is not None
         info = directory.info(receiver, self.companion.store, self.seconds, self.what)
         try:
-            local = SharedMemoryTransport(pool=directory.me.can_watch(info))
+            local = SharedMemoryTransport(pool=directory.me.can_watch(info), receiver=info)
             return ["shm", token, local.publish(token, self.me, payload)]
         except SpaceError:
             if self.workspace_path is None or self.transport == "shm":

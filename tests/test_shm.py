@@ -219,3 +219,35 @@ def test_doctor_sees_unnamed_segments_held_open_and_release_gives_them_back() ->
     pool.freed({seg.ident})  # the receiver's views are gone: it goes now
     assert pool.held() == (0, 0)
     assert 4 * 2**20 not in [size for pid, size in hygiene.held_unnamed_files() if pid == PID]
+
+
+def test_a_segment_whose_receiver_died_is_given_back() -> None:
+    import subprocess
+    import sys
+
+    from distribute_utils._host import this_process
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = this_process()
+        receiver = type(me)(
+            me.hostname, me.boot_id, me.shm_device, me.pid_namespace, child.pid, _start(child.pid)
+        )
+        pool = shm._SegmentPool()
+        seg = pool.take(2**20)
+        assert seg is not None
+        pool.fit(seg, 2**20, 1)
+        seg.receiver = receiver
+        pool.note_payload(2**20)
+        assert pool.held() == (1, 2**20), "busy under a live receiver: kept"
+    finally:
+        child.kill()
+        child.wait()
+    pool.note_payload(2**20)
+    assert pool.held() == (0, 0), "its receiver died: it will never be freed, so it goes"
+
+
+def _start(pid: int) -> int:
+    from distribute_utils._host import _start_time
+
+    return _start_time(pid)

@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from .._host import SHM_DIR
+from .._host import SHM_DIR, ProcessInfo, process_alive
 from ..errors import PayloadError, PeerLostError, SpaceError
 from ..wire import EncodedPayload, read_prefix
 
@@ -72,12 +72,15 @@ class SharedMemoryTransport:
         pool: publish payloads of :attr:`_SegmentPool.MIN_BYTES` or more from this process's
             warm pooled segments; only when the receiver shares this process's pid namespace
             (it opens them through ``/proc/<pid>/fd``).
+        receiver: the receiving process: a pooled segment it still maps is given back once
+            it has died (it will never report the segment freed).
     """
 
     name = "shm"
 
-    def __init__(self, pool: bool = False) -> None:
+    def __init__(self, pool: bool = False, receiver: ProcessInfo | None = None) -> None:
         self._pool = pool
+        self._receiver = receiver
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> str:
         """Write ``payload`` into a segment; returns the receipt the receiver needs."""
@@ -85,6 +88,7 @@ class SharedMemoryTransport:
         if pooled is not None:
             try:
                 _POOL.fit(pooled, payload.nbytes, rank)
+                pooled.receiver = self._receiver
                 payload.write_to_fd(pooled.fd)
             except BaseException:
                 _POOL.discard(pooled)
@@ -233,6 +237,7 @@ class _Segment:
     size: int = 0
     busy: bool = True
     drop_when_freed: bool = False
+    receiver: ProcessInfo | None = None  # who maps it while busy (a dead one never frees it)
 
 
 class _SegmentPool:
@@ -264,7 +269,12 @@ class _SegmentPool:
         with self._lock:
             self._recent = [*self._recent[-(self.RECENT - 1) :], nbytes]
             bound = 2 * max(self._recent)
-            dropped = [s for s in self._segments.values() if not s.busy and s.size > bound]
+            dropped = [
+                s
+                for s in self._segments.values()
+                if (not s.busy and s.size > bound)
+                or (s.busy and s.receiver is not None and not process_alive(s.receiver))
+            ]
             for seg in dropped:
                 del self._segments[seg.ident]
         for seg in dropped:
