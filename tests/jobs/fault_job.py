@@ -148,12 +148,13 @@ def _await_live_namespace(workspace: str, timeout: float = 60.0) -> str:
 
 
 def _payload_files(workspace: str) -> list[str]:
-    """Files in ``workspace`` other than its lock and the namespaces' owner records."""
+    """Files in ``workspace`` other than this user's lock directory and the owner records."""
     found = []
     for directory, _, files in os.walk(workspace):
         for name in files:
-            if not name.startswith(("owner-", ".du-")):
-                found.append(os.path.relpath(os.path.join(directory, name), workspace))
+            relative = os.path.relpath(os.path.join(directory, name), workspace)
+            if not name.startswith("owner-") and not relative.startswith(".du-"):
+                found.append(relative)
     return sorted(found)
 
 
