@@ -177,6 +177,9 @@ class _Watchdog:
             ident = id(watch)
             self._watches[ident] = watch
             if self._thread is None or not self._thread.is_alive():
+                # Stop it at exit before anything registered earlier runs (torch registers its
+                # own handlers at init_process_group): LIFO, so register when the thread starts.
+                atexit.register(self.close)
                 self._thread = threading.Thread(
                     target=self._run, name="distribute-utils-watchdog", daemon=True
                 )
@@ -247,6 +250,7 @@ class _Janitor:
         if self._stopped or not keys:
             return
         if self._thread is None or not self._thread.is_alive():
+            atexit.register(self.stop)  # as the watchdog: registered after torch's, so it runs first
             self._thread = threading.Thread(target=self._run, name="distribute-utils-janitor", daemon=True)
             self._thread.start()
         self._queue.put((store, keys))
