@@ -61,7 +61,6 @@ __all__ = [
     "companion",
     "group_ranks",
     "on_new_incarnation",
-    "process_info",
     "resolve_timeout",
 ]
 
@@ -405,14 +404,6 @@ def _incarnation() -> _Incarnation:
                 _run_reset_hooks()
             _CURRENT = _Incarnation(pg)
         return _CURRENT
-
-
-def process_info(rank: int, timeout: float | None = None) -> ProcessInfo:
-    """Where global ``rank`` runs (it posts this on its first use of the library)."""
-    inc = _incarnation()
-    seconds = resolve_timeout(timeout)
-    with inc.lock:
-        return inc.peers.info(rank, inc.store, seconds, f"looking up rank {rank}")
 
 
 # -- waiting -------------------------------------------------------------------------------------
