@@ -71,6 +71,8 @@ sync.on_new_incarnation(release_shared_memory)  # nothing kept warm past a proce
 TRANSPORTS = ("auto", "shm", "workspace", "collective")
 INLINE_MAX_BYTES = 64 * 2**10
 """Payloads up to this size travel inside the sender's claim in the store, not through a file."""
+_SMALL_CLAIM_BYTES = 4096  # larger claims (inline payloads) are overwritten once taken, not kept
+
 
 _RAISABLE: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (TypeError, ValueError, TransportUnavailableError, PeerLostError)
@@ -541,11 +543,12 @@ class _Gather:
                 _raise_from(error, "")
             target = torch.device(device) if device is not None else torch.device("cpu")
             plan = self.plan_and_tell()
-            direct = [r for r in plan.hosts if r != self.first] + plan.hosts[self.first][1:]
-            direct = [r for r in self.ranks if r in direct]
+            # The first's local senders and every remote host's leader, in ``ranks`` order.
+            senders = {r for r in plan.hosts if r != self.first} | set(plan.hosts[self.first][1:])
+            direct = [r for r in self.ranks if r in senders]
             values = self.call.wait_for("c", direct, self.seconds, self.what)
             claims = {r: _Claim.unpack(v) for r, v in zip(direct, values)}
-            bulky = [r for r, v in zip(direct, values) if len(v) > 4096]
+            bulky = [r for r, v in zip(direct, values) if len(v) > _SMALL_CLAIM_BYTES]
             for rank in direct:
                 self.check_claim(rank, claims[rank])
             self.tell_go(None, claims)
