@@ -23,7 +23,7 @@ from . import __version__
 from .launch import LaunchError
 
 if TYPE_CHECKING:
-    from .consolidate.layouts import CheckpointLayout
+    from .consolidate.formats import Checkpoint
     from .consolidate.tp_pp import ConsolidationReport
 
 __all__ = ["main"]
@@ -48,7 +48,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 # -- consolidate -----------------------------------------------------------------------------------
 _CHECKPOINT_MARKERS = re.compile(
-    r"mp_rank_\d{2}(_\d{3})?|iter_\d{7}|release|latest_checkpointed_iteration\.txt"
+    r"mp_rank_\d{2}(_\d{3}){0,2}|iter_\d{7}|release|latest_checkpointed_iteration\.txt|\.metadata"
 )
 
 
@@ -75,9 +75,10 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def _open_input(path: str) -> CheckpointLayout:
+def _open_input(path: str, names: str | None = None) -> Checkpoint:
     """Opens INPUT; what is not a checkpoint at all is a usage error, a broken checkpoint a failure."""
-    from .consolidate.layouts import MESH_FILE, LayoutError, open_checkpoint
+    from .consolidate.formats import open_checkpoint
+    from .consolidate.layouts import MESH_FILE, LayoutError
 
     root = Path(path)
     if not root.exists():
@@ -85,15 +86,16 @@ def _open_input(path: str) -> CheckpointLayout:
     if not root.is_dir():
         raise _UsageError(f"input '{root}' is not a directory: give the checkpoint directory")
     try:
-        return open_checkpoint(root)
+        return open_checkpoint(root, names=names)
     except LayoutError:
         recognised = (root / MESH_FILE).exists() or any(
             _CHECKPOINT_MARKERS.fullmatch(p.name) for p in root.iterdir()
         )
         if not recognised:
             raise _UsageError(
-                f"input '{root}' is not a checkpoint: expected mesh.json (distribute_utils layout) or "
-                "mp_rank_XX[_YYY]/model_optim_rng.pt directories (Megatron-LM legacy)"
+                f"input '{root}' is not a checkpoint: expected mesh.json (distribute_utils layout), "
+                ".metadata (torch.distributed.checkpoint, Megatron/NeMo torch_dist) or "
+                "mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt directories (Megatron-LM legacy)"
             ) from None
         raise
 
@@ -114,6 +116,8 @@ def _consolidate_options(args: argparse.Namespace) -> dict[str, Any]:
         "workspace_path": args.workspace,
         "timeout": args.timeout,
         "progress": not args.quiet,
+        "swiglu": args.swiglu,
+        "names": args.megatron_names,
     }
 
 
@@ -125,7 +129,7 @@ def _print_consolidation(report: ConsolidationReport, as_json: bool) -> None:
 
 
 def _consolidate_as_torchrun_rank(
-    args: argparse.Namespace, options: dict[str, Any], layout: CheckpointLayout
+    args: argparse.Namespace, options: dict[str, Any], layout: Checkpoint
 ) -> int:
     """This process is one rank of a torchrun job: join it and consolidate.
 
@@ -135,11 +139,11 @@ def _consolidate_as_torchrun_rank(
     from .consolidate.tp_pp import consolidate_checkpoint
     from .errors import PeerLostError
 
-    needed = layout.tp * layout.pp
+    needed = layout.tp * layout.stages
     world = int(os.environ["WORLD_SIZE"])
     if world not in (needed, 1) or (args.nproc is not None and args.nproc != world):
         raise _UsageError(
-            f"'{args.input}' is TP {layout.tp} x PP {layout.pp}: start {needed} ranks "
+            f"'{args.input}' is {layout.describe_grid()}: start {needed} ranks "
             f"(torchrun --nproc-per-node {needed}), not {world}"
         )
     created = not dist.is_initialized()
@@ -166,18 +170,24 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     from .launch import under_torchrun
 
     options = _consolidate_options(args)
-    layout = _open_input(args.input)
-    needed = layout.tp * layout.pp
+    layout = _open_input(args.input, args.megatron_names)
+    needed = layout.tp * layout.stages
     try:
         if under_torchrun():
             return _consolidate_as_torchrun_rank(args, options, layout)
         nproc = needed if args.nproc is None else args.nproc
         if nproc not in (needed, 1):
             raise _UsageError(
-                f"--nproc {nproc} does not fit '{args.input}': a TP {layout.tp} x PP {layout.pp} checkpoint "
+                f"--nproc {nproc} does not fit '{args.input}': {layout.describe_grid()} "
                 f"needs {needed} ranks (or 1 to consolidate in this process)"
             )
-        plan_checkpoint(args.input, options["rules"], quant_format=args.quant_format)  # fail fast, no spawn
+        plan_checkpoint(  # fail fast, no spawn
+            args.input,
+            options["rules"],
+            quant_format=args.quant_format,
+            swiglu=args.swiglu,
+            names=args.megatron_names,
+        )
         report = consolidate_local(args.input, args.output, nproc=nproc, **options)
     except (LaunchError, OSError, ValueError, RuntimeError) as exc:
         print(f"distribute-utils consolidate: error: {_one_line(exc)}", file=sys.stderr)
@@ -315,6 +325,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("fp8", "int8_sq", "int4_awq"),
         default=None,
         help="add the built-in rules for ModelOpt quantization scales of this format (default: none)",
+    )
+    cons.add_argument(
+        "--swiglu",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the MLP is gated (linear_fc1 holds [gate; up] on every TP rank) or not; default: as the "
+        "checkpoint's args say (Megatron's --swiglu); a split linear_fc1 without either is an error",
+    )
+    cons.add_argument(
+        "--megatron-names",
+        choices=("te", "local"),
+        default=None,
+        help="torch_dist only: layer-norm names as a TransformerEngine model has them "
+        "(self_attention.linear_qkv.layer_norm_weight) or as --transformer-impl local has them "
+        "(input_layernorm.weight); default: the checkpoint's args.transformer_impl, else te",
     )
     cons.add_argument(
         "--max-shard-size",

@@ -20,6 +20,7 @@ from distribute_utils.consolidate import (
     ScalarMax,
     Sum,
     TensorSpec,
+    Unknown,
     global_layer_name,
     make_gpt_state_dict,
     parse_rule,
@@ -183,7 +184,8 @@ def test_parse_rule_round_trip() -> None:
 
 def test_parse_rule_unknown_lists_valid_rules() -> None:
     with pytest.raises(
-        RuleSyntaxError, match=r"unknown merge rule 'avg'.*concat:<dim>, max, sum, same, first"
+        RuleSyntaxError,
+        match=r"unknown merge rule 'avg'.*concat:<dim>, concat:<dim>:<parts>, swiglu, max, sum",
     ):
         parse_rule("avg")
     with pytest.raises(RuleSyntaxError, match="concat:<dim>"):
@@ -208,7 +210,9 @@ def test_table_then_and_to_text_round_trip() -> None:
     assert combined.rule_for("output_layer.weight") == Same()
     assert combined.rule_for("decoder.layers.0.mlp.linear_fc1.weight") == Concat(0)
     text = combined.to_text()
-    assert RuleTable.from_text(text).then(RuleTable()) == RuleTable([*combined, ("*", Same())])
+    assert RuleTable.from_text(text, fallback=Unknown()) == RuleTable(
+        [*combined, ("*", Unknown())], fallback=Unknown()
+    )
 
 
 def test_from_mapping_errors_name_the_pattern() -> None:
@@ -289,7 +293,7 @@ def test_default_table(name: str, rule) -> None:
 
 
 def test_default_table_without_quant_has_no_scale_rules() -> None:
-    assert RuleTable.default().rule_for(CORE + "mlp.linear_fc1.weight_scale") == Same()
+    assert RuleTable.default().rule_for(CORE + "mlp.linear_fc1.weight_scale") == Unknown()
     with pytest.raises(ValueError, match="unknown quant_format 'fp4'"):
         RuleTable.default("fp4")
 

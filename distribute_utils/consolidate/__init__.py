@@ -4,8 +4,10 @@
   :class:`RuleTable` (ordered globs, rules files, Megatron/ModelOpt defaults);
 * :mod:`.writers`: :class:`SafetensorsWriter` / :class:`TorchSaveWriter`, one tensor at a time, atomic;
   :func:`load_safetensors` (zero-copy mmap reader);
-* :mod:`.layouts`: :func:`open_checkpoint` for the own ``mesh.json`` layout and Megatron-LM legacy
-  checkpoints, :func:`plan_merge` from metadata;
+* :mod:`.layouts`: the grid interface (:class:`CheckpointLayout`), the own ``mesh.json`` layout and
+  :func:`plan_merge` from metadata; :mod:`.megatron`: Megatron-LM legacy checkpoints (``args`` read);
+  :mod:`.dcp`: torch.distributed.checkpoint / Megatron torch_dist, read in batches; :mod:`.formats`:
+  :func:`open_checkpoint` recognises them all; :mod:`.safe_load`: ``torch.load`` that runs no pickled code;
 * :mod:`.synthetic`: deterministic GPT-like state dicts and their TP x PP sharding;
 * :mod:`.tp_pp`: :func:`consolidate_checkpoint`, the distributed driver (every rank reads its own shard,
   TP groups merge, stages stream to rank 0, which writes), and :func:`consolidate_local` (spawns the ranks).
@@ -13,21 +15,19 @@
 
 from __future__ import annotations
 
+from .dcp import DCP_METADATA, MEGATRON_NAMES, DcpCheckpoint
+from .formats import Checkpoint, open_checkpoint
 from .layouts import (
-    MEGATRON_FILE,
     MESH_FILE,
     CheckpointLayout,
     LayoutError,
-    MegatronLegacyLayout,
     MergePlanEntry,
     OwnLayout,
     global_layer_name,
-    open_checkpoint,
     plan_merge,
-    safe_torch_load,
-    write_megatron_legacy,
     write_own_layout,
 )
+from .megatron import MEGATRON_FILE, MegatronArgs, MegatronLegacyLayout, write_megatron_legacy
 from .rules import (
     COLUMN_PARALLEL_LAYERS,
     QUANT_FORMATS,
@@ -44,9 +44,11 @@ from .rules import (
     Same,
     ScalarMax,
     Sum,
+    Unknown,
     parse_rule,
     quantized_rule,
 )
+from .safe_load import StandIn, UnsafeCheckpointError, safe_torch_load
 from .synthetic import (
     SyntheticDims,
     balanced_layers_per_stage,
@@ -84,9 +86,11 @@ from .writers import (
 
 __all__ = [
     "COLUMN_PARALLEL_LAYERS",
+    "DCP_METADATA",
     "DEFAULT_BATCH_BYTES",
     "DTYPE_TO_SAFETENSORS",
     "MEGATRON_FILE",
+    "MEGATRON_NAMES",
     "MESH_FILE",
     "OUTPUT_FORMATS",
     "QUANT_FORMATS",
@@ -94,15 +98,18 @@ __all__ = [
     "RULE_NAMES",
     "SAFETENSORS_TO_DTYPE",
     "SCALE_SUFFIXES",
+    "Checkpoint",
     "CheckpointFormatError",
     "CheckpointLayout",
     "CheckpointWriter",
     "Concat",
     "ConsolidationError",
     "ConsolidationReport",
+    "DcpCheckpoint",
     "First",
     "LayoutError",
     "Max",
+    "MegatronArgs",
     "MegatronLegacyLayout",
     "MergeError",
     "MergePlanEntry",
@@ -113,10 +120,13 @@ __all__ = [
     "SafetensorsWriter",
     "Same",
     "ScalarMax",
+    "StandIn",
     "Sum",
     "SyntheticDims",
     "TensorSpec",
     "TorchSaveWriter",
+    "Unknown",
+    "UnsafeCheckpointError",
     "balanced_layers_per_stage",
     "consolidate_checkpoint",
     "consolidate_local",

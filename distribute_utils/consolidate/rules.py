@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
@@ -46,6 +47,7 @@ __all__ = [
     "Same",
     "ScalarMax",
     "Sum",
+    "Unknown",
     "parse_rule",
     "quantized_rule",
 ]
@@ -57,7 +59,17 @@ ParallelKind = Literal["column", "row"]
 TensorKind = Literal["weight", "bias", "weight_scale", "activation_scale", "pre_quant_scale"]
 
 #: Rule names accepted by :func:`parse_rule` (``concat`` needs ``:<dim>``).
-RULE_NAMES: tuple[str, ...] = ("concat:<dim>", "max", "sum", "same", "first", "scalar_max:<rule>")
+RULE_NAMES: tuple[str, ...] = (
+    "concat:<dim>",
+    "concat:<dim>:<parts>",
+    "swiglu",
+    "max",
+    "sum",
+    "same",
+    "first",
+    "scalar_max:<rule>",
+    "unknown",
+)
 
 
 class MergeError(DistributeError, ValueError):
@@ -175,6 +187,15 @@ class MergeRule(ABC):
             )
         return self._merged_shape(name, norm, ranks)
 
+    def byte_runs(self, shapes: Sequence[Sequence[int]], itemsize: int) -> list[tuple[int, int, int]] | None:
+        """The merged tensor's bytes as runs of shard bytes, in output order: ``(shard, start, length)``;
+        ``None`` when the merge computes new values (``max``, ``sum``) or keeps one shard.
+
+        Lets a writer place every shard straight into the output without building the merged tensor.
+        ``shapes`` must already be validated (:meth:`merged_shape`).
+        """
+        return None
+
     def merged_spec(
         self, name: str, specs: Sequence[TensorSpec], ranks: Sequence[int] | None = None
     ) -> TensorSpec:
@@ -204,13 +225,37 @@ class MergeRule(ABC):
 
 @dataclass(frozen=True)
 class Concat(MergeRule):
-    """Concatenate along ``dim`` (negative counts from the end); other dims must agree."""
+    """Concatenate along ``dim`` (negative counts from the end); other dims must agree.
+
+    With ``parts > 1`` every shard is itself ``parts`` equal blocks along ``dim`` (a gated MLP's
+    ``linear_fc1`` holds ``[gate_t; up_t]`` on TP rank ``t``) and the output is block by block:
+    ``[gate_0; gate_1; ...; up_0; up_1; ...]``, as Megatron merges SwiGLU (rule text ``concat:0:2``,
+    alias ``swiglu``).
+    """
 
     dim: int = 0
+    parts: int = 1
     equal_shapes: ClassVar[bool] = False
 
+    def __post_init__(self) -> None:
+        if self.parts < 1:
+            raise RuleSyntaxError(f"concat needs parts >= 1, got {self.parts}")
+
     def __str__(self) -> str:
-        return f"concat:{self.dim}"
+        return f"concat:{self.dim}" if self.parts == 1 else f"concat:{self.dim}:{self.parts}"
+
+    def byte_runs(self, shapes: Sequence[Sequence[int]], itemsize: int) -> list[tuple[int, int, int]]:
+        """See :meth:`MergeRule.byte_runs`: outer index by outer index, block by block, shard by shard."""
+        dim = self.dim % len(shapes[0])
+        outer = math.prod(shapes[0][:dim])
+        rows = [math.prod(s[dim:]) * itemsize for s in shapes]  # bytes of one outer index, per shard
+        runs: list[tuple[int, int, int]] = []
+        for i in range(outer):
+            for part in range(self.parts):
+                for shard, row in enumerate(rows):
+                    block = row // self.parts
+                    runs.append((shard, i * row + part * block, block))
+        return runs
 
     def _norm_dim(self, name: str, ndim: int) -> int:
         if ndim == 0:
@@ -238,23 +283,66 @@ class Concat(MergeRule):
                 f"cannot concatenate tensor '{name}' along dim {self.dim}: the other dims differ "
                 f"({_describe(shapes, ranks)})"
             )
+        odd = [s for s in shapes if s[dim] % self.parts]
+        if odd:
+            raise MergeError(
+                f"cannot merge tensor '{name}' with rule {self}: every shard must hold {self.parts} equal "
+                f"blocks along dim {self.dim}, got {_describe(shapes, ranks)}"
+            )
         total = sum(s[dim] for s in shapes)
         return (*shapes[0][:dim], total, *shapes[0][dim + 1 :])
 
     def _merge(self, name: str, shards: Sequence[torch.Tensor], ranks: Sequence[int] | None) -> torch.Tensor:
         if len(shards) == 1:
             return shards[0]
-        return torch.cat([s.detach() for s in shards], dim=self.dim)
+        if self.parts == 1:
+            return torch.cat([s.detach() for s in shards], dim=self.dim)
+        blocks = [s.detach().chunk(self.parts, dim=self.dim) for s in shards]
+        return torch.cat([b[part] for part in range(self.parts) for b in blocks], dim=self.dim)
 
     def split(self, name: str, tensor: torch.Tensor, parts: int) -> list[torch.Tensor]:
         dim = self._norm_dim(name, tensor.dim())
         size = tensor.shape[dim]
-        if parts <= 0 or size % parts:
+        if parts <= 0 or size % (parts * self.parts):
             raise MergeError(
                 f"cannot split tensor '{name}' of shape {tuple(tensor.shape)} into {parts} equal parts "
-                f"along dim {self.dim}"
+                f"of {self.parts} blocks along dim {self.dim}"
             )
-        return [c.contiguous() for c in torch.split(tensor, size // parts, dim=dim)]
+        blocks = [torch.split(b, size // self.parts // parts, dim=dim) for b in tensor.chunk(self.parts, dim)]
+        return [torch.cat([b[t] for b in blocks], dim=dim).contiguous() for t in range(parts)]
+
+
+@dataclass(frozen=True)
+class Unknown(MergeRule):
+    """No known rule: a single shard is kept, several are an error naming the tensor and the fix.
+
+    The fallback of :meth:`RuleTable.default`, so that a tensor split in a way nobody described is never
+    merged by guess.
+    """
+
+    hint: str = field(default="", compare=False)
+    equal_shapes: ClassVar[bool] = False
+
+    def __str__(self) -> str:
+        return "unknown"
+
+    def _merged_shape(self, name: str, shapes: Sequence[Shape], ranks: Sequence[int] | None) -> Shape:
+        if len(shapes) > 1:
+            why = f" ({self.hint})" if self.hint else ""
+            raise MergeError(
+                f"no merge rule is known for tensor '{name}'{why}, shards {_describe(shapes, ranks)}; "
+                "say how its tensor-parallel shards combine with --rules, e.g. a line "
+                f"'{name} concat:0' (split along dim 0), 'concat:1', 'swiglu', 'same' (replicated) or 'max'"
+            )
+        return shapes[0]
+
+    def _merge(self, name: str, shards: Sequence[torch.Tensor], ranks: Sequence[int] | None) -> torch.Tensor:
+        return shards[0]
+
+    def split(self, name: str, tensor: torch.Tensor, parts: int) -> list[torch.Tensor]:
+        if parts != 1:
+            raise MergeError(f"tensor '{name}' has no known merge rule, so it cannot be split")
+        return [tensor]
 
 
 def _reduce(shards: Sequence[torch.Tensor], op: str) -> torch.Tensor:
@@ -404,7 +492,14 @@ class ScalarMax(MergeRule):
         return self._pick([tuple(tensor.shape)]).split(name, tensor, parts)
 
 
-_SIMPLE_RULES: dict[str, MergeRule] = {"max": Max(), "sum": Sum(), "same": Same(), "first": First()}
+_SIMPLE_RULES: dict[str, MergeRule] = {
+    "max": Max(),
+    "sum": Sum(),
+    "same": Same(),
+    "first": First(),
+    "unknown": Unknown(),
+    "swiglu": Concat(0, 2),
+}
 
 
 def parse_rule(text: str) -> MergeRule:
@@ -426,10 +521,13 @@ def parse_rule(text: str) -> MergeRule:
     if low.startswith("scalar_max:"):
         return ScalarMax(parse_rule(raw[len("scalar_max:") :]))
     if low.startswith("concat"):
-        m = re.fullmatch(r"concat:\s*([+-]?\d+)", low)
-        if m is None:
-            raise RuleSyntaxError(f"bad concat rule {raw!r}: write concat:<dim>, e.g. concat:0 or concat:-1")
-        return Concat(int(m.group(1)))
+        m = re.fullmatch(r"concat:\s*([+-]?\d+)(?::\s*(\d+))?", low)
+        if m is None or (m.group(2) is not None and int(m.group(2)) < 1):
+            raise RuleSyntaxError(
+                f"bad concat rule {raw!r}: write concat:<dim> or concat:<dim>:<parts>, e.g. concat:0, "
+                "concat:-1, or concat:0:2 for a gated MLP's [gate; up]"
+            )
+        return Concat(int(m.group(1)), int(m.group(2) or 1))
     raise RuleSyntaxError(f"unknown merge rule {raw!r}; valid rules: {', '.join(RULE_NAMES)}")
 
 
@@ -455,6 +553,20 @@ COLUMN_PARALLEL_LAYERS: tuple[str, ...] = (
 )
 #: Row-parallel layers (input features split across TP): weight concat on dim 1, bias not split.
 ROW_PARALLEL_LAYERS: tuple[str, ...] = ("linear_proj", "self_attention.dense", "linear_fc2", "dense_4h_to_h")
+
+#: Tensors every TP rank holds whole (norms, position embeddings, MoE routers): ``same``.
+REPLICATED: tuple[str, ...] = (
+    "*norm.weight",
+    "*norm.bias",
+    "*.layer_norm_weight",
+    "*.layer_norm_bias",
+    "*position_embeddings.weight",
+    "*.router.weight",
+    "*.router.expert_bias",
+    "*.inv_freq",
+)
+# The first layer of a gated MLP holds [gate; up] on every TP rank.
+_GATED_LAYERS: tuple[str, ...] = ("linear_fc1", "dense_h_to_4h")
 
 #: Accepted name suffixes (after ``<layer>.``) for each kind of tensor.
 SCALE_SUFFIXES: dict[str, tuple[str, ...]] = {
@@ -713,19 +825,39 @@ class RuleTable:
             return cls.from_text(f.read(), source=os.fspath(path), fallback=fallback)
 
     @classmethod
-    def default(cls, quant_format: str | None = None) -> RuleTable:
+    def default(cls, quant_format: str | None = None, gated: bool | None = False) -> RuleTable:
         """The built-in table for Megatron-style GPT names (core and legacy), optionally quantized.
 
-        Column-parallel layers (:data:`COLUMN_PARALLEL_LAYERS`): weight and bias ``concat:0``.
-        Row-parallel layers (:data:`ROW_PARALLEL_LAYERS`): weight ``concat:1``, bias ``same``.
-        With ``quant_format`` the ModelOpt scale rules of :func:`quantized_rule` are added for the suffixes
-        in :data:`SCALE_SUFFIXES`. Everything else (norms, position embeddings, ...) falls back to ``same``.
+        Column-parallel layers (:data:`COLUMN_PARALLEL_LAYERS`): weight and bias ``concat:0``; a gated
+        MLP's ``linear_fc1`` / ``dense_h_to_4h`` (``gated=True``) ``swiglu``. Row-parallel layers
+        (:data:`ROW_PARALLEL_LAYERS`): weight ``concat:1``, bias ``same``. Replicated tensors
+        (:data:`REPLICATED`: norms, position embeddings, routers) ``same``. With ``quant_format`` the
+        ModelOpt scale rules of :func:`quantized_rule` are added for the suffixes in :data:`SCALE_SUFFIXES`.
+        Anything else gets :class:`Unknown`: an error if it is split, naming the tensor and ``--rules``.
 
         Args:
             quant_format: ``None``, ``"fp8"``, ``"int8_sq"`` or ``"int4_awq"``.
+            gated: whether the MLP is gated (SwiGLU); ``None`` when unknown: a split ``linear_fc1`` is then
+                an error that asks which it is.
         """
         if quant_format not in QUANT_FORMATS:
             raise ValueError(
                 f"unknown quant_format {quant_format!r}; valid: {', '.join(map(str, QUANT_FORMATS))}"
             )
-        return cls(_default_entries(quant_format), fallback=Same())
+        fc1: MergeRule
+        if gated is None:
+            fc1 = Unknown(
+                "the MLP may be gated (SwiGLU: each shard is [gate; up]) and the checkpoint does not say; "
+                "pass --swiglu or --no-swiglu"
+            )
+        else:
+            fc1 = Concat(0, 2) if gated else Concat(0)
+        entries: list[tuple[str, MergeRule]] = []
+        for layer in _GATED_LAYERS:
+            for suffix in ("weight", "bias"):
+                entries.extend((p, fc1) for p in _layer_patterns(layer, suffix))
+                entries.append((f"*.{layer}.{suffix}[0-9]*", fc1))  # TE grouped experts: weight0, ...
+        entries.append(("*.linear_fc2.weight[0-9]*", Concat(1)))  # TE grouped experts, row-parallel
+        entries.extend((p, Same()) for p in REPLICATED)
+        entries += _default_entries(quant_format)
+        return cls(entries, fallback=Unknown())

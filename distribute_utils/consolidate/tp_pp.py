@@ -61,7 +61,9 @@ from .. import sync
 from ..errors import DistributeError, PeerLostError
 from ..gather import gather_configs
 from ..mesh import ProcessGroupMesh
-from .layouts import CheckpointLayout, MergePlanEntry, open_checkpoint, plan_merge
+from .dcp import DcpCheckpoint
+from .formats import Checkpoint, open_checkpoint
+from .layouts import CheckpointLayout, MergePlanEntry, plan_merge
 from .rules import Concat, MergeError, RuleTable
 from .writers import CheckpointWriter, open_writer, parse_size
 
@@ -214,7 +216,9 @@ def peak_rss_bytes() -> int:
 
 
 def resolve_rules(
-    rules: RuleTable | str | os.PathLike[str] | None = None, quant_format: str | None = None
+    rules: RuleTable | str | os.PathLike[str] | None = None,
+    quant_format: str | None = None,
+    gated: bool | None = False,
 ) -> RuleTable:
     """The rule table to use.
 
@@ -222,12 +226,13 @@ def resolve_rules(
         rules: a table (used as is), a rules file (its patterns first, then the defaults), or ``None``
             (the defaults).
         quant_format: ``None``, ``"fp8"``, ``"int8_sq"`` or ``"int4_awq"``: picks the default table.
+        gated: whether the MLP is gated (SwiGLU), ``None`` if unknown (see :meth:`RuleTable.default`).
 
     Raises:
         RuleSyntaxError: a malformed rules file (``path:line:`` in the message).
         FileNotFoundError: no such rules file.
     """
-    default = RuleTable.default(quant_format)
+    default = RuleTable.default(quant_format, gated)
     if rules is None:
         return default
     if isinstance(rules, RuleTable):
@@ -244,19 +249,28 @@ def plan_checkpoint(
     quant_format: str | None = None,
     layers_per_stage: Sequence[int] | None = None,
     iteration: int | str | None = None,
-) -> tuple[CheckpointLayout, list[MergePlanEntry]]:
+    swiglu: bool | None = None,
+    names: str | None = None,
+) -> tuple[Checkpoint, list[MergePlanEntry]]:
     """Opens a checkpoint and plans its consolidation from metadata; no collective, any process.
 
     Merge errors found while planning (e.g. shapes that cannot be concatenated) are extended with the stage
-    and, for each TP rank, its global rank and shard file.
+    and, for each TP rank, its global rank and shard file. ``swiglu`` overrides what the checkpoint says
+    about its MLP (a Megatron checkpoint's ``args.swiglu``); ``names`` picks Megatron torch_dist's
+    layer-norm names (``"te"`` or ``"local"``, default from its ``args``). A DCP checkpoint holds global
+    tensors: ``rules`` and ``quant_format`` do not apply to it.
 
     Raises:
         FileNotFoundError: the directory or a shard file is missing (path named).
         LayoutError: not a known layout, or an inconsistent one.
         MergeError: the shards of a tensor cannot be merged (tensor, ranks and files named).
     """
-    layout = open_checkpoint(input_dir, layers_per_stage, iteration)
-    table = resolve_rules(rules, quant_format)
+    layout = open_checkpoint(input_dir, layers_per_stage, iteration, names=names)
+    if isinstance(layout, DcpCheckpoint):
+        if rules is not None or quant_format is not None:
+            logger.info("%s holds global tensors: merge rules and quant_format do not apply", input_dir)
+        return layout, layout.plan()
+    table = resolve_rules(rules, quant_format, layout.gated_mlp if swiglu is None else swiglu)
     try:
         plan = plan_merge(layout, table)
     except MergeError as exc:
@@ -270,14 +284,14 @@ def _where(layout: CheckpointLayout, message: str) -> str:
     if m is None:
         return ""
     try:
-        for p in range(layout.pp):
-            for spec in layout.shard_specs(0, p):
-                if layout.global_name(spec.name, p) == m.group(1):
+        for s in range(layout.stages):
+            for spec in layout.shard_specs(0, s):
+                if layout.global_name(spec.name, s) == m.group(1):
                     shards = ", ".join(
-                        f"TP rank {t} = global rank {p * layout.tp + t} in '{layout.file_for(t, p)}'"
+                        f"TP rank {t} = global rank {s * layout.tp + t} in '{layout.file_for(t, s)}'"
                         for t in range(layout.tp)
                     )
-                    return f" (stage {p}: {shards})"
+                    return f" ({layout.describe_stage(s)}: {shards})"
     except Exception:  # only decoration of an error message
         logger.debug("could not locate tensor %r", m.group(1), exc_info=True)
     return ""
@@ -331,21 +345,22 @@ def _check_space(output: str | os.PathLike[str], nbytes: int) -> None:
 
 
 class _ShardSource:
-    """This rank's own shard, memory-mapped on first use.
+    """This rank's own shard, memory-mapped on first use (a DCP checkpoint: read batch by batch).
 
-    A safetensors shard is remapped after about ``window`` bytes were taken from it, so that pages already
-    sent or written leave this process's resident set; a torch shard (unpickled on load) is kept.
+    The shard is remapped after about ``window`` bytes were taken from it, so that pages already sent or
+    written leave this process's resident set.
     """
 
     def __init__(self, layout: CheckpointLayout, tp_rank: int, pp_rank: int, window: int) -> None:
         self._layout, self._tp, self._pp = layout, tp_rank, pp_rank
-        self._remap = layout.file_format == "safetensors"
         self._window = window
         self._taken = 0
         self._tensors: dict[str, torch.Tensor] | None = None
 
     def get(self, entries: Sequence[MergePlanEntry]) -> list[torch.Tensor]:
         """The shards of ``entries`` (local names) in this rank's file."""
+        if isinstance(self._layout, DcpCheckpoint):
+            return self._layout.read(entries)
         if self._tensors is None:
             self._tensors = self._layout.load_shard(self._tp, self._pp)
         found = [self._tensors[e.local_name] for e in entries]
@@ -354,7 +369,7 @@ class _ShardSource:
 
     def batch_done(self) -> None:
         """Called after a batch's tensors were dropped: maybe unmap the shard."""
-        if self._remap and self._taken >= self._window:
+        if self._taken >= self._window:
             self._tensors = None
             self._taken = 0
 
@@ -502,6 +517,8 @@ class _Job:
         batch_bytes: int,
         layers_per_stage: Sequence[int] | None,
         iteration: int | str | None,
+        swiglu: bool | None = None,
+        names: str | None = None,
     ) -> None:
         self.start = time.perf_counter()
         self.input_dir, self.output = input_dir, output
@@ -519,7 +536,7 @@ class _Job:
         self.failure: _Failure | None = None
         self.writer: CheckpointWriter | None = None
         self.bar: Any = None
-        self._setup(rules, quant_format, layers_per_stage, iteration)
+        self._setup(rules, quant_format, layers_per_stage, iteration, swiglu, names)
 
     # -- failures ------------------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
@@ -551,6 +568,8 @@ class _Job:
         quant_format: str | None,
         layers_per_stage: Sequence[int] | None,
         iteration: int | str | None,
+        swiglu: bool | None,
+        names: str | None,
     ) -> None:
         digest = ""
         with self._guard():
@@ -560,11 +579,18 @@ class _Job:
                 quant_format=quant_format,
                 layers_per_stage=layers_per_stage,
                 iteration=iteration,
+                swiglu=swiglu,
+                names=names,
             )
-            self.tp, self.pp = self.layout.tp, self.layout.pp
+            if isinstance(self.layout, DcpCheckpoint):
+                raise ValueError(
+                    f"'{self.input_dir}' is {self.layout.describe_grid()}: one process streams it from its "
+                    f"files; run the consolidation on 1 rank, not {self.world}"
+                )
+            self.tp, self.pp = self.layout.tp, self.layout.stages
             if self.world != self.tp * self.pp:
                 raise ValueError(
-                    f"'{self.input_dir}' is a TP {self.tp} x PP {self.pp} checkpoint and needs "
+                    f"'{self.input_dir}' is a {self.layout.describe_grid()} checkpoint and needs "
                     f"{self.tp * self.pp} ranks, but the world has {self.world}; run it on "
                     f"{self.tp * self.pp} ranks (or on 1 to consolidate in one process)"
                 )
@@ -828,12 +854,20 @@ def _consolidate_alone(
     batch_bytes: int,
     layers_per_stage: Sequence[int] | None,
     iteration: int | str | None,
+    swiglu: bool | None,
+    names: str | None,
 ) -> ConsolidationReport:
     start = time.perf_counter()
     layout, plan = plan_checkpoint(
-        input_dir, rules, quant_format=quant_format, layers_per_stage=layers_per_stage, iteration=iteration
+        input_dir,
+        rules,
+        quant_format=quant_format,
+        layers_per_stage=layers_per_stage,
+        iteration=iteration,
+        swiglu=swiglu,
+        names=names,
     )
-    batches = _make_batches(plan, layout.pp, batch_bytes)
+    batches = _make_batches(plan, layout.stages, batch_bytes)
     total = sum(e.spec.nbytes for e in plan)
     _check_space(output, total)
     window = _REMAP_FACTOR * batch_bytes
@@ -841,7 +875,7 @@ def _consolidate_alone(
         open_writer(format, output, [e.spec for e in plan], max_shard_size) as writer,
         _progress(total, progress, "consolidating") as bar,
     ):
-        for p in range(layout.pp):
+        for p in range(layout.stages):
             sources = [_ShardSource(layout, t, p, window) for t in range(layout.tp)]
             ranks = [p * layout.tp + t for t in range(layout.tp)]
             for batch in batches[p]:
@@ -888,8 +922,10 @@ def consolidate_checkpoint(
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     layers_per_stage: Sequence[int] | None = None,
     iteration: int | str | None = None,
+    swiglu: bool | None = None,
+    names: str | None = None,
 ) -> ConsolidationReport:
-    """Consolidates a TP x PP checkpoint into one checkpoint written by rank 0.
+    """Consolidates a sharded checkpoint into one checkpoint written by rank 0.
 
     Must be called on every rank of an initialised job whose world size equals ``tp * pp`` of the input,
     with the same arguments (the output path matters on rank 0 only). Rank ``pp_rank * tp + tp_rank``
@@ -913,6 +949,8 @@ def consolidate_checkpoint(
         batch_bytes: merged bytes per stage and round; rank 0 holds about one batch per stage.
         layers_per_stage: overrides the layer count per PP stage.
         iteration: Megatron only: the iteration (or ``"release"``) to read.
+        swiglu: whether the MLP is gated; ``None``: as the checkpoint says (Megatron's ``args.swiglu``).
+        names: Megatron torch_dist only: ``"te"`` or ``"local"`` layer-norm names (default from its args).
 
     Returns:
         The report (rank 0's numbers on every rank).
@@ -943,6 +981,8 @@ def consolidate_checkpoint(
             batch_bytes=batch_bytes,
             layers_per_stage=layers_per_stage,
             iteration=iteration,
+            swiglu=swiglu,
+            names=names,
         )
     job = _Job(
         input_dir,
@@ -958,6 +998,8 @@ def consolidate_checkpoint(
         batch_bytes=batch_bytes,
         layers_per_stage=layers_per_stage,
         iteration=iteration,
+        swiglu=swiglu,
+        names=names,
     )
     return job.run()
 
@@ -1020,12 +1062,14 @@ def consolidate_local(
     """
     from ..launch import run_local
 
-    layout = open_checkpoint(input_dir, options.get("layers_per_stage"), options.get("iteration"))
-    needed = layout.tp * layout.pp
+    layout = open_checkpoint(
+        input_dir, options.get("layers_per_stage"), options.get("iteration"), names=options.get("names")
+    )
+    needed = layout.tp * layout.stages
     n = needed if nproc is None else nproc
     if n not in (needed, 1):
         raise ValueError(
-            f"'{input_dir}' is a TP {layout.tp} x PP {layout.pp} checkpoint: it needs {needed} ranks "
+            f"'{input_dir}' is a {layout.describe_grid()} checkpoint: it needs {needed} ranks "
             f"(or 1 for one process), not {n}"
         )
     if n == 1:

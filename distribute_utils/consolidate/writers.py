@@ -585,30 +585,22 @@ class SafetensorsWriter(CheckpointWriter):
         shards: Sequence[torch.Tensor],
         ranks: Sequence[int] | None = None,
     ) -> None:
-        """Like :meth:`CheckpointWriter.write_merged`; ``concat`` shards are written in place, zero-copy.
+        """Like :meth:`CheckpointWriter.write_merged`; shards of a rule that gives byte runs
+        (:meth:`MergeRule.byte_runs`: ``concat``) are written in place, zero-copy.
 
-        Along dim 0 (or any dim preceded by size-1 dims) each shard is one contiguous run of the output;
-        along a later dim the shards' slices are interleaved with ``os.pwritev``, as long as each slice is at
-        least 4 KiB (else the shards are concatenated in memory first).
+        Each run is a contiguous piece of one shard; they are written in output order with ``os.pwritev``
+        as long as each is at least 4 KiB or there is one per shard (else the merged tensor is built in
+        memory first).
         """
-        from .rules import Concat  # rules imports this module
-
-        if isinstance(rule, Concat) and len(shards) > 1:
-            shape = rule.merged_shape(
-                name, [tuple(t.shape) for t in shards], ranks, [t.dtype for t in shards]
-            )
-            dim = rule.dim % len(shape)
-            leading = math.prod(shape[:dim])
-            itemsize = shards[0].dtype.itemsize
-            chunks = [math.prod(t.shape[dim:]) * itemsize for t in shards]
-            if leading == 1 or min(chunks) >= _MIN_SLICE:
+        if len(shards) > 1:
+            shapes = [tuple(t.shape) for t in shards]
+            shape = rule.merged_shape(name, shapes, ranks, [t.dtype for t in shards])
+            runs = rule.byte_runs(shapes, shards[0].dtype.itemsize)
+            if runs is not None and (len(runs) == len(shards) or min(n for _, _, n in runs) >= _MIN_SLICE):
                 self._check_meta(name, shards[0].dtype, shape)
                 file_index, offset = self._where[name]
                 views = [_tensor_bytes(t) for t in shards]
-                if leading == 1:
-                    iov = views
-                else:
-                    iov = [v[i * c : (i + 1) * c] for i in range(leading) for v, c in zip(views, chunks)]
+                iov = [views[i][start : start + n] for i, start, n in runs]
                 _pwritev_all(self._fds[file_index], iov, offset)
                 self._written.add(name)
                 return

@@ -1,0 +1,285 @@
+"""torch.distributed.checkpoint (DCP) directories, read tensor by tensor: plain DCP and Megatron's torch_dist.
+
+A DCP directory holds ``.metadata`` (every tensor's global shape and where its chunks are) and
+``__<rank>_<n>.distcp`` files. :class:`DcpCheckpoint` plans the output from the metadata alone and reads
+one batch of output tensors at a time through DCP's own storage reader (``FileSystemReader.read_data``
+with a planner that places each stored chunk straight into the batch's buffers), so the whole model is
+never in memory (torch's ``dcp_to_torch_save`` loads all of it).
+
+**Plain DCP** (FSDP, torchtitan): every tensor entry is written under its key, unchanged.
+
+**Megatron-LM / NeMo torch_dist** (``metadata.json`` says ``"sharded_backend": "torch_dist"``): keys are
+Megatron's sharded keys, turned into the names of Megatron's own TP1 x PP1 x EP1 state dict:
+
+* ``decoder.layers.<rest>`` has the layers stacked on axis 0: one output ``decoder.layers.<l>.<rest>`` per
+  layer (any ``layers.`` not followed by an index, e.g. ``mtp.layers.``, likewise);
+* ``mlp.experts.experts.<rest>`` has the experts stacked on the next axis: ``mlp.experts.local_experts.<e>.
+  <rest>`` (``SequentialMLP``), or ``mlp.experts.<rest><e>`` when ``args.moe_grouped_gemm`` (TE's grouped
+  MLP);
+* TransformerEngine fuses the layer norms into the next linear layer and Megatron's sharded keys always
+  use the fused names (``self_attention.linear_qkv.layer_norm_weight``); a model built with
+  ``--transformer-impl local`` names them ``input_layernorm.weight`` / ``pre_mlp_layernorm.weight``.
+  ``args.transformer_impl`` in ``common.pt`` decides; ``names=`` overrides;
+* SwiGLU's ``linear_fc1`` is stored by Megatron's split factory as one global ``[gate; up]`` tensor, which
+  is already the TP1 layout;
+* ``_extra_state`` entries (TransformerEngine FP8 metadata), the optimizer, RNG and rerun states are not
+  model weights and are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from .layouts import LayoutError, MergePlanEntry
+from .rules import Unknown
+from .safe_load import safe_torch_load
+from .writers import TensorSpec
+
+__all__ = ["DCP_METADATA", "MEGATRON_NAMES", "DcpCheckpoint"]
+
+logger = logging.getLogger(__name__)
+
+#: The metadata file of a DCP directory.
+DCP_METADATA = ".metadata"
+#: Naming schemes for Megatron's layer norms: TransformerEngine's fused names, or the local spec's.
+MEGATRON_NAMES = ("te", "local")
+_STACKED_LAYERS = re.compile(r"(?<![^.])layers\.(?!\d)")
+_STACKED_EXPERTS = "mlp.experts.experts."
+_NOT_WEIGHTS = ("optimizer.", "rng_state", "rerun_state_machine")
+_LOCAL_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+_WHOLE = Unknown()  # DCP tensors are global already: one "shard" each, nothing to merge
+
+
+@dataclass(frozen=True)
+class _Region:
+    """One output tensor: the leading ``index`` of DCP entry ``key``."""
+
+    key: str
+    index: tuple[int, ...]
+
+
+class DcpCheckpoint:
+    """A DCP directory, planned from its metadata and read in batches (see the module docstring).
+
+    Presents the grid interface the consolidation driver uses with one shard of one stage, so that the
+    single-process driver streams it like any other layout.
+
+    Attributes:
+        root: the directory.
+        megatron: whether it is Megatron's torch_dist (keys renamed as described above).
+        names: ``"te"`` or ``"local"`` layer-norm names (Megatron only).
+        args: the ``args`` in ``common.pt`` (a ``Namespace``), or ``None``.
+    """
+
+    tp: ClassVar[int] = 1
+    pp: ClassVar[int] = 1
+    ep: ClassVar[int] = 1
+    stages: ClassVar[int] = 1
+    file_format: ClassVar[str] = "dcp"
+
+    def __init__(self, root: str | Path, names: str | None = None) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.root = Path(root)
+        if names is not None and names not in MEGATRON_NAMES:
+            raise ValueError(f"names must be one of {', '.join(MEGATRON_NAMES)}, got {names!r}")
+        self._reader = FileSystemReader(str(self.root))
+        try:
+            self._metadata = self._reader.read_metadata()
+        except Exception as exc:
+            raise LayoutError(f"{self.root / DCP_METADATA}: not readable DCP metadata ({exc})") from None
+        self.megatron = _is_megatron(self.root)
+        self.args = _common_args(self.root) if self.megatron else None
+        impl = getattr(self.args, "transformer_impl", None)
+        self.names = names or ("local" if impl == "local" else "te")
+        self.grouped_experts = bool(getattr(self.args, "moe_grouped_gemm", False))
+        self._regions: dict[str, _Region] = {}
+        self._plan: list[MergePlanEntry] | None = None
+
+    @property
+    def kind(self) -> str:
+        return "megatron_torch_dist" if self.megatron else "dcp"
+
+    def describe_grid(self) -> str:
+        return "a torch.distributed.checkpoint"
+
+    def describe_stage(self, stage: int) -> str:
+        return "the checkpoint"
+
+    def __repr__(self) -> str:
+        return f"DcpCheckpoint('{self.root}', kind={self.kind})"
+
+    # ----------------------------------------------------------------------------------------------------
+    # Planning.
+
+    def _entries(self) -> list[tuple[str, _Region, TensorSpec]]:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        out: list[tuple[str, _Region, TensorSpec]] = []
+        for key, md in self._metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                continue  # bytes entries: _extra_state, RNG states, ...
+            if self.megatron and ("_extra_state" in key or key.startswith(_NOT_WEIGHTS)):
+                continue
+            dtype = md.properties.dtype
+            shape = tuple(md.size)
+            if not self.megatron:
+                out.append((key, _Region(key, ()), TensorSpec(key, dtype, shape)))
+                continue
+            for name, index in self._megatron_names(key, shape):
+                out.append((name, _Region(key, index), TensorSpec(name, dtype, shape[len(index) :])))
+        return out
+
+    def _megatron_names(self, key: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        """Output names of one Megatron key and the leading indices each takes."""
+        names: list[tuple[str, tuple[int, ...]]] = [("", ())]
+        rest = key
+        while True:
+            m = _STACKED_LAYERS.search(rest)
+            e = rest.find(_STACKED_EXPERTS)
+            if m is None and e < 0:
+                break
+            axis = len(names[0][1])
+            if axis >= len(shape):
+                raise LayoutError(
+                    f"{self.root}: Megatron key '{key}' of shape {list(shape)} has more stacked axes "
+                    "(layers., experts.) than dims"
+                )
+            if m is not None and (e < 0 or m.start() < e):
+                head, rest = rest[: m.end()], rest[m.end() :]
+                names = [(f"{n}{head}{i}.", (*idx, i)) for n, idx in names for i in range(shape[axis])]
+            else:
+                head, rest = rest[:e], rest[e + len(_STACKED_EXPERTS) :]
+                if self.grouped_experts:  # TE's grouped MLP: experts.linear_fc1.weight<e>
+                    return [
+                        (f"{n}{head}mlp.experts.{rest}{i}", (*idx, i))
+                        for n, idx in names
+                        for i in range(shape[axis])
+                    ]
+                names = [
+                    (f"{n}{head}mlp.experts.local_experts.{i}.", (*idx, i))
+                    for n, idx in names
+                    for i in range(shape[axis])
+                ]
+        if self.names == "local":
+            rest = _LOCAL_NORMS.get(rest, rest)
+        return [(n + rest, idx) for n, idx in names]
+
+    def plan(self) -> list[MergePlanEntry]:
+        """One entry per output tensor, layer by layer (metadata only)."""
+        if self._plan is None:
+            entries = self._entries()
+            seen: dict[str, str] = {}
+            for name, region, _ in entries:
+                if name in seen:
+                    raise LayoutError(
+                        f"{self.root}: DCP entries '{seen[name]}' and '{region.key}' both give tensor '{name}'"
+                    )
+                seen[name] = region.key
+            entries.sort(key=_model_order)
+            self._regions = {name: region for name, region, _ in entries}
+            self._plan = [MergePlanEntry(name, 0, name, _WHOLE, spec) for name, _, spec in entries]
+        return list(self._plan)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Reading.
+
+    def read(self, entries: Sequence[MergePlanEntry]) -> list[torch.Tensor]:
+        """The tensors of ``entries`` (from :meth:`plan`), read with one DCP ``read_data`` call."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        if self._plan is None:
+            self.plan()
+        buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        items = []
+        out = []
+        for entry in entries:
+            region = self._regions[entry.name]
+            md = self._metadata.state_dict_metadata[region.key]
+            full = tuple(md.size)
+            lead = len(region.index)
+            buf = torch.empty(entry.spec.shape, dtype=entry.spec.dtype)
+            out.append(buf)
+            offsets = torch.Size(region.index + (0,) * (len(full) - lead))
+            sizes = torch.Size((1,) * lead + full[lead:])
+            buffers[(region.key, tuple(offsets))] = buf.view(sizes)
+            items += create_read_items_for_chunk_list(
+                region.key, md, [ChunkStorageMetadata(offsets=offsets, sizes=sizes)]
+            )
+        if not items:
+            return out
+        if not getattr(self._reader, "storage_data", None):
+            self._reader.set_up_storage_reader(self._metadata, True)
+        planner = _IntoBuffers(buffers)
+        self._reader.read_data(LoadPlan(items), planner).wait()
+        expected = sum(math.prod(b.shape) for b in out)
+        if planner.elements != expected:
+            raise LayoutError(
+                f"{self.root}: the stored chunks cover {planner.elements} of the {expected} elements of "
+                f"{', '.join(e.name for e in entries[:3])}...; the checkpoint is incomplete"
+            )
+        return out
+
+
+def _model_order(item: tuple[str, _Region, TensorSpec]) -> tuple[int, int]:
+    """Embeddings, then layer by layer, then the rest (a stable sort keeps the key order within each)."""
+    name, region, _ = item
+    if name.startswith("embedding"):
+        return (0, 0)
+    return (1, region.index[0]) if region.index else (2, 0)
+
+
+class _IntoBuffers:
+    """The part of DCP's ``LoadPlanner`` that ``FileSystemReader.read_data`` calls: every read item lands
+    in its slice of a preallocated buffer."""
+
+    def __init__(self, buffers: Mapping[tuple[str, tuple[int, ...]], torch.Tensor]) -> None:
+        self._buffers = buffers
+        self.elements = 0
+
+    def resolve_tensor(self, item: Any) -> torch.Tensor:
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        buf = self._buffers[(item.dest_index.fqn, tuple(item.dest_index.offset))]
+        return narrow_tensor_by_index(buf, item.dest_offsets, item.lengths)
+
+    def commit_tensor(self, item: Any, tensor: torch.Tensor) -> None:
+        self.elements += tensor.numel()
+
+    def load_bytes(self, item: Any, value: Any) -> None:
+        raise LayoutError(f"unexpected bytes entry '{item.dest_index.fqn}' in a tensor read")
+
+
+def _is_megatron(root: Path) -> bool:
+    meta = root / "metadata.json"
+    if not meta.is_file():
+        return False
+    try:
+        data = json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LayoutError(f"{meta}: not valid JSON ({exc})") from None
+    return isinstance(data, dict) and data.get("sharded_backend") == "torch_dist"
+
+
+def _common_args(root: Path) -> Any:
+    common = root / "common.pt"
+    if not common.is_file():
+        return None
+    obj = safe_torch_load(common)
+    return obj.get("args") if isinstance(obj, Mapping) else None

@@ -1,0 +1,85 @@
+"""Recognising a checkpoint directory: :func:`open_checkpoint` is the one place that knows every format.
+
+* ``mesh.json``: the own layout (:class:`~.layouts.OwnLayout`);
+* ``.metadata``: torch.distributed.checkpoint, which Megatron-LM and NeMo write as ``torch_dist``
+  (:class:`~.dcp.DcpCheckpoint`);
+* ``mp_rank_TT[_PPP][_EEE]`` directories: Megatron-LM legacy (:class:`~.megatron.MegatronLegacyLayout`).
+
+Either of the last two may sit under Megatron's ``iter_NNNNNNN`` (``latest_checkpointed_iteration.txt``
+names the latest, ``iteration`` picks another).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from .dcp import DCP_METADATA, DcpCheckpoint
+from .layouts import MESH_FILE, CheckpointLayout, LayoutError, OwnLayout
+from .megatron import MEGATRON_FILE, TRACKER_FILE, find_megatron_root, open_megatron_legacy
+
+__all__ = ["Checkpoint", "open_checkpoint"]
+
+#: What :func:`open_checkpoint` returns: a grid of shard files, or a DCP checkpoint.
+Checkpoint = CheckpointLayout | DcpCheckpoint
+
+
+def open_checkpoint(
+    path: str | os.PathLike[str],
+    layers_per_stage: Sequence[int] | None = None,
+    iteration: int | str | None = None,
+    *,
+    names: str | None = None,
+) -> Checkpoint:
+    """Opens a sharded checkpoint, recognising its format (see the module docstring).
+
+    Args:
+        path: the checkpoint directory.
+        layers_per_stage: grid layouts only: overrides the layer count per PP stage.
+        iteration: Megatron only: open this iteration (or ``"release"``) instead of the tracked one.
+        names: Megatron torch_dist only: ``"te"`` or ``"local"`` layer-norm names (see :mod:`.dcp`).
+
+    Raises:
+        FileNotFoundError: the directory or a shard file is missing (path named).
+        LayoutError: no known format (the message says what was looked for) or an inconsistent one.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory '{root}' does not exist")
+    mesh = root / MESH_FILE
+    if mesh.is_file():
+        try:
+            description = json.loads(mesh.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise LayoutError(f"{mesh}: not valid JSON ({exc})") from None
+        if not isinstance(description, dict):
+            raise LayoutError(f"{mesh}: expected a JSON object")
+        if layers_per_stage is not None:
+            description["layers_per_stage"] = list(layers_per_stage)
+        layout = OwnLayout(root, description)
+        layout.check_files()
+        return layout
+    if (root / DCP_METADATA).is_file() and iteration is None:
+        return _open_dcp(root, layers_per_stage, names)
+    mroot = find_megatron_root(root, iteration)
+    if mroot is not None:
+        if (mroot / DCP_METADATA).is_file():
+            return _open_dcp(mroot, layers_per_stage, names)
+        return open_megatron_legacy(mroot, layers_per_stage)
+    raise LayoutError(
+        f"'{root}' is not a known checkpoint layout: looked for {MESH_FILE} (distribute_utils layout), "
+        f"{DCP_METADATA} (torch.distributed.checkpoint; Megatron/NeMo torch_dist), "
+        f"mp_rank_TT[_PPP][_EEE]/{MEGATRON_FILE} directories, {TRACKER_FILE} and iter_NNNNNNN "
+        "directories (Megatron-LM)"
+    )
+
+
+def _open_dcp(root: Path, layers_per_stage: Sequence[int] | None, names: str | None) -> DcpCheckpoint:
+    if layers_per_stage is not None:
+        raise LayoutError(
+            f"{root}: layers_per_stage does not apply to a torch.distributed.checkpoint directory "
+            "(its metadata holds every tensor's global shape)"
+        )
+    return DcpCheckpoint(root, names)
