@@ -33,15 +33,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Died", "RankFailure", "RankPool", "load_script"]
+__all__ = ["SCRIPTS", "Died", "RankFailure", "RankPool", "load_script"]
 
 _SPAWN = mp.get_context("spawn")
-_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+#: The repository's scripts/ directory.
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def load_script(name: str) -> Any:
     """The module ``scripts/<name>.py`` (benchmarks double as test fixtures)."""
-    spec = importlib.util.spec_from_file_location(name, _SCRIPTS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

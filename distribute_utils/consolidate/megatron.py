@@ -39,6 +39,7 @@ from .layouts import (
     flatten_tensors,
     grid_of,
 )
+from .rules import bitwise_equal
 from .safe_load import find_stand_ins, safe_torch_load
 
 __all__ = [
@@ -63,6 +64,7 @@ _CHUNK_RE = re.compile(r"model(\d+)/(.*)")
 _LOCAL_EXPERT_RE = re.compile(r"(?<![^.])local_experts\.(\d+)\.")
 _GROUPED_EXPERT_RE = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 _TIED_COPY = "output_layer.weight"
+_TIED_SOURCE = "embedding.word_embeddings.weight"
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,7 @@ class MegatronLegacyLayout(CheckpointLayout):
         self.args = args
         self.chunks = chunks
         self._local_experts: dict[int, int] = {}
+        self._tied: bool | None = None
 
     def file_for(self, tp_rank: int, stage: int) -> Path:
         """``root/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``."""
@@ -254,8 +257,25 @@ class MegatronLegacyLayout(CheckpointLayout):
         p, e = self.stage_coords(stage)
         if e > 0 and not (_LOCAL_EXPERT_RE.search(rest) or _GROUPED_EXPERT_RE.search(rest)):
             return True
-        tied = self.args is not None and self.args.tied
-        return bool(tied and self.pp > 1 and rest == _TIED_COPY and p == self.pp - 1)
+        if not (self.pp > 1 and rest == _TIED_COPY and p == self.pp - 1):
+            return False
+        if self.args is not None and self.args.tied is not None:
+            return self.args.tied
+        return self._copies_embeddings()
+
+    def _copies_embeddings(self) -> bool:
+        """Without args: the last stage's output layer is a tied copy if it equals the first stage's word
+        embeddings bit for bit on every TP rank (Megatron keeps the two copies identical)."""
+        if self._tied is None:
+            same = True
+            for t in range(self.tp):
+                first = self.load_shard(t, 0).get(_TIED_SOURCE)
+                last = self.load_shard(t, (self.pp - 1) * self.ep)[_TIED_COPY]
+                same = same and first is not None and bitwise_equal(first, last)
+            self._tied = same
+            if same:
+                logger.info("%s: output_layer.weight equals the word embeddings (tied); left out", self.root)
+        return self._tied
 
     def check_args(self) -> None:
         """Checks the layer counts found in the files against ``args.num_layers``."""

@@ -111,7 +111,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes."""
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_as_bytes(a), _as_bytes(b))
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import mmap as _mmap
 import os
 import re

@@ -1,0 +1,195 @@
+"""Consolidation of checkpoints written by megatron-core itself, compared with Megatron's own reshard.
+
+``scripts/megatron_checkpoints.py`` builds a real ``GPTModel`` (local layer spec, CPU, gloo) on a TP x PP
+(x EP, x virtual pipeline) grid and saves it in the legacy layout (``args`` with Megatron's enums, numpy
+RNG states, an optimizer) and with ``dist_checkpointing.save`` (torch_dist); the ground truth is
+megatron-core's ``dist_checkpointing.load`` into the same model at TP1 x PP1 x EP1. Every consolidation
+must give that state dict exactly: names, dtypes, shapes and bytes.
+
+CI runs SwiGLU + GQA + RoPE + RMSNorm at TP2 x PP2 and MoE with EP2 (legacy and torch_dist each); the
+dense, tied-embedding virtual-pipeline and uneven-pipeline cases are ``slow`` (``-m slow``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from distribute_utils.consolidate import (
+    LayoutError,
+    MergeError,
+    consolidate_checkpoint,
+    open_checkpoint,
+)
+
+from harness import SCRIPTS, load_script
+
+writer = load_script("megatron_checkpoints")  # its CASES; it runs as a script (it spawns its ranks)
+
+CASES = {
+    "swiglu": dict(case="swiglu", tp=2, pp=2),
+    "moe": dict(case="moe", tp=2, pp=1, ep=2),
+    "dense": dict(case="dense", tp=2, pp=2),
+    "gqa_tied_vpp": dict(case="gqa", tp=2, pp=2, vp=2),
+    "uneven": dict(case="uneven", tp=1, pp=2),
+}
+SLOW = {"dense", "gqa_tied_vpp", "uneven"}
+
+
+@pytest.fixture(scope="session")
+def written(tmp_path_factory: pytest.TempPathFactory):
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            out = tmp_path_factory.mktemp(name)
+            spec = CASES[name]
+            flags = [f"--{k}={v}" for k, v in spec.items()]
+            proc = subprocess.run(
+                [sys.executable, str(SCRIPTS / "megatron_checkpoints.py"), str(out), *flags],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            cache[name] = out
+        return cache[name]
+
+    return get
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+
+
+def assert_same_state_dict(got: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(truth), (
+        f"extra {sorted(set(got) - set(truth))}, missing {sorted(set(truth) - set(got))}"
+    )
+    for name, t in truth.items():
+        g = got[name]
+        assert (g.dtype, tuple(g.shape)) == (t.dtype, tuple(t.shape)), name
+        assert torch.equal(
+            g.contiguous().view(-1).view(torch.uint8), t.contiguous().view(-1).view(torch.uint8)
+        ), name
+
+
+def _params(names: list[str]) -> list:
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
+
+
+@pytest.mark.parametrize("name", _params(list(CASES)))
+def test_legacy_in_one_process_is_megatrons_own_reshard(written, tmp_path: Path, name: str) -> None:
+    root = written(name)
+    layout = open_checkpoint(root / "legacy")
+    spec = CASES[name]
+    assert (layout.tp, layout.pp, layout.ep) == (spec["tp"], spec["pp"], spec.get("ep", 1))
+    assert layout.args is not None and layout.args.swiglu == writer.CASES[spec["case"]].get("swiglu", False)
+    report = consolidate_checkpoint(root / "legacy", tmp_path, progress=False)
+    assert report.world_size == 1
+    assert_same_state_dict(_load(tmp_path / "model.safetensors"), _load(root / "truth.safetensors"))
+
+
+@pytest.mark.parametrize("name", _params(list(CASES)))
+def test_torch_dist_is_megatrons_own_reshard(written, tmp_path: Path, name: str) -> None:
+    root = written(name)
+    report = consolidate_checkpoint(root / "torch_dist", tmp_path, progress=False, names="local")
+    assert report.layout == "megatron_torch_dist"
+    assert_same_state_dict(_load(tmp_path / "model.safetensors"), _load(root / "truth.safetensors"))
+
+
+@pytest.mark.parametrize("name", _params(["swiglu", "moe", "gqa_tied_vpp"]))
+def test_cli_consolidates_legacy_on_ranks_and_torch_dist(written, tmp_path: Path, name: str) -> None:
+    """The command users run: TP x PP (x EP) local ranks for legacy, one streaming process for torch_dist."""
+    root = written(name)
+    truth = _load(root / "truth.safetensors")
+    spec = CASES[name]
+    for fmt, extra, world in (
+        ("legacy", [], spec["tp"] * spec["pp"] * spec.get("ep", 1)),
+        ("torch_dist", ["--megatron-names", "local"], 1),
+    ):
+        out = tmp_path / fmt
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "distribute_utils",
+                "consolidate",
+                str(root / fmt),
+                str(out),
+                "--quiet",
+                "--json",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["world_size"] == world
+        assert_same_state_dict(_load(out / "model.safetensors"), truth)
+
+
+def test_legacy_files_load_without_megatron_and_run_no_pickled_code(written) -> None:
+    """args (Namespace with Megatron's enums, signal.Signals), numpy RNG states: read in a fresh
+    interpreter where megatron is not importable, with no module imported from the checkpoint."""
+    root = written("swiglu")
+    shard = open_checkpoint(root / "legacy").file_for(1, 1)
+    code = (
+        "import sys; sys.modules['megatron'] = None\n"
+        "from distribute_utils.consolidate import open_checkpoint\n"
+        f"layout = open_checkpoint({str(root / 'legacy')!r})\n"
+        "sd = layout.load_shard(1, 1)\n"
+        "from distribute_utils.consolidate.safe_load import safe_torch_load\n"
+        f"obj = safe_torch_load({str(shard)!r})\n"
+        "print(layout.args.tp, layout.args.pp, layout.args.swiglu, repr(obj['args'].model_type), "
+        "obj['args'].exit_signal.name, type(obj['rng_state'][0]['np_rng_state'][1]).__name__, len(sd), "
+        "any(m.startswith('megatron') for m in sys.modules if sys.modules[m] is not None), sep='|')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    tp, pp, swiglu, model_type, sig, rng, count, imported = out.stdout.strip().split("|")
+    assert (tp, pp, swiglu) == ("2", "2", "True")
+    assert model_type.startswith("<megatron.core.enums.ModelType")
+    assert (sig, rng, imported) == ("SIGTERM", "ndarray", "False")
+    assert int(count) > 0
+
+
+def test_without_args_a_split_fc1_is_an_error_naming_the_fix(written, tmp_path: Path) -> None:
+    """The same files with args removed: a gated and a plain MLP cannot be told apart, so no guess."""
+    root = written("swiglu")
+    src = open_checkpoint(root / "legacy")
+    copy = tmp_path / "noargs"
+    for t, s in src.shards():
+        obj = torch.load(src.file_for(t, s), weights_only=False)
+        del obj["args"]
+        dst = copy / src.file_for(t, s).relative_to(src.root)
+        dst.parent.mkdir(parents=True)
+        torch.save(obj, dst)
+    with pytest.raises(MergeError, match=r"linear_fc1\.weight.*may be gated.*--swiglu or --no-swiglu"):
+        consolidate_checkpoint(copy, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    consolidate_checkpoint(copy, tmp_path / "out", progress=False, swiglu=True)
+    assert_same_state_dict(_load(tmp_path / "out" / "model.safetensors"), _load(root / "truth.safetensors"))
+
+
+def test_moe_without_args_is_refused_not_guessed(written, tmp_path: Path) -> None:
+    """mp_rank_TT_NNN of an MoE model is TP x PP or TP x EP; without args that is an error."""
+    root = written("moe")
+    src = open_checkpoint(root / "legacy")
+    copy = tmp_path / "noargs"
+    for t, s in src.shards():
+        obj = torch.load(src.file_for(t, s), weights_only=False)
+        del obj["args"]
+        dst = copy / src.file_for(t, s).relative_to(src.root)
+        dst.parent.mkdir(parents=True)
+        torch.save(obj, dst)
+    with pytest.raises(LayoutError, match=r"TP x PP or TP x EP.*no args"):
+        open_checkpoint(copy)
