@@ -175,19 +175,20 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     try:
         if under_torchrun():
             return _consolidate_as_torchrun_rank(args, options, layout)
-        nproc = needed if args.nproc is None else args.nproc
+        nproc = 1 if args.nproc is None else args.nproc
         if nproc not in (needed, 1):
             raise _UsageError(
                 f"--nproc {nproc} does not fit '{args.input}': {layout.describe_grid()} "
                 f"needs {needed} ranks (or 1 to consolidate in this process)"
             )
-        plan_checkpoint(  # fail fast, no spawn
-            args.input,
-            options["rules"],
-            quant_format=args.quant_format,
-            swiglu=args.swiglu,
-            names=args.megatron_names,
-        )
+        if nproc > 1:
+            plan_checkpoint(  # fail fast, before spawning
+                args.input,
+                options["rules"],
+                quant_format=args.quant_format,
+                swiglu=args.swiglu,
+                names=args.megatron_names,
+            )
         report = consolidate_local(args.input, args.output, nproc=nproc, **options)
     except (LaunchError, OSError, ValueError, RuntimeError) as exc:
         print(f"distribute-utils consolidate: error: {_one_line(exc)}", file=sys.stderr)
@@ -205,15 +206,20 @@ class _UsageError(Exception):
 _CONSOLIDATE_EPILOG = """\
 input layouts (detected):
   own                mesh.json + one file per rank (safetensors or torch.save), see docs/consolidation.md
-  Megatron-LM legacy mp_rank_XX/model_optim_rng.pt (TP only) or mp_rank_XX_YYY/... (TP x PP),
-                     optionally under iter_NNNNNNN/ named by latest_checkpointed_iteration.txt
+  Megatron-LM legacy mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt (TP, PP, expert-parallel), model or
+                     model0, model1, ... (virtual pipeline); args in the files say how the model was split
+  Megatron torch_dist / torch DCP   .metadata + *.distcp: streamed in one process, never all in memory
+  (the last two optionally under iter_NNNNNNN/ named by latest_checkpointed_iteration.txt)
 
 ranks:
-  Not under torchrun: spawns N = TP x PP local ranks (gloo, /dev/shm); --nproc 1 runs in this process.
-  Under torchrun: start exactly TP x PP ranks; rank (pp, tp) = pp * TP + tp reads shard (tp, pp).
+  Not under torchrun: one process streams every shard (memory-mapped; on one host faster and smaller than
+  ranks, see docs/performance.md); --nproc TPxPP(xEP) spawns one local rank per shard (gloo, /dev/shm).
+  A DCP checkpoint always runs in one process.
+  Under torchrun: start exactly TP x PP (x EP) ranks; rank (stage, tp) = stage * TP + tp reads its shard.
 
-merge rules (built-in, Megatron names): column-parallel weights/biases concat:0, row-parallel weights
-  concat:1, everything else must be identical on every TP rank (same). --rules FILE adds patterns first.
+merge rules (built-in, Megatron names): column-parallel weights/biases concat:0 (a gated MLP's linear_fc1:
+  swiglu, from args or --swiglu), row-parallel weights concat:1, norms/routers/position embeddings same;
+  any other tensor split across TP ranks is an error naming it. --rules FILE adds patterns first.
 
 exit codes:
   0  ok; the report goes to stdout (--json for JSON)
@@ -303,8 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="local ranks to spawn: TP x PP of the input (the default) or 1 (consolidate in this process); "
-        "ignored under torchrun except that it must match the world size",
+        help="1 (the default): consolidate in this process, streaming every shard; or TP x PP (x EP) of "
+        "the input: spawn one local rank per shard; under torchrun it must match the world size",
     )
     cons.add_argument(
         "--workspace",

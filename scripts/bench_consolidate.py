@@ -1,244 +1,349 @@
 #!/usr/bin/env python3
-"""Benchmark ``distribute-utils consolidate`` against a naive single-process consolidation.
+"""Benchmark ``distribute-utils consolidate`` on real megatron-core checkpoints against a naive baseline.
 
 One run:
 
-1. writes a synthetic GPT-like checkpoint of about ``--size-gb`` GiB (bfloat16, 8 layers), sharded
-   ``--tp`` x ``--pp`` in the own layout (safetensors), into a fresh temporary directory under
-   ``--tmpdir`` (default ``/tmp``), and ``sync``s it to disk;
-2. **baseline** (a child process): ``safetensors.torch.load_file`` of every shard (into memory), the same
-   merge rules (``torch.cat`` for concat rules, via ``MergeRule.merge``), layers renamed to global names,
-   then ``safetensors.torch.save_file`` of the whole model into one file and ``os.fsync`` of it (our
-   writer fsyncs too, so both outputs are durable when the clock stops);
-3. **ours** (a child process): ``python -m distribute_utils consolidate IN OUT --quiet --json``, which spawns
-   ``tp * pp`` local ranks; rank 0 writes the one output file;
-4. **ours, one process** (a child process): the same command with ``--nproc 1`` (every shard read in one
-   process, streamed to the same writer), to separate the cost of starting ranks from the rest;
-5. checks that all outputs hold the same tensors, bit for bit (names, dtypes, shapes, bytes).
+1. ``scripts/megatron_checkpoints.py`` writes a LLaMA-shaped model (case ``bench``: 16 layers, hidden 1024,
+   SwiGLU, GQA, untied, float32, about 1.1 GiB) with megatron-core on ``--tp`` x ``--pp`` CPU ranks, in
+   both formats Megatron-LM saves: legacy (``mp_rank_TT_PPP/model_optim_rng.pt``) and torch_dist (DCP);
+2. for each format, in child processes, interleaved (baseline, ours, ours on N ranks, then again, for
+   ``--repeats`` rounds; medians reported):
 
-Wall time is measured around each child process, so all include the interpreter start and ``import
-torch``; ours also includes spawning its ranks and their exit. "in-process" is the time the work itself took
-inside the process (for ours: on rank 0, from entering ``consolidate_checkpoint`` to the published output).
-Peak memory is the ``VmHWM`` of the baseline process and of ours's rank 0 process (each reads its own
-``/proc/self/status`` at the end). The load average is recorded: other work on the machine slows process
-start-up most. A ``sync`` runs before each
-measured step so that one step's disk writeback does not slow the next. The temporary directory (several
-GiB) is removed at the end unless ``--keep``.
+   * **baseline**, the naive consolidation: everything loaded into memory (legacy: ``torch.load`` of
+     every file, ``weights_only=False`` as most scripts do; torch_dist: DCP's own whole-checkpoint load,
+     as ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does), the same merge rules
+     (``torch.cat``), ``safetensors.torch.save_file`` of the whole model into one file, ``os.fsync``;
+   * **ours**: the default command, ``distribute-utils consolidate IN OUT``;
+   * **ours on ranks** (legacy only): the same with ``--nproc TP*PP`` local ranks;
+
+3. checks that every output holds the same tensors, bit for bit;
+4. times ``distribute-utils consolidate`` on a tiny real checkpoint (the ``swiglu`` test case) end to end.
+
+Wall time is measured around each child process (interpreter start and ``import torch`` included). Peak
+memory is that of the **whole process tree** (the command and every rank it spawns): the largest sum of
+the tree's resident set sizes, sampled every 10 ms (``psutil``). A ``sync`` runs before each measured step.
 
 Usage::
 
-    python scripts/bench_consolidate.py                    # ~2 GiB, TP 2 x PP 2 (about a minute here)
-    python scripts/bench_consolidate.py --size-gb 0.25     # quick
-    python scripts/bench_consolidate.py --json result.json # also write the numbers as JSON ('-': stdout)
+    python scripts/bench_consolidate.py                      # about 4 minutes here
+    python scripts/bench_consolidate.py --repeats 1 --json - # quicker, JSON on stdout
+    python scripts/bench_consolidate.py --input DIR          # reuse DIR/legacy and DIR/torch_dist
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-TARGET_TIME_RATIO = 1.3
-TARGET_RSS_RATIO = 0.5
+TARGET_TIME_RATIO = 0.8
+TARGET_MEMORY_RATIO = 0.25
+TARGET_TINY_SECONDS = 3.0
+SCRIPTS = Path(__file__).resolve().parent
 
 
-def _vmhwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def baseline_worker(input_dir: str, output_dir: str) -> dict[str, Any]:
-    """The naive consolidation, in this process: load everything, merge, save one file, fsync."""
-    start = time.perf_counter()
-    from safetensors.torch import load_file, save_file
-
-    from distribute_utils.consolidate import plan_checkpoint
-
-    layout, plan = plan_checkpoint(input_dir)  # names and rules from metadata (no tensor data)
-    shards = {(t, p): load_file(layout.file_for(t, p)) for t, p in layout.shards()}
-    merged = {}
-    for e in plan:
-        parts = [shards[(t, e.pp_rank)][e.local_name] for t in range(layout.tp)]
-        merged[e.name] = e.rule.merge(e.name, parts) if len(parts) > 1 else parts[0]
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, "model.safetensors")
-    save_file(merged, path, metadata={"format": "pt"})
+def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return {"seconds": time.perf_counter() - start, "peak_rss_bytes": _vmhwm(), "tensors": len(merged)}
 
 
-def _make_input(root: Path, size_gb: float, tp: int, pp: int) -> dict[str, Any]:
-    from distribute_utils.consolidate import (
-        make_gpt_state_dict,
-        shard_state_dict,
-        synthetic_size_for,
-        write_own_layout,
-    )
+def baseline_worker(fmt: str, input_dir: str, output_dir: str) -> dict[str, Any]:
+    """The naive consolidation, in this process: load everything, merge, one save_file, fsync."""
+    start = time.perf_counter()
+    import torch
+    from safetensors.torch import save_file
 
-    dims = synthetic_size_for(int(size_gb * 2**30), num_layers=8)
-    sd = make_gpt_state_dict(**dims.as_kwargs())  # type: ignore[arg-type]
-    write_own_layout(root, shard_state_dict(sd, tp, pp))
-    info = {
-        "hidden": dims.hidden,
-        "layers": dims.num_layers,
-        "tensors": len(sd),
-        "bytes": dims.nbytes,
-    }
-    del sd
-    gc.collect()
-    return info
+    from distribute_utils.consolidate import plan_checkpoint
+
+    layout, plan = plan_checkpoint(input_dir)  # names and rules from metadata (no tensor data)
+    merged: dict[str, torch.Tensor] = {}
+    if fmt == "legacy":
+        shards = {}
+        for t, s in layout.shards():
+            obj = torch.load(layout.file_for(t, s), map_location="cpu", weights_only=False)
+            shards[(t, s)] = {k: v for k, v in obj["model"].items() if isinstance(v, torch.Tensor)}
+        for e in plan:
+            parts = [shards[(t, e.pp_rank)][e.local_name] for t in range(layout.tp)]
+            merged[e.name] = e.rule.merge(e.name, parts) if len(parts) > 1 else parts[0]
+    else:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        full: dict[str, Any] = {}  # dcp_to_torch_save's two lines: the whole checkpoint in memory
+        _load_state_dict(
+            full,
+            storage_reader=FileSystemReader(input_dir),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
+        for e in plan:
+            region = layout._regions[e.name]
+            value = full[region.key]
+            merged[e.name] = value[region.index] if region.index else value
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "model.safetensors")
+    save_file({k: v.contiguous() for k, v in merged.items()}, path, metadata={"format": "pt"})
+    _fsync(path)
+    return {"seconds": time.perf_counter() - start, "tensors": len(merged)}
 
 
-def _run(cmd: list[str]) -> tuple[float, dict[str, Any]]:
+class _TreePeak:
+    """Largest sum of RSS over a process and its descendants, sampled every 10 ms."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self._proc = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            total = 0
+            try:
+                procs = [self._proc, *self._proc.children(recursive=True)]
+            except psutil.Error:
+                break
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    total += p.memory_info().rss
+            self.peak = max(self.peak, total)
+            self._stop.wait(0.01)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def _run(cmd: list[str]) -> dict[str, Any]:
     os.sync()
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sampler = _TreePeak(proc.pid)
+    out, err = proc.communicate()
     wall = time.perf_counter() - start
+    peak = sampler.stop()
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return wall, json.loads(proc.stdout)
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-3000:]}")
+    return {"wall_s": wall, "tree_peak_bytes": peak, "stdout": out}
 
 
 def _compare(a: Path, b: Path) -> int:
     """Number of tensors, after checking that both files hold the same ones bit for bit."""
     import torch
+    from safetensors import safe_open
 
-    from distribute_utils.consolidate import load_safetensors
+    with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:
+        names = set(fa.keys())
+        if names != set(fb.keys()):
+            raise SystemExit(f"outputs differ in names: {sorted(names ^ set(fb.keys()))[:5]}")
+        for name in names:
+            x, y = fa.get_tensor(name), fb.get_tensor(name)
+            if (
+                x.dtype != y.dtype
+                or x.shape != y.shape
+                or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+            ):
+                raise SystemExit(f"tensor '{name}' differs between {a} and {b}")
+    return len(names)
 
-    x, y = load_safetensors(a), load_safetensors(b)
-    if set(x) != set(y):
-        raise SystemExit(f"outputs differ in names: {sorted(set(x) ^ set(y))[:5]}")
-    for name, t in x.items():
-        u = y[name]
-        if t.dtype != u.dtype or t.shape != u.shape:
-            raise SystemExit(
-                f"tensor '{name}' differs: {t.dtype} {tuple(t.shape)} vs {u.dtype} {tuple(u.shape)}"
+
+def _bench_format(fmt: str, inp: Path, work: Path, ranks: int, repeats: int) -> dict[str, Any]:
+    cli = [sys.executable, "-m", "distribute_utils", "consolidate", str(inp)]
+    methods: dict[str, list[str]] = {
+        "baseline": [sys.executable, __file__, "--baseline-worker", fmt, str(inp)],
+        "ours": [*cli],
+    }
+    if fmt == "legacy":
+        methods[f"ours_{ranks}_ranks"] = [*cli, "--nproc", str(ranks)]
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    for _ in range(repeats):
+        for method, cmd in methods.items():
+            out = work / f"{fmt}_{method}"
+            shutil.rmtree(out, ignore_errors=True)
+            tail = [str(out)] if method == "baseline" else [str(out), "--quiet", "--json"]
+            runs[method].append(_run([*cmd, *tail]))
+    identical = 0
+    for method in methods:
+        if method != "baseline":
+            identical = _compare(
+                work / f"{fmt}_baseline" / "model.safetensors", work / f"{fmt}_{method}" / "model.safetensors"
             )
-        if not torch.equal(t.reshape(-1).view(torch.uint8), u.reshape(-1).view(torch.uint8)):
-            raise SystemExit(f"tensor '{name}' differs in its bytes")
-    return len(x)
+    result: dict[str, Any] = {"identical_tensors": identical}
+    for method, rs in runs.items():
+        result[method] = {
+            "wall_s": statistics.median(r["wall_s"] for r in rs),
+            "tree_peak_bytes": statistics.median(r["tree_peak_bytes"] for r in rs),
+            "walls": [round(r["wall_s"], 3) for r in rs],
+        }
+    base = result["baseline"]
+    result["time_ratio"] = result["ours"]["wall_s"] / base["wall_s"]
+    result["memory_ratio"] = result["ours"]["tree_peak_bytes"] / base["tree_peak_bytes"]
+    return result
+
+
+def _tiny(work: Path) -> float:
+    tiny = work / "tiny"
+    subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "megatron_checkpoints.py"),
+            str(tiny),
+            "--case",
+            "swiglu",
+            "--no-truth",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    out = work / "tiny_out"
+    return _run(
+        [
+            sys.executable,
+            "-m",
+            "distribute_utils",
+            "consolidate",
+            str(tiny / "legacy"),
+            str(out),
+            "--quiet",
+            "--json",
+        ]
+    )["wall_s"]
 
 
 def _table(r: dict[str, Any]) -> str:
-    gib = r["model"]["bytes"] / 2**30
-    rows = [
-        ("baseline: 1 process, load_file + torch.cat + save_file + fsync", r["baseline"]),
-        (f"ours: `distribute-utils consolidate`, {r['nproc']} local ranks (rank 0)", r["ours"]),
-        ("ours, one process: `consolidate --nproc 1`", r["ours_one_process"]),
-    ]
+    gib = r["bytes"] / 2**30
     load = r["load_average"]
     lines = [
-        f"model: {r['model']['tensors']} tensors, {gib:.2f} GiB bfloat16, TP {r['tp']} x PP {r['pp']}, "
-        f"own layout (safetensors), under {r['tmpdir']}; "
-        f"load average {load[0]:.1f} before, {load[1]:.1f} after",
+        f"model: megatron-core GPTModel case '{r['case']}', {r['tensors']} tensors, {gib:.2f} GiB, "
+        f"TP {r['tp']} x PP {r['pp']}; medians of {r['repeats']} interleaved runs; load average "
+        f"{load[0]:.1f} before, {load[1]:.1f} after",
         "",
-        "| method | wall s | in-process s | start + exit s | GB/s (wall) | peak RSS MiB |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| format | method | wall s | peak memory of the process tree MiB |",
+        "|---|---|---:|---:|",
     ]
-    for label, m in rows:
+    labels = {
+        "baseline": "naive: load all, torch.cat, save_file",
+        "ours": "`distribute-utils consolidate` (default)",
+    }
+    for fmt in ("legacy", "torch_dist"):
+        for method, m in r[fmt].items():
+            if not isinstance(m, dict):
+                continue
+            label = labels.get(method, f"`consolidate --nproc {r['tp'] * r['pp']}`")
+            lines.append(f"| {fmt} | {label} | {m['wall_s']:.2f} | {m['tree_peak_bytes'] / 2**20:.0f} |")
+    lines.append("")
+    for fmt in ("legacy", "torch_dist"):
+        t, m = r[fmt]["time_ratio"], r[fmt]["memory_ratio"]
         lines.append(
-            f"| {label} | {m['wall_s']:.2f} | {m['seconds']:.2f} | {m['wall_s'] - m['seconds']:.2f} | "
-            f"{r['model']['bytes'] / m['wall_s'] / 1e9:.2f} | {m['peak_rss_bytes'] / 2**20:.0f} |"
+            f"{fmt}: time ours / naive {t:.2f}x (target <= {TARGET_TIME_RATIO}: "
+            f"{'PASS' if t <= TARGET_TIME_RATIO else 'FAIL'}), peak memory {m:.2f}x (target <= "
+            f"{TARGET_MEMORY_RATIO}: {'PASS' if m <= TARGET_MEMORY_RATIO else 'FAIL'}), outputs identical "
+            f"({r[fmt]['identical_tensors']} tensors, bit for bit)"
         )
-    t, m = r["time_ratio"], r["rss_ratio"]
-    lines += [
-        "",
-        f"time ours / baseline: {t:.2f}x "
-        f"(target <= {TARGET_TIME_RATIO}x: {'PASS' if t <= TARGET_TIME_RATIO else 'FAIL'})",
-        f"peak RSS ours (rank 0) / baseline: {m:.2f} (target <= {TARGET_RSS_RATIO}: "
-        f"{'PASS' if m <= TARGET_RSS_RATIO else 'FAIL'})",
-        f"outputs identical (all three): {r['identical_tensors']} tensors, bit for bit",
-    ]
+    tiny = r["tiny_s"]
+    lines.append(
+        f"tiny checkpoint (TP 2 x PP 2, 0.3 MiB), end to end: {tiny:.2f} s "
+        f"(target < {TARGET_TINY_SECONDS}: {'PASS' if tiny < TARGET_TINY_SECONDS else 'FAIL'})"
+    )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-gb", type=float, default=2.0, help="model size in GiB (default 2)")
+    parser.add_argument("--case", default="bench", help="megatron_checkpoints.py case (default bench)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     parser.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default 2)")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
+    parser.add_argument("--input", default=None, help="reuse a directory with legacy/ and torch_dist/")
     parser.add_argument("--tmpdir", default="/tmp", help="where the temporary directory goes (default /tmp)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     parser.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        default=None,
-        metavar="FILE",
-        help="write the results as JSON ('-': stdout)",
+        "--json", nargs="?", const="-", default=None, metavar="FILE", help="JSON results ('-': stdout)"
     )
-    parser.add_argument("--baseline-worker", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-worker", nargs=3, metavar=("FMT", "IN", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.baseline_worker:
         print(json.dumps(baseline_worker(*args.baseline_worker)))
         return 0
 
-    root = Path(tempfile.mkdtemp(prefix="du_bench_consolidate_", dir=args.tmpdir))
+    work = Path(tempfile.mkdtemp(prefix="du_bench_consolidate_", dir=args.tmpdir))
     try:
-        inp, base_out, ours_out = root / "in", root / "baseline", root / "ours"
-        t = time.perf_counter()
-        model = _make_input(inp, args.size_gb, args.tp, args.pp)
-        print(f"wrote the input in {time.perf_counter() - t:.1f} s", file=sys.stderr)
-        load_before = os.getloadavg()[0]
-        wall_b, base = _run([sys.executable, __file__, "--baseline-worker", str(inp), str(base_out)])
-        cli = [sys.executable, "-m", "distribute_utils", "consolidate", str(inp)]
-        wall_o, ours = _run([*cli, str(ours_out), "--quiet", "--json"])
-        wall_1, one = _run([*cli, str(root / "one"), "--quiet", "--json", "--nproc", "1"])
-        load_after = os.getloadavg()[0]
-        identical = _compare(base_out / "model.safetensors", ours_out / "model.safetensors")
-        if _compare(ours_out / "model.safetensors", root / "one" / "model.safetensors") != identical:
-            raise SystemExit("the one-process output has a different number of tensors")
-        result = {
-            "model": model,
+        src = Path(args.input) if args.input else work / "checkpoint"
+        if not args.input:
+            t = time.perf_counter()
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(SCRIPTS / "megatron_checkpoints.py"),
+                    str(src),
+                    "--case",
+                    args.case,
+                    "--tp",
+                    str(args.tp),
+                    "--pp",
+                    str(args.pp),
+                    "--no-truth",
+                ],
+                check=True,
+            )
+            print(f"wrote the checkpoints in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        from distribute_utils.consolidate import plan_checkpoint
+
+        _, plan = plan_checkpoint(src / "torch_dist")
+        result: dict[str, Any] = {
+            "case": args.case,
             "tp": args.tp,
             "pp": args.pp,
-            "nproc": ours["world_size"],
-            "tmpdir": args.tmpdir,
-            "baseline": {"wall_s": wall_b, **base},
-            "ours": {
-                "wall_s": wall_o,
-                "seconds": ours["seconds"],
-                "peak_rss_bytes": ours["peak_rss_bytes"],
-                "transport": ours["transport"],
-                "rounds": ours["rounds"],
-            },
-            "ours_one_process": {
-                "wall_s": wall_1,
-                "seconds": one["seconds"],
-                "peak_rss_bytes": one["peak_rss_bytes"],
-            },
-            "load_average": [load_before, load_after],
-            "time_ratio": wall_o / wall_b,
-            "rss_ratio": ours["peak_rss_bytes"] / base["peak_rss_bytes"],
-            "identical_tensors": identical,
+            "repeats": args.repeats,
+            "tensors": len(plan),
+            "bytes": sum(e.spec.nbytes for e in plan),
         }
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            print(f"kept {root}", file=sys.stderr)
-    if args.json == "-":
-        print(json.dumps(result, indent=2))
-    else:
+        load_before = os.getloadavg()[0]
+        for fmt in ("legacy", "torch_dist"):
+            result[fmt] = _bench_format(fmt, src / fmt, work, args.tp * args.pp, args.repeats)
+        result["tiny_s"] = _tiny(work)
+        result["load_average"] = [load_before, os.getloadavg()[0]]
         print(_table(result))
         if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+            text = json.dumps(result, indent=2)
+            if args.json == "-":
+                print(text)
+            else:
+                Path(args.json).write_text(text + "\n")
+        ok = (
+            all(
+                result[f]["time_ratio"] <= TARGET_TIME_RATIO
+                and result[f]["memory_ratio"] <= TARGET_MEMORY_RATIO
+                for f in ("legacy", "torch_dist")
+            )
+            and result["tiny_s"] < TARGET_TINY_SECONDS
+        )
+        return 0 if ok else 1
+    finally:
+        if args.keep:
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,20 @@ CASES: dict[str, dict[str, Any]] = {
     "uneven": dict(num_layers=5, first_stage_layers=3, last_stage_layers=2, swiglu=True, untie=True),
     # mixture of experts (4 experts, top-2), gated experts
     "moe": dict(num_layers=2, num_experts=4, swiglu=True, bias=False, untie=True),
+    # scripts/bench_consolidate.py: a LLaMA-shaped model of about 1.1 GiB (float32)
+    "bench": dict(
+        num_layers=16,
+        hidden=1024,
+        ffn=4096,
+        heads=8,
+        num_query_groups=2,
+        vocab=32000,
+        swiglu=True,
+        rope=True,
+        rmsnorm=True,
+        bias=False,
+        untie=True,
+    ),
 }
 VOCAB = 128
 HIDDEN = 64
@@ -81,9 +95,9 @@ def _config(case: dict[str, Any], tp: int, pp: int, ep: int, vp: int | None) -> 
 
     kwargs: dict[str, Any] = dict(
         num_layers=case["num_layers"],
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        ffn_hidden_size=FFN,
+        hidden_size=case.get("hidden", HIDDEN),
+        num_attention_heads=case.get("heads", HEADS),
+        ffn_hidden_size=case.get("ffn", FFN),
         num_query_groups=case.get("num_query_groups"),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -123,7 +137,7 @@ def _build(config: Any, case: dict[str, Any], vp: int | None) -> list[Any]:
             GPTModel(
                 config=config,
                 transformer_layer_spec=spec,
-                vocab_size=VOCAB,
+                vocab_size=case.get("vocab", VOCAB),
                 max_sequence_length=SEQ,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -151,11 +165,11 @@ def _args(
     return argparse.Namespace(
         case=case_name,
         num_layers=case["num_layers"],
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        num_attention_heads=HEADS,
+        hidden_size=case.get("hidden", HIDDEN),
+        ffn_hidden_size=case.get("ffn", FFN),
+        num_attention_heads=case.get("heads", HEADS),
         group_query_attention=case.get("num_query_groups") is not None,
-        num_query_groups=case.get("num_query_groups") or HEADS,
+        num_query_groups=case.get("num_query_groups") or case.get("heads", HEADS),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
@@ -170,7 +184,7 @@ def _args(
         position_embedding_type="rope" if case.get("rope") else "learned_absolute",
         normalization="RMSNorm" if case.get("rmsnorm") else "LayerNorm",
         add_bias_linear=case.get("bias", True),
-        padded_vocab_size=VOCAB,
+        padded_vocab_size=case.get("vocab", VOCAB),
         ckpt_format=ckpt_format,
         model_type=ModelType.encoder_or_decoder,
         attention_backend=AttnBackend.auto,
@@ -317,14 +331,23 @@ def _spawn(fn: Any, world: int, *args: Any) -> None:
         mp.start_processes(fn, args=(world, init, *args), nprocs=world, start_method="spawn", join=True)
 
 
-def write(out: str | os.PathLike[str], case: str, tp: int = 2, pp: int = 2, ep: int = 1, vp: int = 0) -> Path:
-    """Writes ``out/legacy``, ``out/torch_dist`` and ``out/truth.safetensors`` for one case; returns ``out``."""
+def write(
+    out: str | os.PathLike[str],
+    case: str,
+    tp: int = 2,
+    pp: int = 2,
+    ep: int = 1,
+    vp: int = 0,
+    truth: bool = True,
+) -> Path:
+    """Writes ``out/legacy``, ``out/torch_dist`` and (with ``truth``) ``out/truth.safetensors``; returns ``out``."""
     if case not in CASES:
         raise ValueError(f"unknown case {case!r}; valid: {', '.join(CASES)}")
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     _spawn(_rank_main, tp * pp * ep, os.fspath(root), case, (tp, pp, ep, vp))
-    _spawn(_truth_main, 1, os.fspath(root), case)
+    if truth:
+        _spawn(_truth_main, 1, os.fspath(root), case)
     return root
 
 
@@ -336,9 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--vp", type=int, default=0, help="virtual pipeline chunks per stage (0: none)")
+    parser.add_argument("--no-truth", action="store_true", help="skip Megatron's TP1 reshard")
     a = parser.parse_args(argv)
-    write(a.out, a.case, a.tp, a.pp, a.ep, a.vp)
-    print(f"wrote {a.out}/legacy, {a.out}/torch_dist, {a.out}/truth.safetensors")
+    write(a.out, a.case, a.tp, a.pp, a.ep, a.vp, truth=not a.no_truth)
+    print(f"wrote {a.out}/legacy, {a.out}/torch_dist" + ("" if a.no_truth else f", {a.out}/truth.safetensors"))
     return 0
 
 

@@ -157,7 +157,7 @@ def test_missing_shard_file_is_named(
     (inp / "rank_00002.safetensors").unlink()
     assert _exit_code(["consolidate", str(inp), str(tmp_path / "out"), "-q"]) == 1
     line = _one_error_line(capsys)
-    assert f"'{inp / 'rank_00002.safetensors'}'" in line and "(tp=0, pp=1) is missing" in line
+    assert f"'{inp / 'rank_00002.safetensors'}'" in line and "(TP rank 0, stage 1) is missing" in line
 
 
 def test_shape_mismatch_names_tensor_and_ranks(

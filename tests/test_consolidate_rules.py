@@ -416,3 +416,65 @@ def test_shard_then_merge_reproduces_original(quant_format: str | None) -> None:
         a = shards[(0, 0)]["decoder.layers.0.mlp.linear_fc1.weight_scale"]
         b = shards[(1, 0)]["decoder.layers.0.mlp.linear_fc1.weight_scale"]
         assert not torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Gated MLPs (SwiGLU) and the unknown rule.
+
+
+def test_swiglu_merges_gate_then_up_across_ranks() -> None:
+    """Each TP rank holds [gate_t; up_t]; the merge is [gate_0; gate_1; up_0; up_1], never [g0; u0; g1; u1]."""
+    gate, up = torch.arange(8.0).reshape(4, 2), 100 + torch.arange(8.0).reshape(4, 2)
+    shards = [torch.cat([gate[:2], up[:2]]), torch.cat([gate[2:], up[2:]])]
+    rule = parse_rule("swiglu")
+    assert rule == Concat(0, 2) == parse_rule("concat:0:2") and str(rule) == "concat:0:2"
+    assert torch.equal(rule.merge("fc1", shards), torch.cat([gate, up]))
+    assert all(torch.equal(a, b) for a, b in zip(rule.split("fc1", torch.cat([gate, up]), 2), shards))
+    runs = rule.byte_runs([tuple(s.shape) for s in shards], 4)
+    placed = b"".join(shards[i].numpy().tobytes()[start : start + n] for i, start, n in runs)
+    assert placed == torch.cat([gate, up]).numpy().tobytes()
+
+
+@pytest.mark.parametrize("dim, parts", [(0, 1), (1, 1), (0, 2), (1, 3), (-1, 2)])
+def test_concat_byte_runs_are_the_merged_bytes(dim: int, parts: int) -> None:
+    rule = Concat(dim, parts)
+    full = torch.randn(12, 12, 4)
+    shards = rule.split("t", full, 2)
+    runs = rule.byte_runs([tuple(s.shape) for s in shards], 4)
+    placed = b"".join(shards[i].numpy().tobytes()[start : start + n] for i, start, n in runs)
+    assert placed == rule.merge("t", shards).numpy().tobytes() == full.numpy().tobytes()
+
+
+def test_concat_parts_errors() -> None:
+    with pytest.raises(MergeError, match=r"2 equal blocks along dim 0"):
+        Concat(0, 2).merged_shape("fc1", [(3, 4), (3, 4)])
+    with pytest.raises(RuleSyntaxError, match=r"concat:<dim>:<parts>"):
+        parse_rule("concat:0:0")
+
+
+def test_unknown_rule_keeps_one_shard_and_refuses_several() -> None:
+    one = torch.randn(3)
+    assert Unknown().merge("x", [one]) is one
+    with pytest.raises(MergeError, match=r"no merge rule is known for tensor 'x'.*--rules.*'x concat:0'"):
+        Unknown().merged_shape("x", [(3,), (3,)])
+    hinted = RuleTable.default(gated=None).rule_for("decoder.layers.0.mlp.linear_fc1.weight")
+    with pytest.raises(MergeError, match=r"may be gated.*--swiglu or --no-swiglu"):
+        hinted.merged_shape("decoder.layers.0.mlp.linear_fc1.weight", [(4, 2), (4, 2)])
+
+
+def test_default_table_knows_replicated_and_gated_names() -> None:
+    gated = RuleTable.default(gated=True)
+    assert gated.rule_for(CORE + "mlp.linear_fc1.weight") == Concat(0, 2)
+    assert gated.rule_for(CORE + "mlp.experts.local_experts.3.linear_fc1.weight") == Concat(0, 2)
+    assert gated.rule_for(CORE + "mlp.experts.linear_fc1.weight3") == Concat(0, 2)
+    assert gated.rule_for(CORE + "mlp.experts.linear_fc2.weight3") == Concat(1)
+    assert RuleTable.default().rule_for(CORE + "mlp.linear_fc1.weight") == Concat(0)
+    for name in (
+        "input_layernorm.weight",
+        "self_attention.q_layernorm.weight",
+        "mlp.router.weight",
+        "self_attention.linear_qkv.layer_norm_bias",
+    ):
+        assert gated.rule_for(CORE + name) == Same(), name
+    assert gated.rule_for("embedding.position_embeddings.weight") == Same()
+    assert gated.rule_for(CORE + "self_attention.some_new_thing.weight") == Unknown()

@@ -278,7 +278,7 @@ def test_megatron_tp_only_nested_legacy_names(tmp_path: Path) -> None:
     }
     shards = shard_state_dict(sd, 2, 1)
     write_megatron_legacy(tmp_path, shards, nest_depth=2)
-    raw = torch.load(tmp_path / "mp_rank_01" / MEGATRON_FILE, weights_only=True)
+    raw = safe_torch_load(tmp_path / "mp_rank_01" / MEGATRON_FILE)
     assert "layers.0.self_attention.dense.weight" in raw["model"]["language_model"]["encoder"]
     layout = open_checkpoint(tmp_path)
     assert (layout.tp, layout.pp, layout.layers_per_stage) == (2, 1, (1,))

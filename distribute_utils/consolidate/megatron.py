@@ -21,6 +21,7 @@ renumbered ``ep_rank * local_experts + i``; EP ranks' copies of the dense weight
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
@@ -402,12 +403,15 @@ def write_megatron_legacy(
     shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
     iteration: int | None = None,
     nest_depth: int = 0,
+    swiglu: bool | None = False,
 ) -> MegatronLegacyLayout:
-    """Writes TP x PP shards as a Megatron-LM legacy checkpoint without ``args`` (tests, demos, benchmarks).
+    """Writes TP x PP shards as a Megatron-LM legacy checkpoint (tests, demos, benchmarks).
 
     ``mp_rank_XX/model_optim_rng.pt`` when PP is 1, else ``mp_rank_XX_YYY/...``; each file holds
-    ``{"model": state_dict, "checkpoint_version": 3.0, "iteration": N}``. With ``iteration``, the shards go
-    under ``iter_NNNNNNN/`` and ``latest_checkpointed_iteration.txt`` is written beside it (last).
+    ``{"model": state_dict, "args": Namespace, "checkpoint_version": 3.0, "iteration": N}``, where ``args``
+    has the grid, ``swiglu`` and ``untie_embeddings_and_output_weights=True`` (``swiglu=None``: no
+    ``args`` at all). With ``iteration``, the shards go under ``iter_NNNNNNN/`` and
+    ``latest_checkpointed_iteration.txt`` is written beside it (last).
 
     Args:
         directory: output directory (created).
@@ -415,13 +419,27 @@ def write_megatron_legacy(
         iteration: training iteration, or ``None`` for a bare ``mp_rank_*`` directory.
         nest_depth: how many leading name components become nested dicts (legacy Megatron nests
             ``language_model`` -> ``encoder`` -> ``layers.0...``); 0 keeps the names flat (Megatron core).
+        swiglu: ``args.swiglu`` (the shards' ``linear_fc1`` must then be ``[gate_t; up_t]``); ``None``
+            writes no ``args``.
     """
     base = Path(directory)
     root = base if iteration is None else base / f"iter_{iteration:07d}"
     tp, pp = grid_of(shards)
     layout = MegatronLegacyLayout(root, tp, pp)
+    args = argparse.Namespace(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        swiglu=swiglu,
+        untie_embeddings_and_output_weights=True,
+    )
     for (t, p), sd in shards.items():
-        obj = {"model": _nest(sd, nest_depth), "checkpoint_version": 3.0, "iteration": iteration or 0}
+        obj: dict[str, Any] = {
+            "model": _nest(sd, nest_depth),
+            "checkpoint_version": 3.0,
+            "iteration": iteration or 0,
+        }
+        if swiglu is not None:
+            obj["args"] = args
         atomic_torch_save(obj, layout.file_for(t, p))
     if iteration is not None:
         atomic_write_text(base / TRACKER_FILE, f"{iteration}\n")

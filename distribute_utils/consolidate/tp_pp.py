@@ -65,7 +65,7 @@ from .dcp import DcpCheckpoint
 from .formats import Checkpoint, open_checkpoint
 from .layouts import CheckpointLayout, MergePlanEntry, plan_merge
 from .rules import Concat, MergeError, RuleTable
-from .writers import CheckpointWriter, open_writer, parse_size
+from .writers import CheckpointWriter, SafetensorsWriter, open_writer, parse_size
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
@@ -86,9 +86,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_BATCH_BYTES = 16 * 2**20
 #: Output formats of :func:`consolidate_checkpoint`.
 OUTPUT_FORMATS = ("safetensors", "torch")
-# A memory-mapped safetensors shard is remapped after _REMAP_FACTOR * batch_bytes were read from it, so that
-# pages already sent leave the resident set (re-parsing the header costs ~1 ms).
+# A memory-mapped shard is remapped after _REMAP_FACTOR * batch_bytes were read from it, so that pages already
+# sent leave the resident set: re-parsing a safetensors header costs ~1 ms, re-unpickling a Megatron file
+# (args, optimizer state, RNG states come along) ~20 ms, hence a wider window for torch files.
 _REMAP_FACTOR = 1
+_TORCH_REMAP_FACTOR = 4
 _TENSOR_IN_MESSAGE = re.compile(r"tensor '([^']+)'")
 
 Item = torch.Tensor | list[torch.Tensor]
@@ -353,7 +355,7 @@ class _ShardSource:
 
     def __init__(self, layout: CheckpointLayout, tp_rank: int, pp_rank: int, window: int) -> None:
         self._layout, self._tp, self._pp = layout, tp_rank, pp_rank
-        self._window = window
+        self._window = window * (1 if layout.file_format == "safetensors" else _TORCH_REMAP_FACTOR)
         self._taken = 0
         self._tensors: dict[str, torch.Tensor] | None = None
 
@@ -879,6 +881,10 @@ def _consolidate_alone(
             sources = [_ShardSource(layout, t, p, window) for t in range(layout.tp)]
             ranks = [p * layout.tp + t for t in range(layout.tp)]
             for batch in batches[p]:
+                if isinstance(layout, DcpCheckpoint) and isinstance(writer, SafetensorsWriter):
+                    layout.stream_into(writer, batch)  # chunk by chunk, no tensor built
+                    bar.update(sum(e.spec.nbytes for e in batch))
+                    continue
                 _write_batch(writer, batch, [s.get(batch) for s in sources], ranks, bar)
                 for s in sources:
                     s.batch_done()
@@ -1040,15 +1046,16 @@ def consolidate_local(
     launch_timeout: float | None = None,
     **options: Any,
 ) -> ConsolidationReport:
-    """Consolidates on ``nproc`` local ranks spawned for it (gloo, shared memory): what the CLI runs.
+    """Consolidates in this process, or on ``nproc`` local ranks spawned for it (gloo, shared memory).
 
-    Must be called in a plain process, outside any distributed job. ``nproc`` defaults to ``tp * pp`` of
-    the input; ``nproc=1`` consolidates in this process without spawning.
+    What the CLI runs. Must be called in a plain process, outside any distributed job. ``nproc`` defaults
+    to 1: one process streams every shard, memory-mapped, which on one host is faster and smaller than
+    spawning ranks (docs/performance.md); ``nproc = tp * stages`` spawns one rank per shard.
 
     Args:
         input_dir: the checkpoint.
         output: the output directory or file.
-        nproc: number of ranks: ``tp * pp`` or 1.
+        nproc: number of ranks: 1 (default) or ``tp * stages`` (``tp * pp * ep``).
         launch_timeout: bound on the whole run (seconds); ``None``: no bound beyond ``timeout``.
         **options: keyword arguments of :func:`consolidate_checkpoint`.
 
@@ -1062,18 +1069,18 @@ def consolidate_local(
     """
     from ..launch import run_local
 
+    if nproc is None or nproc == 1:
+        return consolidate_checkpoint(input_dir, output, **options)
     layout = open_checkpoint(
         input_dir, options.get("layers_per_stage"), options.get("iteration"), names=options.get("names")
     )
     needed = layout.tp * layout.stages
-    n = needed if nproc is None else nproc
-    if n not in (needed, 1):
+    n = nproc
+    if n != needed:
         raise ValueError(
             f"'{input_dir}' is a {layout.describe_grid()} checkpoint: it needs {needed} ranks "
             f"(or 1 for one process), not {n}"
         )
-    if n == 1:
-        return consolidate_checkpoint(input_dir, output, **options)
     results = run_local(
         _rank_main, n, os.fspath(input_dir), os.fspath(output), options, timeout=launch_timeout
     )

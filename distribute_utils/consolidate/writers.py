@@ -52,6 +52,7 @@ __all__ = [
     "read_safetensors_metadata",
     "read_safetensors_specs",
     "safetensors_dtype",
+    "tensor_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A read-only view of a CPU tensor's bytes (copies only when not contiguous or not on CPU)."""
     t = t.detach()
     if t.device.type != "cpu":
@@ -554,6 +555,7 @@ class SafetensorsWriter(CheckpointWriter):
         self.metadata = meta
         self._fds: list[int] = []
         self._where: dict[str, tuple[int, int]] = {}
+        self._parts: dict[str, int] = {}  # bytes written so far of tensors written in parts
         try:
             for i, shard in enumerate(self.shards):
                 head, offsets = _safetensors_header(shard, meta)
@@ -574,8 +576,43 @@ class SafetensorsWriter(CheckpointWriter):
         spec = self._check(name, tensor)
         i, offset = self._where[name]
         if spec.nbytes:
-            _pwrite_all(self._fds[i], _tensor_bytes(tensor), offset)
+            _pwrite_all(self._fds[i], tensor_bytes(tensor), offset)
         self._written.add(name)
+
+    def write_part(
+        self, name: str, dtype: torch.dtype, shape: Sequence[int], runs: Sequence[tuple[int, memoryview]]
+    ) -> None:
+        """Writes part of one tensor: ``(byte offset within the tensor, bytes)`` runs, in any order.
+
+        For a reader that holds only a piece of a tensor at a time (a DCP chunk). The tensor counts as
+        written when its parts add up to its size; a run outside the tensor is an error.
+        """
+        spec = self._check_meta(name, dtype, shape)
+        i, base = self._where[name]
+        filled = self._parts.get(name, 0)
+        group: list[memoryview] = []
+        start = end = 0
+        for offset, data in sorted(runs, key=lambda run: run[0]):
+            if offset < 0 or offset + len(data) > spec.nbytes:
+                raise CheckpointFormatError(
+                    f"tensor '{name}': bytes {offset}..{offset + len(data)} lie outside its {spec.nbytes}"
+                )
+            if group and offset != end:  # runs next to each other in the file go in one pwritev
+                _pwritev_all(self._fds[i], group, base + start)
+                group = []
+            if not group:
+                start = end = offset
+            group.append(data)
+            end += len(data)
+            filled += len(data)
+        if group:
+            _pwritev_all(self._fds[i], group, base + start)
+        if filled > spec.nbytes:
+            raise CheckpointFormatError(f"tensor '{name}': {filled} bytes written, it has {spec.nbytes}")
+        self._parts[name] = filled
+        if filled == spec.nbytes:
+            del self._parts[name]
+            self._written.add(name)
 
     def write_merged(
         self,
@@ -598,7 +635,7 @@ class SafetensorsWriter(CheckpointWriter):
             if runs is not None and (len(runs) == len(shards) or min(n for _, _, n in runs) >= _MIN_SLICE):
                 self._check_meta(name, shards[0].dtype, shape)
                 file_index, offset = self._where[name]
-                views = [_tensor_bytes(t) for t in shards]
+                views = [tensor_bytes(t) for t in shards]
                 iov = [views[i][start : start + n] for i, start, n in runs]
                 _pwritev_all(self._fds[file_index], iov, offset)
                 self._written.add(name)
