@@ -102,7 +102,8 @@ def test_help_exits_0_and_mentions_every_option(command: str, capsys: pytest.Cap
     if command == "consolidate":
         for text in (
             "mesh.json",
-            "mp_rank_XX",
+            "mp_rank_TT[_PPP][_EEE]",
+            ".metadata",
             "exit codes",
             "usage error",
             "default safetensors",
@@ -210,7 +211,9 @@ def test_consolidate_spawns_ranks(
     model: dict[str, torch.Tensor], ckpt: Path, tmp_path: Path, no_shm_leak: None
 ) -> None:
     out = tmp_path / "out"
-    proc = _cli("consolidate", str(ckpt), str(out), "--max-shard-size", "200KB", "--quiet", "--json")
+    proc = _cli(
+        "consolidate", str(ckpt), str(out), "--nproc", "4", "--max-shard-size", "200KB", "--quiet", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["world_size"] == 4 and report["transport"] == "shm" and report["tensors"] == len(model)
