@@ -215,6 +215,8 @@ def _iov_max() -> int:
 
 _IOV_MAX = _iov_max()
 _MIN_SLICE = 4096
+# Bytes written to a file between two starts of its writeback (see SafetensorsWriter._done).
+_WRITEBACK_BYTES = 64 << 20
 
 
 def _pwritev_all(fd: int, bufs: Sequence[memoryview], offset: int) -> None:
@@ -556,6 +558,7 @@ class SafetensorsWriter(CheckpointWriter):
         self._fds: list[int] = []
         self._where: dict[str, tuple[int, int]] = {}
         self._parts: dict[str, int] = {}  # bytes written so far of tensors written in parts
+        self._dirty = [0] * len(self.shards)  # bytes written per file since writeback was last started
         try:
             for i, shard in enumerate(self.shards):
                 head, offsets = _safetensors_header(shard, meta)
@@ -577,7 +580,18 @@ class SafetensorsWriter(CheckpointWriter):
         i, offset = self._where[name]
         if spec.nbytes:
             _pwrite_all(self._fds[i], tensor_bytes(tensor), offset)
+        self._done(name)
+
+    def _done(self, name: str) -> None:
+        """Marks a tensor written; every ``_WRITEBACK_BYTES`` of a file, starts writing its dirty pages to
+        disk (``POSIX_FADV_DONTNEED`` starts writeback without waiting), so that the final fsync does not
+        wait for the whole file while reading sat idle."""
         self._written.add(name)
+        i, _ = self._where[name]
+        self._dirty[i] += self._by_name[name].nbytes
+        if self._dirty[i] >= _WRITEBACK_BYTES and hasattr(os, "posix_fadvise"):
+            self._dirty[i] = 0
+            os.posix_fadvise(self._fds[i], 0, 0, os.POSIX_FADV_DONTNEED)
 
     def write_part(
         self, name: str, dtype: torch.dtype, shape: Sequence[int], runs: Sequence[tuple[int, memoryview]]
@@ -612,7 +626,7 @@ class SafetensorsWriter(CheckpointWriter):
         self._parts[name] = filled
         if filled == spec.nbytes:
             del self._parts[name]
-            self._written.add(name)
+            self._done(name)
 
     def write_merged(
         self,
@@ -638,7 +652,7 @@ class SafetensorsWriter(CheckpointWriter):
                 views = [tensor_bytes(t) for t in shards]
                 iov = [views[i][start : start + n] for i, start, n in runs]
                 _pwritev_all(self._fds[file_index], iov, offset)
-                self._written.add(name)
+                self._done(name)
                 return
         super().write_merged(name, rule, shards, ranks)
 
