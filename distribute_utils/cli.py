@@ -41,7 +41,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )
     if not args.size_mb > 0:
         raise _UsageError(f"--size-mb must be positive, got {args.size_mb}")
-    result = run_demo(args.nproc, args.tp, args.pp, size_mb=args.size_mb, keep=args.keep)
+    if args.keep is not None:
+        from .outputs import prepare_output
+
+        keep = Path(args.keep)
+        try:
+            for target in (keep / "checkpoint", keep / "consolidated") if keep.exists() else (keep,):
+                prepare_output(target, args.overwrite)
+        except ValueError as exc:
+            raise _UsageError(f"--keep: {exc}") from None
+    result = run_demo(
+        args.nproc, args.tp, args.pp, size_mb=args.size_mb, keep=args.keep, overwrite=args.overwrite
+    )
     print(format_demo(result))
     return 0
 
@@ -165,22 +176,59 @@ def _consolidate_as_torchrun_rank(
     return 0
 
 
+def _print_plan(args: argparse.Namespace) -> int:
+    """``--dry-run``: the rule, shape and dtype of every output tensor, and the output size; writes nothing."""
+    from .consolidate.tp_pp import plan_checkpoint
+
+    layout, plan = plan_checkpoint(
+        args.input, args.rules, quant_format=args.quant_format, swiglu=args.swiglu, names=args.megatron_names
+    )
+    total = sum(e.spec.nbytes for e in plan)
+    if args.json:
+        rows = [
+            {"name": e.name, "rule": str(e.rule), "shape": list(e.spec.shape), "dtype": str(e.spec.dtype)}
+            for e in plan
+        ]
+        print(
+            json.dumps(
+                {"input": args.input, "layout": layout.kind, "tensors": rows, "bytes": total}, indent=2
+            )
+        )
+        return 0
+    width = max((len(e.name) for e in plan), default=4)
+    print(f"{'tensor':<{width}}  {'rule':<12} {'dtype':<10} shape")
+    for e in plan:
+        dtype = str(e.spec.dtype).removeprefix("torch.")
+        print(f"{e.name:<{width}}  {e.rule!s:<12} {dtype:<10} {list(e.spec.shape)}")
+    print(
+        f"{len(plan)} tensors, {total / 2**20:.1f} MiB, from {layout.describe_grid()} ({layout.kind}); nothing written"
+    )
+    return 0
+
+
 def _cmd_consolidate(args: argparse.Namespace) -> int:
     from .consolidate.tp_pp import consolidate_local, plan_checkpoint
     from .launch import under_torchrun
+    from .outputs import prepare_output
 
     options = _consolidate_options(args)
     layout = _open_input(args.input, args.megatron_names)
+    if args.dry_run:
+        return _print_plan(args)
     needed = layout.tp * layout.stages
+    if under_torchrun():
+        return _consolidate_as_torchrun_rank(args, options, layout)
+    nproc = 1 if args.nproc is None else args.nproc
+    if nproc not in (needed, 1):
+        raise _UsageError(
+            f"--nproc {nproc} does not fit '{args.input}': {layout.describe_grid()} "
+            f"needs {needed} ranks (or 1 to consolidate in this process)"
+        )
     try:
-        if under_torchrun():
-            return _consolidate_as_torchrun_rank(args, options, layout)
-        nproc = 1 if args.nproc is None else args.nproc
-        if nproc not in (needed, 1):
-            raise _UsageError(
-                f"--nproc {nproc} does not fit '{args.input}': {layout.describe_grid()} "
-                f"needs {needed} ranks (or 1 to consolidate in this process)"
-            )
+        target = prepare_output(args.output, args.overwrite)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    try:
         if nproc > 1:
             plan_checkpoint(  # fail fast, before spawning
                 args.input,
@@ -189,13 +237,29 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
                 swiglu=args.swiglu,
                 names=args.megatron_names,
             )
+            if not args.quiet:
+                print(f"starting {nproc} local ranks ...", file=sys.stderr)
         report = consolidate_local(args.input, args.output, nproc=nproc, **options)
     except (LaunchError, OSError, ValueError, RuntimeError) as exc:
-        print(f"distribute-utils consolidate: error: {_one_line(exc)}", file=sys.stderr)
-        logger.debug("failure", exc_info=True)
+        target.abandon()
+        _fail(args, exc)
         return 1
+    stale = target.finish(report.files)
+    if stale:
+        logger.info("--overwrite: removed %d checkpoint files of the previous output", len(stale))
     _print_consolidation(report, args.json)
     return 0
+
+
+def _fail(args: argparse.Namespace, exc: BaseException, code: int = 1) -> None:
+    """The one-line error on stderr; with ``--json`` also ``{"error", "kind", "exit_code"}`` on stdout."""
+    message = _one_line(exc)
+    if code == 1:
+        print(f"distribute-utils {args.command}: error: {message}", file=sys.stderr)
+        logger.debug("failure", exc_info=True)
+    if getattr(args, "json", False):
+        kind = "UsageError" if isinstance(exc, _UsageError) else type(exc).__name__
+        print(json.dumps({"error": message, "kind": kind, "exit_code": code}))
 
 
 # -- plumbing --------------------------------------------------------------------------------------
@@ -272,7 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         default=None,
         help="keep the sharded checkpoint (DIR/checkpoint) and the output (DIR/consolidated) instead of "
-        "removing a temporary directory",
+        "removing a temporary directory; both must be new or empty unless --overwrite",
+    )
+    demo.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="with --keep: replace DIR/checkpoint and DIR/consolidated if they exist",
     )
     demo.set_defaults(handler=_cmd_demo)
 
@@ -369,7 +438,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="no progress bar, warnings and errors only",
     )
-    cons.add_argument("--json", action="store_true", help="print the report as JSON")
+    cons.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="OUTPUT may hold files: the new checkpoint replaces the checkpoint files there once complete "
+        "(others are left alone); without it a non-empty OUTPUT is refused",
+    )
+    cons.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print each output tensor's merge rule, dtype and shape, and the output size; write nothing",
+    )
+    cons.add_argument("--json", action="store_true", help="print the report (or the error) as JSON")
     cons.set_defaults(handler=_cmd_consolidate)
 
     doctor = sub.add_parser(
@@ -423,12 +503,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args))
     except _UsageError as exc:
-        parser.error(str(exc))  # exits with code 2
+        _fail(args, exc, code=2)
+        subparser = _subparsers_of(parser).get(args.command, parser)
+        subparser.error(str(exc))  # the subcommand's usage; exits with code 2
     except (LaunchError, OSError, ValueError, RuntimeError) as exc:
-        print(f"distribute-utils {args.command}: error: {exc}", file=sys.stderr)
-        logger.debug("failure", exc_info=True)
+        _fail(args, exc)
         return 1
     return 0
+
+
+def _subparsers_of(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -116,6 +116,7 @@ def run_demo(
     pp: int = 2,
     size_mb: float = 64.0,
     keep: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
 ) -> DemoResult:
     """Runs the demo on ``nproc`` freshly spawned local ranks; call it in a plain process.
 
@@ -125,7 +126,9 @@ def run_demo(
         pp: pipeline-parallel size.
         size_mb: approximate model size in MB (10**6 bytes).
         keep: keep the sharded checkpoint (``DIR/checkpoint``) and the output (``DIR/consolidated``) here;
-            ``None``: a temporary directory, removed at the end.
+            ``None``: a temporary directory, removed at the end. Either existing and not empty is an error
+            unless ``overwrite`` (then they are replaced): the demo never deletes what it did not write.
+        overwrite: with ``keep``: replace existing ``DIR/checkpoint`` and ``DIR/consolidated``.
 
     Raises:
         ValueError: ``tp * pp != nproc`` or a non-positive size.
@@ -150,7 +153,12 @@ def run_demo(
         layers = balanced_layers_per_stage(num_layers, pp)
         ckpt, out = root / "checkpoint", root / "consolidated"
         for d in (ckpt, out):
-            if d.exists():
+            if d.exists() and any(d.iterdir()):
+                if not overwrite:
+                    raise ValueError(
+                        f"'{d}' exists and is not empty; choose another --keep directory, or overwrite=True "
+                        "to replace it"
+                    )
                 shutil.rmtree(d)
         write_own_layout(
             ckpt, shard_state_dict(original, tp, pp, layers_per_stage=layers), layers_per_stage=layers

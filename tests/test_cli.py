@@ -187,7 +187,7 @@ def test_data_mismatch_in_process_exit_1(
     assert _exit_code(["consolidate", str(inp), str(out), "--nproc", "1", "-q"]) == 1
     line = _one_error_line(capsys)
     assert f"tensor '{norm}'" in line and "rank 3 differ from rank 2" in line
-    assert not list(out.iterdir())
+    assert not out.exists()  # nothing left, not even the folder the run created
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -368,3 +368,79 @@ def test_doctor_and_clean_help_name_their_options(capsys) -> None:
         assert info.value.code == 0
         text = capsys.readouterr().out
         assert all(option in text for option in options) and "Exit codes" in text
+
+
+# --------------------------------------------------------------------------------------------------------
+# Output folders: never mixed, never deleted unless asked; scripting.
+
+
+def test_non_empty_output_is_refused_and_left_untouched(ckpt: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"an older checkpoint")
+    assert _exit_code(["consolidate", str(ckpt), str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "is not empty (1 entry: model.safetensors)" in err and "--overwrite" in err
+    assert "usage: distribute-utils consolidate" in err  # the subcommand's usage
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == b"an older checkpoint"
+
+
+def test_overwrite_replaces_the_checkpoint_files_only(model, ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert _exit_code(["consolidate", str(ckpt), str(out), "-q", "--max-shard-size", "200KB"]) == 0
+    sharded = sorted(p.name for p in out.iterdir())
+    assert len(sharded) > 2 and "model.safetensors.index.json" in sharded
+    (out / "NOTES.txt").write_text("mine")
+    assert _exit_code(["consolidate", str(ckpt), str(out), "-q", "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["NOTES.txt", "model.safetensors"]  # no stale shards
+    _assert_bit_exact(_load_dir(out), model)
+
+
+def test_missing_output_parent_is_a_usage_error(ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "typo" / "out"
+    assert _exit_code(["consolidate", str(ckpt), str(out), "-q"]) == 2
+    assert not (tmp_path / "typo").exists()
+
+
+def test_a_failed_run_leaves_no_output_folder(ckpt: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    (broken / "rank_00003.safetensors").write_bytes(b"\\x00" * 16)  # a corrupt shard
+    out = tmp_path / "out"
+    assert _exit_code(["consolidate", str(broken), str(out), "-q"]) == 1
+    assert not out.exists()
+
+
+def test_json_on_failure_prints_an_error_object(ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "x").write_text("")
+    proc = _cli("consolidate", str(ckpt), str(out), "--json")
+    assert proc.returncode == 2
+    error = json.loads(proc.stdout)
+    assert error["exit_code"] == 2 and error["kind"] == "UsageError" and "not empty" in error["error"]
+    proc = _cli("consolidate", str(tmp_path / "out"), str(tmp_path / "new"), "--json")
+    assert proc.returncode == 2 and json.loads(proc.stdout)["error"].startswith("input")
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(model, ckpt: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    assert _exit_code(["consolidate", str(ckpt), str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "decoder.layers.3.self_attention.linear_qkv.weight" in text and "concat:0" in text
+    assert f"{len(model)} tensors" in text and "nothing written" in text
+    assert not out.exists()
+    assert _exit_code(["consolidate", str(ckpt), str(out), "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert len(plan["tensors"]) == len(model) and plan["bytes"] == sum(t.nbytes for t in model.values())
+    assert not out.exists()
+
+
+def test_demo_keep_never_deletes_user_files(tmp_path: Path) -> None:
+    proj = tmp_path / "myproj"
+    (proj / "checkpoint").mkdir(parents=True)
+    (proj / "checkpoint" / "my_real_ckpt.pt").write_bytes(b"precious")
+    assert _exit_code(["demo", "--keep", str(proj), "--size-mb", "1"]) == 2
+    assert (proj / "checkpoint" / "my_real_ckpt.pt").read_bytes() == b"precious"
+    assert sorted(p.name for p in proj.iterdir()) == ["checkpoint"]
