@@ -17,10 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from . import __version__
-from .launch import LaunchError
+from .errors import LaunchError
 
 if TYPE_CHECKING:
     from .consolidate.formats import Checkpoint
@@ -157,6 +155,8 @@ def _consolidate_as_torchrun_rank(
             f"'{args.input}' is {layout.describe_grid()}: start {needed} ranks "
             f"(torchrun --nproc-per-node {needed}), not {world}"
         )
+    import torch.distributed as dist
+
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo")

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "DistributeError",
     "GatherError",
+    "LaunchError",
     "PayloadError",
     "PeerLostError",
     "SpaceError",
@@ -55,3 +56,7 @@ class TransportUnavailableError(DistributeError, ValueError):
 
 class WorkspaceError(DistributeError, OSError):
     """The workspace directory cannot be used: missing, not a directory, or not writable."""
+
+
+class LaunchError(DistributeError, RuntimeError):
+    """A spawned local rank failed or died; the message holds its error (the traceback at debug level)."""

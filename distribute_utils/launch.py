@@ -22,13 +22,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .errors import LaunchError
+
 __all__ = ["LaunchError", "run_local", "under_torchrun"]
 
 logger = logging.getLogger(__name__)
-
-
-class LaunchError(RuntimeError):
-    """A rank failed; the message holds its error (and the traceback at debug level)."""
 
 
 def under_torchrun() -> bool:
