@@ -107,6 +107,28 @@ def test_torch_dist_is_megatrons_own_reshard(written, tmp_path: Path, name: str)
     assert_same_state_dict(_load(tmp_path / "model.safetensors"), _load(root / "truth.safetensors"))
 
 
+def _consolidate_cli(src: Path, out: Path, *flags: str) -> dict:
+    """``distribute-utils consolidate SRC OUT --quiet --json FLAGS`` in a fresh process; its JSON report."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distribute_utils",
+            "consolidate",
+            str(src),
+            str(out),
+            "--quiet",
+            "--json",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -122,25 +144,8 @@ def test_cli_consolidates_on_one_rank_per_shard(written, tmp_path: Path, name: s
     spec = CASES[name]
     world = spec["tp"] * spec["pp"] * spec.get("ep", 1)
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distribute_utils",
-            "consolidate",
-            str(root / "legacy"),
-            str(out),
-            "--nproc",
-            str(world),
-            "--quiet",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["world_size"] == world
+    report = _consolidate_cli(root / "legacy", out, "--nproc", str(world))
+    assert report["world_size"] == world
     assert_same_state_dict(_load(out / "model.safetensors"), _load(root / "truth.safetensors"))
 
 
@@ -149,24 +154,7 @@ def test_cli_default_is_one_process_for_both_formats(written, tmp_path: Path) ->
     truth = _load(root / "truth.safetensors")
     for fmt, extra in (("legacy", []), ("torch_dist", ["--megatron-names", "local"])):
         out = tmp_path / fmt
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "distribute_utils",
-                "consolidate",
-                str(root / fmt),
-                str(out),
-                "--quiet",
-                "--json",
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout)["world_size"] == 1
+        assert _consolidate_cli(root / fmt, out, *extra)["world_size"] == 1
         assert_same_state_dict(_load(out / "model.safetensors"), truth)
 
 

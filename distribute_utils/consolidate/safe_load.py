@@ -99,16 +99,21 @@ def _real_globals() -> list[Any]:
     return allowed
 
 
+_SCANNED: dict[tuple[str, int, int], list[str]] = {}  # (path, size, mtime_ns) -> its stand-in globals
+
+
 def _globals_for(path: Path) -> list[Any]:
-    allowed = _real_globals()
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception:  # not a zip checkpoint: torch.load will say what is wrong
-        return allowed
-    for name in names:
-        if name.startswith(STAND_IN_MODULES):
-            allowed.append((_stand_in(name), name))
-    return allowed
+    """The allow-list for one file: the standard types, and a stand-in for each package global it names
+    (found by scanning its pickle once; a file re-mapped later is not scanned again)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _SCANNED:
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:  # not a zip checkpoint: torch.load will say what is wrong
+            names = []
+        _SCANNED[key] = [n for n in names if n.startswith(STAND_IN_MODULES)]
+    return _real_globals() + [(_stand_in(name), name) for name in _SCANNED[key]]
 
 
 def safe_torch_load(path: str | os.PathLike[str]) -> Any:
