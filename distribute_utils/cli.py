@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -130,11 +131,13 @@ def _consolidate_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _print_consolidation(report: ConsolidationReport, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
+def _print_consolidation(report: ConsolidationReport, args: argparse.Namespace) -> None:
+    """The report, with the whole command's wall time (``wall_s``) beside the work's (``seconds``)."""
+    wall = time.perf_counter() - args.started
+    if args.json:
+        print(json.dumps({**report.to_dict(), "wall_s": wall}, indent=2))
     else:
-        print(report.summary())
+        print(report.summary(wall))
 
 
 def _consolidate_as_torchrun_rank(
@@ -172,7 +175,7 @@ def _consolidate_as_torchrun_rank(
         if created:
             dist.destroy_process_group()
     if report.rank == 0:
-        _print_consolidation(report, args.json)
+        _print_consolidation(report, args)
     return 0
 
 
@@ -247,7 +250,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     stale = target.finish(report.files)
     if stale:
         logger.info("--overwrite: removed %d checkpoint files of the previous output", len(stale))
-    _print_consolidation(report, args.json)
+    _print_consolidation(report, args)
     return 0
 
 
@@ -497,8 +500,10 @@ def _configure_logging(verbose: int, quiet: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``distribute-utils``; returns the exit code."""
+    started = time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.started = started
     _configure_logging(args.verbose, args.quiet)
     try:
         return int(args.handler(args))

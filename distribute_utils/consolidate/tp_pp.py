@@ -170,31 +170,38 @@ class ConsolidationReport:
         names = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in names})
 
-    def summary(self) -> str:
-        """A few human-readable lines (what the CLI prints)."""
-        kind = {"own": "own (mesh.json)", "megatron_legacy": "Megatron-LM legacy"}.get(
-            self.layout, self.layout
-        )
+    def summary(self, wall_seconds: float | None = None) -> str:
+        """A few human-readable lines (what the CLI prints); ``wall_seconds``: the whole command's time."""
+        kind = _LAYOUT_NAMES.get(self.layout, self.layout)
+        grid = "" if self.layout in _GLOBAL_LAYOUTS else f", TP {self.tp} x PP {self.pp}"
         files = ", ".join(self.files[:3]) + (f" (+{len(self.files) - 3} more)" if len(self.files) > 3 else "")
-        return "\n".join(
-            [
-                f"input:      {self.input_dir}: {kind}, TP {self.tp} x PP {self.pp}",
-                f"ranks:      {self.world_size} (transport: {self.transport}; {self.rounds} rounds of "
-                f"<= {_mib(self.batch_bytes)} per stage)",
-                f"written:    {self.tensors} tensors, {_size(self.bytes)} in {self.seconds:.2f} s "
-                f"({self.gb_per_s:.2f} GB/s), format {self.format}",
-                f"rank 0 peak memory (VmHWM): {_mib(self.peak_rss_bytes)}",
-                f"output:     {files}",
-            ]
-        )
+        rounds = f"{self.rounds} round{'' if self.rounds == 1 else 's'}"
+        rate = self.bytes / self.seconds / 2**20 if self.seconds > 0 else 0.0
+        lines = [
+            f"input:      {self.input_dir}: {kind}{grid}",
+            f"ranks:      {self.world_size} (transport: {self.transport}; {rounds} of "
+            f"<= {_mib(self.batch_bytes)} per stage)",
+            f"written:    {self.tensors} tensors, {_mib(self.bytes)} in {self.seconds:.2f} s "
+            f"({rate:.0f} MiB/s), format {self.format}",
+            f"rank 0 peak memory (VmHWM): {_mib(self.peak_rss_bytes)}",
+            f"output:     {files}",
+        ]
+        if wall_seconds is not None:
+            lines.append(f"wall time:  {wall_seconds:.2f} s (the whole command, start-up included)")
+        return "\n".join(lines)
+
+
+_LAYOUT_NAMES = {
+    "own": "own (mesh.json)",
+    "megatron_legacy": "Megatron-LM legacy",
+    "megatron_torch_dist": "Megatron torch_dist (DCP)",
+    "dcp": "torch.distributed.checkpoint",
+}
+_GLOBAL_LAYOUTS = ("megatron_torch_dist", "dcp")
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else _mib(n)
 
 
 def _proc_status_bytes(key: str) -> int:
