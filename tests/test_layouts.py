@@ -353,3 +353,63 @@ def test_load_shard_is_lazy_for_safetensors(tmp_path: Path, shards) -> None:
     layout = open_checkpoint(tmp_path)
     t = layout.load_shard(0, 0)["embedding.word_embeddings.weight"]
     assert not t.untyped_storage().resizable()  # a view of the mapping, not an owned copy
+
+
+# --------------------------------------------------------------------------------------------------------
+# Megatron args that do not fit the files: refused, never guessed.
+
+
+def _megatron_files(root: Path, dirs: list[str], **args) -> None:
+    import argparse
+
+    for name in dirs:
+        path = root / name / MEGATRON_FILE
+        path.parent.mkdir(parents=True)
+        sd = {
+            "decoder.layers.0.mlp.linear_fc2.weight": torch.ones(2, 2),
+            "decoder.final_layernorm.weight": torch.ones(2),
+        }
+        torch.save({"model": sd, "args": argparse.Namespace(**args)}, path)
+
+
+@pytest.mark.parametrize(
+    "dirs, args, message",
+    [
+        (
+            ["mp_rank_00", "mp_rank_01"],
+            dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+            r"args say TP 2 x PP 2 x EP 1.*mp_rank_TT_PPP",
+        ),
+        (
+            ["mp_rank_00_000", "mp_rank_01_001"],
+            dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+            r"expert_tensor_parallel_size 1 differs.*--ckpt-format torch_dist",
+        ),
+        (
+            ["mp_rank_00", "mp_rank_01"],
+            dict(tensor_model_parallel_size=1),
+            r"mp_rank_01.*outside the TP 1 x PP 1 grid",
+        ),
+        (
+            ["mp_rank_00"],
+            dict(tensor_model_parallel_size=1, num_layers=4),
+            r"hold 1 decoder layers.*num_layers=4",
+        ),
+    ],
+)
+def test_megatron_args_that_do_not_fit_are_refused(tmp_path: Path, dirs, args, message) -> None:
+    _megatron_files(tmp_path, dirs, **args)
+    with pytest.raises(LayoutError, match=message):
+        open_checkpoint(tmp_path)
+
+
+def test_write_part_refuses_bytes_outside_the_tensor(tmp_path: Path) -> None:
+    from distribute_utils.consolidate import CheckpointFormatError, SafetensorsWriter, TensorSpec
+
+    with SafetensorsWriter(tmp_path, [TensorSpec("w", torch.float32, (2, 2))]) as w:
+        with pytest.raises(CheckpointFormatError, match=r"bytes 12\.\.20 lie outside its 16"):
+            w.write_part("w", torch.float32, (2, 2), [(12, memoryview(bytes(8)))])
+        w.write_part("w", torch.float32, (2, 2), [(8, memoryview(bytes(8)))])
+        assert w.missing == ["w"]
+        w.write_part("w", torch.float32, (2, 2), [(0, memoryview(bytes(8)))])
+        assert w.missing == []
