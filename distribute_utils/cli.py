@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -14,11 +15,11 @@ import re
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
+from . import __version__, interrupts
 from .errors import LaunchError
 
 if TYPE_CHECKING:
@@ -228,9 +229,10 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
             f"needs {needed} ranks (or 1 to consolidate in this process)"
         )
     try:
-        target = prepare_output(args.output, args.overwrite)
+        args.target = target = prepare_output(args.output, args.overwrite)
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
+    undo = interrupts.on_interrupt(target.abandon)
     try:
         if nproc > 1:
             plan_checkpoint(  # fail fast, before spawning
@@ -244,9 +246,11 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
                 print(f"starting {nproc} local ranks ...", file=sys.stderr)
         report = consolidate_local(args.input, args.output, nproc=nproc, **options)
     except (LaunchError, OSError, ValueError, RuntimeError) as exc:
+        undo.cancel()
         target.abandon()
         _fail(args, exc)
         return 1
+    undo.cancel()  # (an Interrupted leaves it to interrupts.end)
     stale = target.finish(report.files)
     if stale:
         logger.info("--overwrite: removed %d checkpoint files of the previous output", len(stale))
@@ -256,6 +260,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 
 def _fail(args: argparse.Namespace, exc: BaseException, code: int = 1) -> None:
     """The one-line error on stderr; with ``--json`` also ``{"error", "kind", "exit_code"}`` on stdout."""
+    interrupts.settle()  # an interrupt being handled says why instead
     message = _one_line(exc)
     if code == 1:
         print(f"distribute-utils {args.command}: error: {message}", file=sys.stderr)
@@ -504,9 +509,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.started = started
+    args.target = None  # the OutputTarget, once the command has one
     _configure_logging(args.verbose, args.quiet)
+    restore = _handle_interrupts(args)
     try:
         return int(args.handler(args))
+    except interrupts.Interrupted as exc:  # a rank was interrupted: the command is too
+        interrupts.end(exc.signum)
     except _UsageError as exc:
         _fail(args, exc, code=2)
         subparser = _subparsers_of(parser).get(args.command, parser)
@@ -514,7 +523,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (LaunchError, OSError, ValueError, RuntimeError) as exc:
         _fail(args, exc)
         return 1
+    finally:
+        interrupts.settle()
+        restore()
     return 0
+
+
+def _handle_interrupts(args: argparse.Namespace) -> Callable[[], None]:
+    """SIGINT/SIGTERM end the command through :mod:`.interrupts` (undo, one line, exit 130/143).
+
+    Returns the function that restores the previous handlers (a no-op off the main thread)."""
+    try:
+        return interrupts.install(functools.partial(_say_interrupted, args))
+    except RuntimeError:  # not the main thread, or already installed by a caller
+        return lambda: None
+
+
+def _progress_shown() -> bool:
+    tqdm = sys.modules.get("tqdm")
+    return tqdm is not None and any(not bar.disable for bar in list(tqdm.tqdm._instances))
+
+
+def _say_interrupted(args: argparse.Namespace, signum: int) -> None:
+    """The one line an interrupted command prints (stderr; with ``--json`` also the error object)."""
+    if args.command in ("consolidate", "demo"):
+        target = args.target
+        done = target is not None and target.written_since()
+        what = f"the output in '{target.directory}' was already complete" if done else "nothing written"
+    else:
+        what = "stopped"
+    clear = "\r\x1b[2K" if sys.stderr.isatty() else "\n" if _progress_shown() else ""  # a half-drawn bar
+    os.write(2, f"{clear}distribute-utils {args.command}: interrupted; {what}\n".encode())
+    if getattr(args, "json", False):
+        error = {
+            "error": f"interrupted; {what}",
+            "kind": "Interrupted",
+            "exit_code": interrupts.exit_code(signum),
+        }
+        os.write(1, (json.dumps(error) + "\n").encode())
 
 
 def _subparsers_of(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import interrupts
+
 __all__ = ["DemoResult", "format_demo", "mesh_rank", "run_demo"]
 
 logger = logging.getLogger(__name__)
@@ -146,12 +148,15 @@ def run_demo(
         raise ValueError(f"size_mb must be positive, got {size_mb}")
     start = time.perf_counter()
     root = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="du_demo_"))
+    ckpt, out = root / "checkpoint", root / "consolidated"
+    # An interrupt removes what this run made: the temporary root, or the two kept directories.
+    made = [root] if keep is None else [p for p in (root, ckpt, out) if not p.exists() or p in (ckpt, out)]
+    undo = interrupts.on_interrupt(functools.partial(_remove_made, made))
     try:
         num_layers = max(8, pp)
         dims = synthetic_size_for(int(size_mb * 1e6), num_layers=num_layers)
         original = make_gpt_state_dict(**dims.as_kwargs())  # type: ignore[arg-type]
         layers = balanced_layers_per_stage(num_layers, pp)
-        ckpt, out = root / "checkpoint", root / "consolidated"
         for d in (ckpt, out):
             if d.exists() and any(d.iterdir()):
                 if not overwrite:
@@ -200,8 +205,16 @@ def run_demo(
             kept=os.fspath(root) if keep is not None else None,
         )
     finally:
+        undo.cancel()
         if keep is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _remove_made(made: list[Path]) -> None:
+    """Removes the directories a demo run wrote into (the kept ones were new, empty, or given up to
+    ``overwrite``), newest first."""
+    for d in reversed(made):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def format_demo(result: DemoResult) -> str:

@@ -8,6 +8,8 @@ never takes the rendezvous with it); under ``torchrun`` they join the existing j
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import datetime
 import logging
 import multiprocessing as mp
@@ -15,6 +17,8 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -22,7 +26,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import interrupts
 from .errors import LaunchError
+from .temporaries import remove_abandoned_by
+from .transports.shm import remove_segments_of
 
 __all__ = ["LaunchError", "run_local", "under_torchrun"]
 
@@ -37,6 +44,10 @@ def under_torchrun() -> bool:
 def _rank_main(
     fn: Callable[..., Any], rank: int, world: int, port: int, conn: Connection, args: tuple, level: int
 ) -> None:
+    # A signal ends this rank at once, whatever it waits in (interrupts), silently: the launching
+    # process reports. So does the launching process's death (the forkserver, our parent, then exits).
+    interrupts.install()
+    _end_with_parent()
     logging.basicConfig(level=level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -52,20 +63,80 @@ def _rank_main(
         conn.send_bytes(pickle.dumps(("err", ("result could not be sent back", traceback.format_exc()))))
     # Run the exit handlers (they remove workspace namespaces), then skip the seconds that
     # tearing down torch's modules costs: the result is already with the parent.
-    atexit._run_exitfuncs()
+    with interrupts.uninterruptible():
+        atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
+def _end_with_parent() -> None:
+    """Asks Linux to send this process SIGTERM when its parent exits (``PR_SET_PDEATHSIG``)."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return
+    if os.getppid() != parent:  # it exited before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _signal_of(exitcode: int | None) -> int | None:
+    """The interrupt a rank exited on (by :func:`interrupts.end`, or killed by it), if any."""
+    for sig in interrupts.EXIT_SIGNALS:
+        if exitcode in (-sig, interrupts.exit_code(sig)):
+            return int(sig)
+    return None
+
+
+class _Ranks:
+    """The spawned rank processes; :meth:`stop` ends those still running and removes what they left."""
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.reported: set[int] = set()  # ranks that sent their result (they are exiting by themselves)
+        self._lock = threading.Lock()
+
+    def stop(self) -> None:
+        """Waits for ranks that reported, SIGTERMs the others; SIGKILLs what is left after the grace, then
+        removes the shared-memory segments and temporary files of the ranks it had to kill."""
+        with self._lock:
+            for rank, proc in enumerate(self.procs):
+                if rank not in self.reported and proc.is_alive():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for proc in self.procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            for rank, proc in enumerate(self.procs):
+                if proc.is_alive():
+                    logger.warning("rank %d did not stop within %g s; killing it", rank, STOP_GRACE_S)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGKILL)
+                    proc.join()
+                if proc.exitcode == -signal.SIGKILL:
+                    remove_segments_of(None, proc.pid)
+                    remove_abandoned_by(proc.pid)
+
+
+#: Seconds ranks get to end by themselves before they are killed.
+STOP_GRACE_S = 10.0
+
+
 def run_local(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` local ranks joined in a gloo group.
 
-    ``fn`` must be importable (a module-level function). Returns every rank's result.
+    ``fn`` must be importable (a module-level function). Returns every rank's result. The ranks end
+    with this call however it ends: an interrupt (see :mod:`.interrupts`) stops them too.
 
     Raises:
         LaunchError: a rank raised or died; the others are stopped and every process reaped.
+        Interrupted: a rank was ended by SIGINT or SIGTERM; the others are stopped.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1; got {nproc}")
@@ -75,40 +146,59 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | N
     ctx.set_forkserver_preload(["torch", "torch.distributed", "distribute_utils.gather", fn.__module__])
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
     level = logging.getLogger().getEffectiveLevel()
-    procs, conns = [], []
+    ranks = _Ranks()
+    conns: list[Connection] = []
     try:
-        for rank in range(nproc):
-            parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_rank_main, args=(fn, rank, nproc, store.port, child, args, level), daemon=True
-            )
-            proc.start()
-            child.close()
-            procs.append(proc)
-            conns.append(parent)
-        results: dict[int, Any] = {}
-        pending = dict(enumerate(conns))
-        while pending:
-            ready = wait(list(pending.values()), timeout=timeout)
-            if not ready:
-                raise LaunchError(f"ranks {sorted(pending)} did not finish within {timeout} s")
-            for rank in [r for r, c in pending.items() if c in ready]:
-                try:
-                    kind, value = pickle.loads(pending.pop(rank).recv_bytes())
-                except EOFError:
-                    procs[rank].join(5)
-                    raise LaunchError(f"rank {rank} died (exit code {procs[rank].exitcode})") from None
-                if kind == "err":
-                    summary, trace = value
-                    logger.debug("rank %d failed:\n%s", rank, trace)
-                    raise LaunchError(f"rank {rank}: {summary}")
-                results[rank] = value
-        return [results[r] for r in range(nproc)]
+        with interrupts.on_interrupt(ranks.stop):
+            try:
+                return _run(ctx, ranks, conns, fn, nproc, store.port, args, level, timeout)
+            finally:
+                interrupts.settle()  # an interrupt being handled stops the ranks itself
+                ranks.stop()
     finally:
-        for proc in procs:
-            proc.join(timeout=2 if proc.is_alive() else 0)
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join()
         for conn in conns:
             conn.close()
+
+
+def _run(
+    ctx: Any,
+    ranks: _Ranks,
+    conns: list[Connection],
+    fn: Callable[..., Any],
+    nproc: int,
+    port: int,
+    args: tuple,
+    level: int,
+    timeout: float | None,
+) -> list[Any]:
+    for rank in range(nproc):
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_rank_main, args=(fn, rank, nproc, port, child, args, level), daemon=True)
+        with interrupts.uninterruptible():  # an interrupt then sees the process and stops it
+            proc.start()
+            ranks.procs.append(proc)
+        child.close()
+        conns.append(parent)
+    results: dict[int, Any] = {}
+    pending = dict(enumerate(conns))
+    while pending:
+        ready = wait(list(pending.values()), timeout=timeout)
+        if not ready:
+            raise LaunchError(f"ranks {sorted(pending)} did not finish within {timeout} s")
+        for rank in [r for r, c in pending.items() if c in ready]:
+            try:
+                kind, value = pickle.loads(pending.pop(rank).recv_bytes())
+            except EOFError:
+                proc = ranks.procs[rank]
+                proc.join(5)
+                signum = _signal_of(proc.exitcode)
+                if signum is not None:
+                    raise interrupts.Interrupted(signum) from None
+                raise LaunchError(f"rank {rank} died (exit code {proc.exitcode})") from None
+            ranks.reported.add(rank)
+            if kind == "err":
+                summary, trace = value
+                logger.debug("rank %d failed:\n%s", rank, trace)
+                raise LaunchError(f"rank {rank}: {summary}")
+            results[rank] = value
+    return [results[r] for r in range(nproc)]

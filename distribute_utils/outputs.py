@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,15 @@ class OutputTarget:
     directory: Path
     created: bool
     previous: list[Path] = field(default_factory=list)
+    started_ns: int = field(default_factory=time.time_ns)
+
+    def written_since(self) -> bool:
+        """Whether checkpoint files were published in the directory since :func:`prepare_output`."""
+        try:
+            entries = list(self.directory.iterdir())
+        except OSError:
+            return False
+        return any(_is_checkpoint_file(p) and p.stat().st_mtime_ns >= self.started_ns for p in entries)
 
     def finish(self, written: Iterable[str | os.PathLike[str]]) -> list[Path]:
         """After a complete run: removes the previous checkpoint files that were not rewritten; returns them."""

@@ -437,6 +437,10 @@ def _merge_for_forward(entry: MergePlanEntry, shards: list[torch.Tensor], ranks:
 def _progress(total: int, enabled: bool, desc: str) -> Any:
     from tqdm import tqdm
 
+    # tqdm's default lock is a multiprocessing semaphore, which a process ended by an interrupt
+    # (os._exit) leaves to the resource tracker to complain about; threads are all it has to guard.
+    tqdm.set_lock(threading.RLock())
+
     return tqdm(
         total=total,
         unit="B",

@@ -23,7 +23,6 @@ import mmap as _mmap
 import os
 import re
 import struct
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import DistributeError
+from ..temporaries import Temporaries
 from ..wire import tensor_buffer
 
 if TYPE_CHECKING:
@@ -249,19 +249,6 @@ def _pwritev_all(fd: int, bufs: Sequence[memoryview], offset: int) -> None:
                 n = 0
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _plan_shards(specs: Sequence[TensorSpec], max_shard_size: int | None) -> list[list[TensorSpec]]:
     """Greedy split in spec order; a tensor larger than the limit gets a shard of its own."""
     if max_shard_size is None:
@@ -318,13 +305,11 @@ class CheckpointWriter:
         self.index_name: str | None = f"{self.stem}{self.suffix}.index.json" if n > 1 else None
         self._shard_of: dict[str, int] = {s.name: i for i, shard in enumerate(self.shards) for s in shard}
         self._written: set[str] = set()
-        self._token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._temps: list[Path] = [self._temp_path(f) for f in self.filenames]
         self._closed = False
         self.directory.mkdir(parents=True, exist_ok=True)
-
-    def _temp_path(self, final: str) -> Path:
-        return self.directory / f".{final}.tmp-{self._token}"
+        # Every output file (index last) under a temporary name until close() renames them into place.
+        self._held = Temporaries(self.paths)
+        self._temps: list[Path] = self._held.temps[: len(self.filenames)]
 
     @property
     def paths(self) -> list[Path]:
@@ -422,11 +407,9 @@ class CheckpointWriter:
         try:
             self._finish_files()
             self._release()
-            for temp, final in zip(self._temps, self.filenames):
-                os.replace(temp, self.directory / final)
             if self.index_name:
                 self._write_index()
-            _fsync_dir(self.directory)
+            self._held.publish()
         except BaseException:
             self.abort()
             raise
@@ -446,33 +429,21 @@ class CheckpointWriter:
             return
         self._closed = True
         self._release()
-        for temp in self._temps:
-            try:
-                temp.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:  # pragma: no cover - best effort
-                logger.warning("could not remove temporary file %s: %s", temp, exc)
+        self._held.remove()
 
     def _write_index(self) -> None:
+        """Writes the Hugging Face index json under its temporary name (published with the files)."""
         assert self.index_name is not None
         weight_map = {s.name: self.filenames[self._shard_of[s.name]] for s in self.specs}
         index = {
             "metadata": {"total_size": self.total_size},
             "weight_map": dict(sorted(weight_map.items())),
         }
-        final = self.directory / self.index_name
-        temp = self._temp_path(self.index_name)
-        try:
-            with open(temp, "w", encoding="utf-8") as f:
-                json.dump(index, f, indent=2)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, final)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
+        with os.fdopen(self._held.create(self._held.temps[-1]), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -562,9 +533,7 @@ class SafetensorsWriter(CheckpointWriter):
         try:
             for i, shard in enumerate(self.shards):
                 head, offsets = _safetensors_header(shard, meta)
-                fd = os.open(
-                    self._temps[i], os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666
-                )
+                fd = self._held.create(self._temps[i])
                 self._fds.append(fd)
                 _pwrite_all(fd, memoryview(head), 0)
                 os.ftruncate(fd, len(head) + sum(s.nbytes for s in shard))
@@ -710,7 +679,7 @@ class TorchSaveWriter(CheckpointWriter):
     def _save(self, i: int) -> None:
         order = [s.name for s in self.shards[i]]
         state = {n: self._pending[i][n] for n in order}
-        with open(self._temps[i], "wb") as f:
+        with os.fdopen(self._held.create(self._temps[i]), "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())

@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from .. import interrupts
 from .._host import SHM_DIR, ProcessInfo, process_alive
 from ..errors import PayloadError, PeerLostError, SpaceError
 from ..wire import EncodedPayload, read_prefix
@@ -96,7 +97,8 @@ class SharedMemoryTransport:
             ino = os.fstat(pooled.fd).st_ino
             return f"p:{os.getpid()}:{pooled.ident}:{pooled.fd}:{ino}:{payload.nbytes}"
         path = segment_path(token, rank, os.getpid())
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with interrupts.uninterruptible():  # an interrupt then sees the segment and removes it
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             _reserve(fd, payload.nbytes, rank)
             payload.write_to_fd(fd)
@@ -167,10 +169,10 @@ class SharedMemoryTransport:
             _POOL.drop(receipt.split(":")[2])
 
 
-def remove_segments_of(rank: int, pid: int) -> list[str]:
-    """Remove the named segments a dead sender (``rank``, process ``pid``) left: only regular
-    files of this user whose name says so. Returns the paths removed."""
-    suffix = f"_{int(rank)}_{int(pid)}"
+def remove_segments_of(rank: int | None, pid: int) -> list[str]:
+    """Remove the named segments a dead sender (``rank``, or any rank, of process ``pid``) left: only
+    regular files of this user whose name says so. Returns the paths removed."""
+    suffix = f"_{int(pid)}" if rank is None else f"_{int(rank)}_{int(pid)}"
     removed = []
     with contextlib.suppress(OSError):
         for name in os.listdir(SHM_DIR):
@@ -398,3 +400,8 @@ def segments_freed(idents: set[str]) -> None:
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+# An interrupted process removes the named segments it published that nobody took (pooled ones have
+# no name: the kernel frees them at exit).
+interrupts.on_interrupt(lambda: remove_segments_of(None, os.getpid()))

@@ -50,6 +50,7 @@ import filelock
 import torch
 import torch.distributed as dist
 
+from .. import interrupts
 from .._host import ProcessInfo, process_alive, this_process
 from ..errors import DistributeError, PayloadError, SpaceError, WorkspaceError
 from ..wire import FLAG_CHECKSUM, PREFIX_SIZE, EncodedPayload, decode, encode, read_prefix
@@ -579,6 +580,7 @@ def _open_namespace(
         global _ATEXIT
         if not _ATEXIT:
             atexit.register(close_namespaces)
+            interrupts.on_interrupt(lambda: close_namespaces(timeout=5.0))
             _ATEXIT = True
     logger.debug("workspace namespace %s ready (%s)", path, ns.fs_type)
     return ns
@@ -615,16 +617,17 @@ def _close_namespace(ns: _Namespace, timeout: float = 60.0) -> None:
         logger.warning("could not clean up the workspace namespace %s", ns.path, exc_info=True)
 
 
-def close_namespaces() -> None:
-    """Leave every namespace this process opened (runs at exit; safe to call any time).
+def close_namespaces(timeout: float = 60.0) -> None:
+    """Leave every namespace this process opened (runs at exit and on an interrupt; safe to call any time).
 
     Removes this process's owner records and its last :class:`NFSWorkspace` files, and each
     namespace directory that is then empty. Call it on every rank after the last gather.
+    ``timeout`` bounds each wait for the workspace lock.
     """
     with _NS_LOCK:
         opened = list(_NAMESPACES.values())
     for ns in opened:
-        _close_namespace(ns)
+        _close_namespace(ns, timeout)
 
 
 # -- job token ---------------------------------------------------------------------------------

@@ -1,0 +1,226 @@
+"""Temporary files a process must remove unless it finishes, and a record of them for ``clean``.
+
+Output files are written under temporary names and renamed into place once complete. A
+:class:`Temporaries` is made *before* its files exist: it registers an undo with :mod:`.interrupts`
+(so an interrupted process removes them) and writes a record ``<RECORD_DIR>/<pid>-<token>.json`` naming
+them and their owner (a killed process cannot clean up: ``distribute-utils clean`` reads the records of
+dead owners with :func:`find_abandoned` and removes what they list with :func:`remove_abandoned`).
+
+Call order: ``Temporaries(finals)``, then :meth:`~Temporaries.create` each file (or write it by path
+after ``create``), then either :meth:`~Temporaries.publish` (rename into place, in one uninterruptible
+section) or :meth:`~Temporaries.remove`. The record lives in ``/dev/shm`` (per host, as pids are), in a
+directory private to the user (mode 0700, checked); where it cannot be made, nothing is recorded and
+only the interrupt undo remains. ``clean`` removes a listed file only if it is still a regular file of
+this user whose name carries the dead owner's pid (``.<final>.tmp-<pid>-<hex>``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import stat
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import interrupts
+from ._host import SHM_DIR, ProcessInfo, process_alive, this_process
+
+__all__ = [
+    "RECORD_DIR",
+    "Abandoned",
+    "Temporaries",
+    "find_abandoned",
+    "remove_abandoned",
+    "remove_abandoned_by",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Where the records are kept (one private directory per user and host).
+RECORD_DIR = os.path.join(SHM_DIR, f".distribute-utils-{os.geteuid()}")
+
+
+def _temp_pattern(pid: int) -> re.Pattern[str]:
+    return re.compile(rf"\..+\.tmp-{int(pid)}-[0-9a-f]+")
+
+
+def _private_dir() -> str | None:
+    """The record directory, made if needed; ``None`` if it is not this user's private directory."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(RECORD_DIR, 0o700)
+    try:
+        info = os.lstat(RECORD_DIR)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        logger.warning(
+            "not recording temporary files: %s is not a private directory of this user", RECORD_DIR
+        )
+        return None
+    return RECORD_DIR
+
+
+class Temporaries:
+    """Temporary files for ``finals`` (one each, same directory): see the module docstring.
+
+    Attributes:
+        temps: the temporary paths, in the order of ``finals``.
+        finals: the final paths.
+    """
+
+    def __init__(self, finals: Sequence[str | os.PathLike[str]]) -> None:
+        token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.finals = [Path(f) for f in finals]
+        self.temps = [f.parent / f".{f.name}.tmp-{token}" for f in self.finals]
+        self._record: str | None = None
+        self._undo: interrupts.Undo | None = None
+        with interrupts.uninterruptible():
+            self._undo = interrupts.on_interrupt(self.remove)
+            self._record = self._write_record(token)
+
+    def _write_record(self, token: str) -> str | None:
+        directory = _private_dir()
+        if directory is None:
+            return None
+        path = os.path.join(directory, f"{token}.json")
+        body = {"owner": this_process().to_wire(), "paths": [os.path.abspath(t) for t in self.temps]}
+        try:
+            with open(path, "x", encoding="utf-8") as f:
+                json.dump(body, f)
+        except OSError as exc:
+            logger.warning("could not record temporary files in %s: %s", directory, exc)
+            return None
+        return path
+
+    def create(self, temp: str | os.PathLike[str], mode: int = 0o666) -> int:
+        """Creates one of :attr:`temps` exclusively and returns its descriptor (write only, close on exec)."""
+        if Path(temp) not in self.temps:
+            raise ValueError(f"'{temp}' is not one of these temporaries")
+        with interrupts.uninterruptible():
+            return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+
+    def publish(self) -> None:
+        """Renames every temporary over its final name (in order) and syncs the directories; the files are
+        then no longer temporaries. An interrupt waits for this to finish."""
+        with interrupts.uninterruptible():
+            for temp, final in zip(self.temps, self.finals):
+                os.replace(temp, final)
+            for directory in {f.parent for f in self.finals}:
+                _fsync_dir(directory)
+            self._forget()
+
+    def remove(self) -> None:
+        """Removes the temporaries that exist and forgets them. Safe to call more than once."""
+        for temp in self.temps:
+            try:
+                temp.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # pragma: no cover - best effort
+                logger.warning("could not remove temporary file %s: %s", temp, exc)
+        self._forget()
+
+    def _forget(self) -> None:
+        if self._undo is not None:
+            self._undo.cancel()
+            self._undo = None
+        if self._record is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._record)
+            self._record = None
+
+
+def _fsync_dir(path: Path) -> None:
+    """Makes renames in ``path`` durable (where the filesystem supports it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # pragma: no cover - platforms without directory descriptors
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """The record of a process that died holding temporaries.
+
+    Attributes:
+        record: the record file.
+        owner: the process that made it (dead).
+        paths: its temporaries that still exist and may be removed (see the module docstring).
+        nbytes: their total size.
+    """
+
+    record: str
+    owner: ProcessInfo
+    paths: tuple[str, ...]
+    nbytes: int
+
+
+def find_abandoned(record_dir: str = RECORD_DIR) -> list[Abandoned]:
+    """Records of dead owners in ``record_dir`` (owners in another pid namespace or boot are left alone)."""
+    here = this_process()
+    found = []
+    with contextlib.suppress(OSError):
+        names = sorted(os.listdir(record_dir))
+        for name in names:
+            path = os.path.join(record_dir, name)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    body = json.load(f)
+                owner = ProcessInfo.from_wire(body["owner"])
+                listed = [str(p) for p in body["paths"]]
+            except (OSError, ValueError, KeyError, TypeError):
+                logger.debug("unreadable temporaries record %s", path, exc_info=True)
+                continue
+            if not here.can_watch(owner) or process_alive(owner):
+                continue
+            paths, nbytes = _removable(listed, owner.pid)
+            found.append(Abandoned(path, owner, tuple(paths), nbytes))
+    return found
+
+
+def _removable(listed: Sequence[str], pid: int) -> tuple[list[str], int]:
+    pattern = _temp_pattern(pid)
+    paths, nbytes = [], 0
+    for p in listed:
+        if not pattern.fullmatch(os.path.basename(p)):
+            continue
+        try:
+            info = os.lstat(p)
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+            paths.append(p)
+            nbytes += info.st_size
+    return paths, nbytes
+
+
+def remove_abandoned(item: Abandoned) -> list[str]:
+    """Removes an abandoned record's temporaries, then the record; returns the paths removed."""
+    removed = []
+    for p in item.paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+            removed.append(p)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(item.record)
+    return removed
+
+
+def remove_abandoned_by(pid: int, record_dir: str = RECORD_DIR) -> list[str]:
+    """Removes what process ``pid`` (dead, of this host) left: used by a launcher after killing a rank."""
+    removed: list[str] = []
+    for item in find_abandoned(record_dir):
+        if item.owner.pid == pid:
+            removed += remove_abandoned(item)
+    return removed
