@@ -161,6 +161,15 @@ def _consolidate_as_torchrun_rank(
         )
     import torch.distributed as dist
 
+    from .outputs import prepare_output
+
+    target = None
+    if os.environ["RANK"] == "0":  # the writer: its output folder is checked (and made) on its host
+        try:
+            args.target = target = prepare_output(args.output, args.overwrite)
+        except ValueError as exc:
+            raise _UsageError(str(exc)) from None
+    undo = interrupts.on_interrupt(target.abandon if target is not None else lambda: None)
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo")
@@ -168,6 +177,9 @@ def _consolidate_as_torchrun_rank(
     try:
         report = consolidate_checkpoint(args.input, args.output, **options)
     except (OSError, ValueError, RuntimeError) as exc:
+        undo.cancel()
+        if target is not None:
+            target.abandon()
         if rank == 0 or isinstance(exc, PeerLostError):
             print(f"distribute-utils consolidate: error (rank {rank}): {_one_line(exc)}", file=sys.stderr)
         logger.debug("failure", exc_info=True)
@@ -175,6 +187,9 @@ def _consolidate_as_torchrun_rank(
     finally:
         if created:
             dist.destroy_process_group()
+    undo.cancel()
+    if target is not None:
+        target.finish(report.files)
     if report.rank == 0:
         _print_consolidation(report, args)
     return 0
@@ -298,6 +313,9 @@ exit codes:
   1  failure: one-line cause on stderr (a missing shard file, tensors that cannot be merged, a full disk,
      a rank that died); no partial output file is left
   2  usage error: bad options or --max-shard-size, --nproc not TP x PP (or 1), INPUT not a checkpoint
+  130, 143  interrupted (SIGINT, SIGTERM; to this process, a rank or the group): every process it started
+     ends, its temporary files are removed, one line on stderr; after `kill -9`, `distribute-utils clean`
+     removes what it left
 
 examples:
   distribute-utils consolidate ckpt/ out/
@@ -464,24 +482,27 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         help="check this host (and a workspace) for what would make a gather fail",
         description="Print /dev/shm size and free space, segments left by jobs (owner pid, alive or dead), "
-        "workspace namespaces (owners, alive/dead/remote, age), torch and backend versions, whether the "
+        "temporary output files of killed consolidations, workspace namespaces (owners, alive/dead/remote, age), torch and backend versions, whether the "
         "workspace is writable and how long a small write+read round trip takes there.",
         epilog="Exit codes: 0 nothing would make a gather fail; 1 a problem was found (each is named). "
         "Leftovers of dead jobs are reported, not failures: remove them with `distribute-utils clean`.",
     )
     doctor.add_argument("--workspace", metavar="DIR", help="the shared workspace directory to check")
+    doctor.add_argument("--json", action="store_true", help="print the findings as one JSON object")
     doctor.set_defaults(handler=_cmd_doctor)
 
     clean = sub.add_parser(
         "clean",
         help="remove what dead jobs left in /dev/shm and in a workspace",
-        description="Remove segments whose owner process has exited (this host, this pid namespace) and "
-        "workspace namespaces whose owners are all dead (or, for owners on other hosts, untouched for 24 h). "
+        description="Remove segments whose owner process has exited (this host, this pid namespace), "
+        "temporary output files of consolidations that were killed (recorded in /dev/shm), and workspace "
+        "namespaces whose owners are all dead (or, for owners on other hosts, untouched for 24 h). "
         "A live job's files are never touched.",
         epilog="Exit codes: 0 ok; 1 something could not be removed or the workspace is unusable.",
     )
     clean.add_argument("--workspace", metavar="DIR", help="also sweep this shared workspace directory")
     clean.add_argument("--dry-run", action="store_true", help="only print what would be removed")
+    clean.add_argument("--json", action="store_true", help="print what was removed as one JSON object")
     clean.set_defaults(handler=_cmd_clean)
     return parser
 
@@ -489,13 +510,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from .hygiene import doctor
 
-    return doctor(args.workspace, sys.stdout)
+    return doctor(args.workspace, sys.stdout, as_json=args.json)
 
 
 def _cmd_clean(args: argparse.Namespace) -> int:
     from .hygiene import clean
 
-    return clean(args.workspace, args.dry_run, sys.stdout)
+    return clean(args.workspace, args.dry_run, sys.stdout, as_json=args.json)
 
 
 def _configure_logging(verbose: int, quiet: bool) -> None:

@@ -27,16 +27,18 @@ Both write their report to ``out`` and return the exit code (0 ok, 1 problem).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
 import stat
 import time
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 from ._host import SHM_DIR, process_alive, this_process
 from .errors import DistributeError
+from .temporaries import RECORD_DIR, find_abandoned, remove_abandoned
 
 __all__ = [
     "PROBE_BYTES",
@@ -214,13 +216,18 @@ def workspace_round_trip(workspace: str, nbytes: int = PROBE_BYTES, timeout: flo
 
 # -- doctor ------------------------------------------------------------------------------------
 class _Report:
-    def __init__(self, out: TextIO) -> None:
+    """Doctor's findings: lines for people, and the same facts in :attr:`data` for ``--json``."""
+
+    def __init__(self, out: TextIO, as_json: bool = False) -> None:
         self.out = out
+        self.as_json = as_json
         self.problems: list[str] = []
         self.notes: list[str] = []
+        self.data: dict[str, Any] = {"problems": self.problems, "notes": self.notes}
 
     def line(self, text: str = "", indent: int = 1) -> None:
-        self.out.write("  " * indent + text + "\n")
+        if not self.as_json:
+            self.out.write("  " * indent + text + "\n")
 
     def problem(self, text: str) -> None:
         self.problems.append(text)
@@ -245,6 +252,12 @@ def _torch_section(rep: _Report) -> None:
             check = getattr(dist, f"is_{name}_available", None)
             backends.append(f"{name} {'yes' if check is not None and check() else 'no'}")
     cuda = torch.cuda.is_available()
+    rep.data["torch"] = {
+        "version": torch.__version__,
+        "distributed": available,
+        "backends": {b.split()[0]: b.endswith("yes") for b in backends},
+        "cuda_devices": torch.cuda.device_count() if cuda else 0,
+    }
     rep.line(
         f"torch {torch.__version__}; torch.distributed: {'yes' if available else 'no'}"
         + (f" ({', '.join(backends)})" if backends else "")
@@ -255,6 +268,7 @@ def _torch_section(rep: _Report) -> None:
 
 
 def _shm_section(rep: _Report, shm_dir: str) -> list[Segment]:
+    rep.data["shm"] = shm = {"path": shm_dir, "exists": os.path.isdir(shm_dir)}
     if not os.path.isdir(shm_dir):
         rep.line(f"{shm_dir}: missing")
         rep.problem(
@@ -264,6 +278,7 @@ def _shm_section(rep: _Report, shm_dir: str) -> list[Segment]:
     st = os.statvfs(shm_dir)
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     writable = os.access(shm_dir, os.W_OK | os.X_OK)
+    shm.update(size_bytes=size, free_bytes=free, writable=writable)
     rep.line(
         f"{shm_dir}: size {_size(size)}, {_size(free)} free, {'writable' if writable else 'NOT writable'}"
     )
@@ -275,6 +290,10 @@ def _shm_section(rep: _Report, shm_dir: str) -> list[Segment]:
             "payloads fail with SpaceError (enlarge it, e.g. docker --shm-size, or pass a workspace_path)"
         )
     segments = find_segments(shm_dir)
+    shm["segments"] = [
+        {"path": s.path, "bytes": s.size, "owner_pid": s.pid, "alive": s.alive, "stale": s.stale}
+        for s in segments
+    ]
     ours = [s for s in segments if s.pid is not None]
     rep.line(f"segments (du_*): {len(ours)}, {_size(sum(s.size for s in ours))}")
     for s in segments:
@@ -289,11 +308,32 @@ def _shm_section(rep: _Report, shm_dir: str) -> list[Segment]:
     held = held_unnamed_files(shm_dir)
     total = sum(size for _, size in held)
     pids = sorted({pid for pid, _ in held})
+    shm["unnamed_held"] = {"files": len(held), "bytes": total, "pids": pids}
     rep.line(
         f"unnamed files held open in {shm_dir} (pooled segments of running gathers, and others'): "
         f"{len(held)}, {_size(total)}" + (f", by pids {pids[:8]}" if pids else "")
     )
+    _temporaries_section(rep, shm_dir)
     return segments
+
+
+def _temporaries_section(rep: _Report, shm_dir: str) -> None:
+    abandoned = find_abandoned(_record_dir(shm_dir))
+    files = [(p, item) for item in abandoned for p in item.paths]
+    rep.data["abandoned_temporaries"] = [
+        {"path": p, "owner_pid": item.owner.pid, "record": item.record} for p, item in files
+    ]
+    rep.line(
+        f"temporary files of dead consolidations: {len(files)}, {_size(sum(a.nbytes for a in abandoned))}"
+    )
+    for path, item in files:
+        rep.line(f"{path}  owner pid {item.owner.pid} dead  -> stale: `distribute-utils clean` removes it", 2)
+        rep.note(f"stale temporary {path}")
+
+
+def _record_dir(shm_dir: str) -> str:
+    """Where the temporaries records of ``shm_dir``'s host are (see :mod:`.temporaries`)."""
+    return os.path.join(shm_dir, os.path.basename(RECORD_DIR))
 
 
 def held_unnamed_files(shm_dir: str = SHM_DIR) -> list[tuple[int, int]]:
@@ -324,6 +364,7 @@ def _workspace_section(rep: _Report, workspace: str) -> None:
     from .transports import workspace as ws
 
     path = os.path.abspath(workspace)
+    rep.data["workspace"] = info = {"path": path}
     if not os.path.exists(path):
         parent = os.path.dirname(path)
         if os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
@@ -342,8 +383,10 @@ def _workspace_section(rep: _Report, workspace: str) -> None:
         return
     free = ws._free_bytes(path)
     fs = ws.filesystem_type(path)
+    info.update(filesystem=fs, free_bytes=free)
     try:
         seconds = workspace_round_trip(path)
+        info["round_trip_s"] = seconds
     except (OSError, DistributeError) as exc:
         rep.line(f"workspace {path}: {fs}, {_size(free or 0)} free")
         rep.problem(f"workspace round trip failed: {exc}")
@@ -357,6 +400,16 @@ def _workspace_section(rep: _Report, workspace: str) -> None:
     except OSError as exc:
         rep.problem(f"cannot list workspace {path}: {exc}")
         return
+    info["namespaces"] = [
+        {
+            "path": ns.path,
+            "age_s": ns.age_s,
+            "owners": [{"process": who, "state": state} for who, state in ns.owners],
+            "unreadable_records": ns.unreadable,
+            "stale": ns.stale,
+        }
+        for ns in namespaces
+    ]
     rep.line(f"namespaces in the workspace: {len(namespaces)}")
     for ns in namespaces:
         owners = ", ".join(f"{who} ({state})" for who, state in ns.owners) or "no owner record"
@@ -368,7 +421,7 @@ def _workspace_section(rep: _Report, workspace: str) -> None:
             rep.note(f"stale namespace {ns.path}")
 
 
-def doctor(workspace: str | None, out: TextIO, *, shm_dir: str = SHM_DIR) -> int:
+def doctor(workspace: str | None, out: TextIO, *, shm_dir: str = SHM_DIR, as_json: bool = False) -> int:
     """Check what gathers depend on on this host; write the report to ``out``.
 
     Reads only, apart from a small round trip in a namespace of its own in ``workspace``
@@ -378,11 +431,12 @@ def doctor(workspace: str | None, out: TextIO, *, shm_dir: str = SHM_DIR) -> int
         workspace: the workspace directory to check, or None.
         out: where the report goes.
         shm_dir: the shared-memory directory (``/dev/shm``).
+        as_json: write one JSON object (the same facts, ``problems``, ``notes``, ``exit_code``) instead.
 
     Returns:
         0 when nothing would make a gather fail, 1 otherwise (each problem is named).
     """
-    rep = _Report(out)
+    rep = _Report(out, as_json)
     rep.line("distribute-utils doctor", 0)
     _torch_section(rep)
     _shm_section(rep, shm_dir)
@@ -390,28 +444,36 @@ def doctor(workspace: str | None, out: TextIO, *, shm_dir: str = SHM_DIR) -> int
         _workspace_section(rep, os.fspath(workspace))
     else:
         rep.line("workspace: none given (pass one to check it)")
+    code = 1 if rep.problems else 0
     if rep.problems:
         rep.line(f"result: {len(rep.problems)} problem(s) would make a gather fail:", 0)
         for problem in rep.problems:
             rep.line(f"- {problem}")
-        return 1
-    stale = sum(note.startswith("stale") for note in rep.notes)
-    notes = f" ({stale} stale leftover(s): `distribute-utils clean` removes them)" if stale else ""
-    rep.line(f"result: ok{notes}", 0)
-    return 0
+    else:
+        stale = sum(note.startswith("stale") for note in rep.notes)
+        notes = f" ({stale} stale leftover(s): `distribute-utils clean` removes them)" if stale else ""
+        rep.line(f"result: ok{notes}", 0)
+    if as_json:
+        out.write(json.dumps({**rep.data, "exit_code": code}, indent=2) + "\n")
+    return code
 
 
 # -- clean -------------------------------------------------------------------------------------
-def clean(workspace: str | None, dry_run: bool, out: TextIO, *, shm_dir: str = SHM_DIR) -> int:
-    """Remove what dead jobs left: their segments in ``shm_dir`` and namespaces in ``workspace``.
+def clean(
+    workspace: str | None, dry_run: bool, out: TextIO, *, shm_dir: str = SHM_DIR, as_json: bool = False
+) -> int:
+    """Remove what dead jobs left: their segments in ``shm_dir``, the temporary output files of dead
+    consolidations (from their records, see :mod:`.temporaries`), and namespaces in ``workspace``.
 
-    Never touches a live process's segment or a live job's namespace (see the module doc).
+    Never touches a live process's files or a live job's namespace (see the module doc).
 
     Args:
-        workspace: the workspace directory to sweep, or None for shared memory only.
+        workspace: the workspace directory to sweep, or None for this host only.
         dry_run: only print what would be removed.
         out: where the report goes.
         shm_dir: the shared-memory directory (``/dev/shm``).
+        as_json: write one JSON object (``removed``: kind, path, bytes, reason; ``kept_live_segments``;
+            ``failures``; ``dry_run``; ``exit_code``) instead of lines.
 
     Returns:
         0 on success, 1 when something could not be removed or the workspace is unusable.
@@ -419,12 +481,25 @@ def clean(workspace: str | None, dry_run: bool, out: TextIO, *, shm_dir: str = S
     from .transports.workspace import sweep_stale_namespaces
 
     verb = "would remove" if dry_run else "removed"
-    failed = 0
-    removed_bytes = 0
+    removed: list[dict[str, Any]] = []
+    failures: list[str] = []
+
+    def done(kind: str, path: str, nbytes: int | None, reason: str) -> None:
+        removed.append({"kind": kind, "path": path, "bytes": nbytes, "reason": reason})
+        if as_json:
+            return
+        if kind == "segment":
+            out.write(f"{verb} {path} ({_size(nbytes or 0)}, {reason})\n")
+        else:
+            out.write(f"{verb} {kind} {path}: {reason}\n")
+
+    def failed(text: str) -> None:
+        failures.append(text)
+        if not as_json:
+            out.write(text + "\n")
+
     segments = find_segments(shm_dir)
-    stale = [s for s in segments if s.stale]
-    done = 0
-    for s in stale:
+    for s in (s for s in segments if s.stale):
         if _pid_alive(s.pid or 0):  # started meanwhile (pid reuse): keep it
             continue
         if not dry_run:
@@ -433,26 +508,43 @@ def clean(workspace: str | None, dry_run: bool, out: TextIO, *, shm_dir: str = S
             except FileNotFoundError:
                 continue  # its reader took it meanwhile
             except OSError as exc:
-                out.write(f"could not remove {s.path}: {exc.strerror or exc}\n")
-                failed += 1
+                failed(f"could not remove {s.path}: {exc.strerror or exc}")
                 continue
-        out.write(f"{verb} {s.path} ({_size(s.size)}, owner pid {s.pid} has exited)\n")
-        done += 1
-        removed_bytes += s.size
+        done("segment", s.path, s.size, f"owner pid {s.pid} has exited")
+    for item in find_abandoned(_record_dir(shm_dir)):
+        gone = item.paths if dry_run else remove_abandoned(item)
+        for path in gone:
+            done("temporary", path, None, f"an unfinished output of pid {item.owner.pid}, which has exited")
     live = sum(1 for s in segments if s.alive)
-    summary = [f"{verb} {done} segment(s) ({_size(removed_bytes)}), kept {live} segment(s) of live processes"]
+    segs = [r for r in removed if r["kind"] == "segment"]
+    temps = [r for r in removed if r["kind"] == "temporary"]
+    summary = [
+        f"{verb} {len(segs)} segment(s) ({_size(sum(r['bytes'] for r in segs))}), "
+        f"kept {live} segment(s) of live processes",
+        f"{verb} {len(temps)} temporary file(s)",
+    ]
     if workspace is not None and not os.path.isdir(workspace):
-        out.write(f"workspace {os.path.abspath(workspace)} is not a directory: no namespace to sweep\n")
-        failed += 1
+        failed(f"workspace {os.path.abspath(workspace)} is not a directory: no namespace to sweep")
     elif workspace is not None:
         try:
             swept = sweep_stale_namespaces(os.fspath(workspace), dry_run=dry_run)
         except (OSError, DistributeError) as exc:
-            out.write(f"cannot sweep workspace {workspace}: {exc}\n")
-            failed += 1
+            failed(f"cannot sweep workspace {workspace}: {exc}")
         else:
             for path, reason in swept:  # a namespace it could not remove is logged, not listed
-                out.write(f"{verb} namespace {path}: {reason}\n")
+                done("namespace", path, None, reason)
             summary.append(f"{verb} {len(swept)} namespace(s) in {os.path.abspath(workspace)}")
-    out.write("clean: " + "; ".join(summary) + ("" if not failed else f"; {failed} failure(s)") + "\n")
-    return 1 if failed else 0
+    code = 1 if failures else 0
+    if as_json:
+        body = {
+            "dry_run": dry_run,
+            "removed": removed,
+            "kept_live_segments": live,
+            "failures": failures,
+            "exit_code": code,
+        }
+        out.write(json.dumps(body, indent=2) + "\n")
+    else:
+        tail = f"; {len(failures)} failure(s)" if failures else ""
+        out.write("clean: " + "; ".join(summary) + tail + "\n")
+    return code

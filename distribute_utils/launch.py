@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import datetime
 import logging
 import multiprocessing as mp
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -27,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import interrupts
+from ._host import ProcessInfo, process_alive, this_process
 from .errors import LaunchError
 from .temporaries import remove_abandoned_by
 from .transports.shm import remove_segments_of
@@ -42,12 +43,19 @@ def under_torchrun() -> bool:
 
 
 def _rank_main(
-    fn: Callable[..., Any], rank: int, world: int, port: int, conn: Connection, args: tuple, level: int
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    conn: Connection,
+    args: tuple,
+    level: int,
+    launcher: ProcessInfo,
 ) -> None:
     # A signal ends this rank at once, whatever it waits in (interrupts), silently: the launching
-    # process reports. So does the launching process's death (the forkserver, our parent, then exits).
+    # process reports. So does the launching process's death.
     interrupts.install()
-    _end_with_parent()
+    _end_with_launcher(launcher)
     logging.basicConfig(level=level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -71,19 +79,23 @@ def _rank_main(
     os._exit(0)
 
 
-def _end_with_parent() -> None:
-    """Asks Linux to send this process SIGTERM when its parent exits (``PR_SET_PDEATHSIG``)."""
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return
-    if os.getppid() != parent:  # it exited before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+def _end_with_launcher(launcher: ProcessInfo) -> None:
+    """Ends this rank (as SIGTERM would: undo, exit 143) when the launching process is gone, however it
+    went (SIGKILL included). Our parent is the forkserver, which lives as long as any rank does, so
+    ``PR_SET_PDEATHSIG`` cannot tell; a pidfd of the launcher becomes readable when it exits."""
 
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(launcher.pid)
+        except (AttributeError, OSError):  # no pidfd (old kernel): look every second
+            while process_alive(launcher):
+                time.sleep(1.0)
+        else:
+            if process_alive(launcher):  # the same process, not a reuse of its pid
+                select.select([fd], [], [])
+        interrupts.end(signal.SIGTERM)
 
-_PR_SET_PDEATHSIG = 1
+    threading.Thread(target=watch, name="distribute-utils-launcher-watch", daemon=True).start()
 
 
 def _signal_of(exitcode: int | None) -> int | None:
@@ -173,7 +185,9 @@ def _run(
 ) -> list[Any]:
     for rank in range(nproc):
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_rank_main, args=(fn, rank, nproc, port, child, args, level), daemon=True)
+        proc = ctx.Process(
+            target=_rank_main, args=(fn, rank, nproc, port, child, args, level, this_process()), daemon=True
+        )
         with interrupts.uninterruptible():  # an interrupt then sees the process and stops it
             proc.start()
             ranks.procs.append(proc)
