@@ -228,12 +228,12 @@ def format_demo(result: DemoResult) -> str:
         *_mesh_lines(result.mesh),
         "",
         "[2/2] checkpoint consolidation (the code path of `distribute-utils consolidate`)",
-        f"  model:      {result.model}: {r.tensors} tensors, {result.model_bytes / 1e6:.1f} MB",
+        f"  model:      {result.model}: {r.tensors} tensors, {result.model_bytes / 2**20:.1f} MiB",
         f"  layout:     own (mesh.json), safetensors shards, TP {r.tp} x PP {r.pp}, "
         f"layers per stage {result.layers_per_stage}",
         f"  transport:  {r.transport} ({r.rounds} rounds of <= {r.batch_bytes / 2**20:.0f} MiB per stage)",
-        f"  moved:      {r.tensors} tensors, {r.bytes / 1e6:.1f} MB in {r.seconds:.2f} s "
-        f"({r.gb_per_s:.2f} GB/s)",
+        f"  moved:      {r.tensors} tensors, {r.bytes / 2**20:.1f} MiB in {r.seconds:.2f} s "
+        f"({r.mib_per_s:.0f} MiB/s)",
         f"  peak memory of rank 0 (VmHWM): {r.peak_rss_bytes / 2**20:.0f} MiB",
         f"  verified bit-exact: {result.verified} tensors",
     ]

@@ -11,10 +11,11 @@ exactly. Decoding never unpickles and returns tensors that are zero-copy
 Typical use::
 
     payload = encode({"scale": 0.5, "w": weight}, checksum=True)
-    segment = make_segment(payload.nbytes)        # sized exactly
-    payload.write_to_fd(segment.fd)               # or write_into(mapping)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, payload.nbytes)              # sized exactly
+    payload.write_to_fd(fd)                       # or payload.write_into(a writable buffer)
     ...
-    config = decode(mapping)                      # on the reading rank
+    config = decode(mmap.mmap(fd, payload.nbytes))  # on the reading rank: views of the map
 """
 
 from __future__ import annotations

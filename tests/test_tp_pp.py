@@ -128,7 +128,7 @@ def test_own_layout_safetensors_tp2_pp2_uneven(
     assert report.bytes == sum(t.numel() * t.element_size() for t in model.values())
     assert report.transport == "shm" and report.format == "safetensors"
     assert report.files == [str(out / "model.safetensors")]
-    assert report.peak_rss_bytes > 0 and report.seconds > 0 and report.gb_per_s > 0
+    assert report.peak_rss_bytes > 0 and report.seconds > 0 and report.mib_per_s > 0
     # every rank returns rank 0's numbers, with its own rank
     assert [r["rank"] for r in reports] == [0, 1, 2, 3]
     assert all(r["files"] == report.files and r["bytes"] == report.bytes for r in reports)

@@ -156,13 +156,13 @@ class ConsolidationReport:
     rank: int = 0
 
     @property
-    def gb_per_s(self) -> float:
-        """Throughput in GB/s (10**9 bytes per second)."""
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+    def mib_per_s(self) -> float:
+        """Throughput in MiB/s (2**20 bytes per second), the unit of every report."""
+        return self.bytes / self.seconds / 2**20 if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (with ``gb_per_s``)."""
-        return {**asdict(self), "gb_per_s": self.gb_per_s}
+        """A JSON-ready dict (with ``mib_per_s``)."""
+        return {**asdict(self), "mib_per_s": self.mib_per_s}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ConsolidationReport:
@@ -176,13 +176,12 @@ class ConsolidationReport:
         grid = "" if self.layout in _GLOBAL_LAYOUTS else f", TP {self.tp} x PP {self.pp}"
         files = ", ".join(self.files[:3]) + (f" (+{len(self.files) - 3} more)" if len(self.files) > 3 else "")
         rounds = f"{self.rounds} round{'' if self.rounds == 1 else 's'}"
-        rate = self.bytes / self.seconds / 2**20 if self.seconds > 0 else 0.0
         lines = [
             f"input:      {self.input_dir}: {kind}{grid}",
             f"ranks:      {self.world_size} (transport: {self.transport}; {rounds} of "
             f"<= {_mib(self.batch_bytes)} per stage)",
             f"written:    {self.tensors} tensors, {_mib(self.bytes)} in {self.seconds:.2f} s "
-            f"({rate:.0f} MiB/s), format {self.format}",
+            f"({self.mib_per_s:.0f} MiB/s), format {self.format}",
             f"rank 0 peak memory (VmHWM): {_mib(self.peak_rss_bytes)}",
             f"output:     {files}",
         ]
