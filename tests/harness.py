@@ -23,6 +23,8 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -33,11 +35,36 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["SCRIPTS", "Died", "RankFailure", "RankPool", "load_script"]
+__all__ = ["SCRIPTS", "Died", "RankFailure", "RankPool", "free_port", "load_script", "torchrun_argv"]
 
 _SPAWN = mp.get_context("spawn")
 #: The repository's scripts/ directory.
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a torchrun rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_argv(nproc: int, *args: str) -> list[str]:
+    """``python -m torch.distributed.run`` on one node with ``nproc`` ranks, then ``args`` (the program)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        *args,
+    ]
 
 
 def load_script(name: str) -> Any:

@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,8 @@ from distribute_utils.consolidate import (
     write_megatron_legacy,
     write_own_layout,
 )
+
+from harness import torchrun_argv
 
 LPS = [3, 1]
 
@@ -223,37 +224,12 @@ def test_consolidate_spawns_ranks(
     assert "Traceback" not in proc.stderr and "error" not in proc.stderr.lower(), proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_consolidate_under_torchrun_megatron(
     model: dict[str, torch.Tensor], tmp_path: Path, no_shm_leak: None
 ) -> None:
     inp, out = tmp_path / "meg", tmp_path / "out"
     write_megatron_legacy(inp, shard_state_dict(model, 2, 2, layers_per_stage=LPS), iteration=50)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "4",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        "-m",
-        "distribute_utils",
-        "consolidate",
-        str(inp),
-        str(out),
-        "--quiet",
-        "--json",
-    ]
+    cmd = torchrun_argv(4, "-m", "distribute_utils", "consolidate", str(inp), str(out), "--quiet", "--json")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,18 +9,12 @@ inside a store call while the interpreter tears down (which aborts the process w
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
+from harness import torchrun_argv
+
 README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_readme_example_runs_under_torchrun_and_exits_cleanly(tmp_path: Path) -> None:
@@ -31,18 +25,7 @@ def test_readme_example_runs_under_torchrun_and_exits_cleanly(tmp_path: Path) ->
     script.write_text(code.group(1) + "\nfor _ in range(20):\n    mesh.barrier(timeout=60)\n")
     for attempt in range(2):  # the race it guards against needs a couple of tries to show
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "4",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(_free_port()),
-                str(script),
-            ],
+            torchrun_argv(4, str(script)),
             capture_output=True,
             text=True,
             timeout=180,

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +38,8 @@ import torch.distributed as dist
 
 from distribute_utils import sync
 from distribute_utils.transports.workspace import NAMESPACE_PREFIX
+
+from harness import torchrun_argv
 
 JOB = Path(__file__).parent / "jobs" / "fault_job.py"
 ROOT = Path(__file__).resolve().parents[1]
@@ -414,20 +416,10 @@ def test_workspace_dead_job_swept_and_two_live_jobs_share_it(tmp_path: Path, row
 
 
 # -- /dev/shm too small, disk full, read-only workspace (root: private mount namespace) ----------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun_in_namespace(
     mounts: str, case: str, nproc: int, env: dict[str, str]
 ) -> subprocess.CompletedProcess:
-    script = (
-        f"mount --make-rprivate / && {mounts} && "
-        f"exec {sys.executable} -m torch.distributed.run --nnodes 1 --nproc-per-node {nproc} "
-        f"--master-addr 127.0.0.1 --master-port {_free_port()} {JOB} {case}"
-    )
+    script = f"mount --make-rprivate / && {mounts} && exec {shlex.join(torchrun_argv(nproc, str(JOB), case))}"
     full_env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), **env)
     return subprocess.run(
         # A private pid namespace too: if anything hangs, killing unshare takes every process along.

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +27,8 @@ import pytest
 from distribute_utils.consolidate import make_gpt_state_dict, shard_state_dict, write_own_layout
 from distribute_utils.consolidate.synthetic import balanced_layers_per_stage, synthetic_size_for
 from distribute_utils.temporaries import RECORD_DIR
+
+from harness import torchrun_argv
 
 MESSAGE = "distribute-utils consolidate: interrupted; nothing written"
 CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -95,7 +96,9 @@ def _holder(path_part: str, among: list[int]) -> int | None:
     return None
 
 
-def _until(what: str, condition: Callable[[], object], proc: subprocess.Popen, timeout: float = 120) -> object:
+def _until(
+    what: str, condition: Callable[[], object], proc: subprocess.Popen, timeout: float = 120
+) -> object:
     """Polls ``condition`` until it is truthy; fails (naming ``what``) if the command ends first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -135,7 +138,9 @@ class Command:
     """``python -m distribute_utils ARGS`` in a session of its own, stderr read as it comes."""
 
     def __init__(self, *args: str, cwd: Path | None = None) -> None:
-        self.err_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"du-interrupt-{os.getpid()}-{time.time_ns()}"
+        self.err_path = (
+            Path(os.environ.get("TMPDIR", "/tmp")) / f"du-interrupt-{os.getpid()}-{time.time_ns()}"
+        )
         self._err = open(self.err_path, "w+b")  # noqa: SIM115 - read while the command runs
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "distribute_utils", *args],
@@ -350,7 +355,9 @@ def test_interrupt_mid_gather(ckpt: Path, tmp_path: Path, target: str, sig: sign
         pytest.param("1", "group", signal.SIGINT, marks=pytest.mark.slow),
     ],
 )
-def test_interrupt_mid_write(ckpt: Path, tmp_path: Path, nproc: str, target: str, sig: signal.Signals) -> None:
+def test_interrupt_mid_write(
+    ckpt: Path, tmp_path: Path, nproc: str, target: str, sig: signal.Signals
+) -> None:
     out, records = tmp_path / "out", _records()
     cmd = _consolidate(ckpt, out, "--nproc", nproc)
     try:
@@ -381,7 +388,11 @@ def test_interrupt_with_json_prints_an_error_object(ckpt: Path, tmp_path: Path) 
     finally:
         cmd.close()
     assert code == 130, stderr
-    assert json.loads(stdout) == {"error": "interrupted; nothing written", "kind": "Interrupted", "exit_code": 130}
+    assert json.loads(stdout) == {
+        "error": "interrupted; nothing written",
+        "kind": "Interrupted",
+        "exit_code": 130,
+    }
     assert not out.exists()
 
 
@@ -393,7 +404,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is installed with torch")
 @pytest.mark.parametrize("target", ["torchrun", pytest.param("rank", marks=pytest.mark.slow)])
 def test_interrupt_under_torchrun_each_rank_ends_cleanly(ckpt: Path, tmp_path: Path, target: str) -> None:
     """torchrun forwards SIGTERM to its ranks (or one rank is signalled): each rank removes its
@@ -402,20 +412,7 @@ def test_interrupt_under_torchrun_each_rank_ends_cleanly(ckpt: Path, tmp_path: P
     err_path = tmp_path / "torchrun.err"
     with open(err_path, "wb") as err:
         proc = subprocess.Popen(
-            [
-                "torchrun",
-                "--nproc-per-node",
-                "4",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(_free_port()),
-                "-m",
-                "distribute_utils",
-                "consolidate",
-                str(ckpt),
-                str(out),
-            ],
+            torchrun_argv(4, "-m", "distribute_utils", "consolidate", str(ckpt), str(out)),
             stdout=subprocess.PIPE,
             stderr=err,
             start_new_session=True,
@@ -478,12 +475,17 @@ def test_clean_removes_the_temporaries_of_a_killed_consolidation(ckpt: Path, tmp
             assert str(temp) in listed and str(live_temp) not in listed, listed
             assert temp.exists(), "a dry run removes nothing"
             done = subprocess.run(
-                [sys.executable, "-m", "distribute_utils", "clean"], capture_output=True, text=True, timeout=120
+                [sys.executable, "-m", "distribute_utils", "clean"],
+                capture_output=True,
+                text=True,
+                timeout=120,
             )
             assert done.returncode == 0, done.stderr
             assert f"removed temporary {temp}" in done.stdout, done.stdout
             assert not temp.exists()
-            assert isinstance(live_temp, Path) and live_temp.exists(), "a live consolidation's file was removed"
+            assert isinstance(live_temp, Path) and live_temp.exists(), (
+                "a live consolidation's file was removed"
+            )
         finally:
             os.kill(live.proc.pid, signal.SIGCONT)
         code, _, stderr, _ = live.finish(timeout=300)

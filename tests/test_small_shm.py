@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from harness import torchrun_argv
 
 JOBS = Path(__file__).parent / "jobs"
 
@@ -24,18 +25,11 @@ needs_root = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @needs_root
 def test_small_dev_shm_gives_clear_error_not_sigbus(tmp_path: Path) -> None:
     script = (
         "mount --make-rprivate / && mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm && "
-        f"exec {sys.executable} -m torch.distributed.run --nnodes 1 --nproc-per-node 4 "
-        f"--master-addr 127.0.0.1 --master-port {_free_port()} {JOBS / 'small_shm_job.py'}"
+        f"exec {shlex.join(torchrun_argv(4, str(JOBS / 'small_shm_job.py')))}"
     )
     env = dict(os.environ, DU_RESULTS=str(tmp_path), DU_PER_RANK_MIB="32", GLOO_SOCKET_IFNAME="lo")
     proc = subprocess.run(
