@@ -13,7 +13,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-__all__ = ["SHM_DIR", "ProcessInfo", "process_alive", "this_process"]
+__all__ = ["SHM_DIR", "ProcessInfo", "pid_alive", "process_alive", "this_process"]
 
 SHM_DIR = "/dev/shm"
 
@@ -55,14 +55,26 @@ def _read(path: str, default: str = "") -> str:
         return default
 
 
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields 3.. of ``/proc/<pid>/stat`` (state first, start time at index 19), or None if no such pid.
+
+    The command name (field 2) may hold spaces and parentheses, so the split is after its last ')'.
+    """
+    stat = _read(f"/proc/{pid}/stat") if pid > 0 else ""
+    return stat.rsplit(")", 1)[-1].split() if stat else None
+
+
 def _start_time(pid: int) -> int:
     """Start time of ``pid`` in clock ticks since boot, or -1 when it does not exist."""
-    stat = _read(f"/proc/{pid}/stat")
-    if not stat:
-        return -1
-    # Field 22; the command name (field 2) may hold spaces, so split after its closing ')'.
-    fields = stat.rsplit(")", 1)[-1].split()
-    return int(fields[19])
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields else -1
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs in this pid namespace (a zombie counts as dead); prefer :func:`process_alive`,
+    which also tells a reused pid."""
+    fields = _proc_stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _shm_device() -> int:
@@ -94,8 +106,5 @@ def process_alive(info: ProcessInfo) -> bool:
 
     Only meaningful when ``this_process().can_watch(info)``; a zombie counts as dead.
     """
-    stat = _read(f"/proc/{info.pid}/stat")
-    if not stat:
-        return False
-    fields = stat.rsplit(")", 1)[-1].split()
-    return fields[0] != "Z" and int(fields[19]) == info.start_time
+    fields = _proc_stat(info.pid)
+    return fields is not None and fields[0] != "Z" and int(fields[19]) == info.start_time

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__, interrupts
-from .errors import LaunchError
+from .errors import LaunchError, one_line
 
 if TYPE_CHECKING:
     from .consolidate.formats import Checkpoint
@@ -82,10 +82,6 @@ def _seconds_arg(text: str) -> float:
     return value
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
-
-
 def _open_input(path: str, names: str | None = None) -> Checkpoint:
     """Opens INPUT; what is not a checkpoint at all is a usage error, a broken checkpoint a failure."""
     from .consolidate.formats import open_checkpoint
@@ -118,7 +114,7 @@ def _consolidate_options(args: argparse.Namespace) -> dict[str, Any]:
     try:
         resolve_rules(args.rules, args.quant_format)
     except (OSError, RuleSyntaxError) as exc:
-        raise _UsageError(f"--rules: {_one_line(exc)}") from None
+        raise _UsageError(f"--rules: {one_line(exc)}") from None
     return {
         "format": args.format,
         "rules": args.rules,
@@ -181,7 +177,7 @@ def _consolidate_as_torchrun_rank(
         if target is not None:
             target.abandon()
         if rank == 0 or isinstance(exc, PeerLostError):
-            print(f"distribute-utils consolidate: error (rank {rank}): {_one_line(exc)}", file=sys.stderr)
+            print(f"distribute-utils consolidate: error (rank {rank}): {one_line(exc)}", file=sys.stderr)
         logger.debug("failure", exc_info=True)
         return 1
     finally:
@@ -276,7 +272,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 def _fail(args: argparse.Namespace, exc: BaseException, code: int = 1) -> None:
     """The one-line error on stderr; with ``--json`` also ``{"error", "kind", "exit_code"}`` on stdout."""
     interrupts.settle()  # an interrupt being handled says why instead
-    message = _one_line(exc)
+    message = one_line(exc)
     if code == 1:
         print(f"distribute-utils {args.command}: error: {message}", file=sys.stderr)
         logger.debug("failure", exc_info=True)

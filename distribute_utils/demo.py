@@ -137,8 +137,13 @@ def run_demo(
         ConsolidationError: the consolidation failed (cause and rank named).
         RuntimeError: never expected: the output differs from the original (tensor named).
     """
-    from .consolidate import load_safetensors, make_gpt_state_dict, shard_state_dict, write_own_layout
-    from .consolidate.synthetic import balanced_layers_per_stage, synthetic_size_for
+    from .consolidate import load_safetensors, write_own_layout
+    from .consolidate.synthetic import (
+        balanced_layers_per_stage,
+        make_gpt_state_dict,
+        shard_state_dict,
+        synthetic_size_for,
+    )
     from .consolidate.tp_pp import ConsolidationReport, _raise_origin, _rank_main
     from .launch import run_local
 

@@ -16,7 +16,13 @@ __all__ = [
     "SpaceError",
     "TransportUnavailableError",
     "WorkspaceError",
+    "one_line",
 ]
+
+
+def one_line(error: BaseException | str) -> str:
+    """An error message on one line (what the command line prints and ranks report)."""
+    return " ".join(str(error).split())
 
 
 class DistributeError(Exception):

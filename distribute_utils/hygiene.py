@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from ._host import SHM_DIR, process_alive, this_process
+from ._host import SHM_DIR, pid_alive, process_alive, this_process
 from .errors import DistributeError
 from .temporaries import RECORD_DIR, find_abandoned, remove_abandoned
 
@@ -67,18 +67,6 @@ def _size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"  # pragma: no cover
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs in this pid namespace (a zombie counts as dead)."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[-1].split()
-    except OSError:
-        return False
-    return bool(fields) and fields[0] != "Z"
 
 
 # -- segments ----------------------------------------------------------------------------------
@@ -128,7 +116,7 @@ def find_segments(shm_dir: str = SHM_DIR) -> list[Segment]:
         m = _SEGMENT_RE.fullmatch(name)
         pid = int(m["pid"]) if m else None
         found.append(
-            Segment(name, path, st.st_size, st.st_uid, pid, None if pid is None else _pid_alive(pid))
+            Segment(name, path, st.st_size, st.st_uid, pid, None if pid is None else pid_alive(pid))
         )
     return found
 
@@ -500,7 +488,7 @@ def clean(
 
     segments = find_segments(shm_dir)
     for s in (s for s in segments if s.stale):
-        if _pid_alive(s.pid or 0):  # started meanwhile (pid reuse): keep it
+        if pid_alive(s.pid or 0):  # started meanwhile (pid reuse): keep it
             continue
         if not dry_run:
             try:

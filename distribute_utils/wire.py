@@ -55,9 +55,12 @@ __all__ = [
     "VERSION",
     "EncodedPayload",
     "PayloadPrefix",
+    "as_uint8",
     "decode",
     "encode",
+    "pwrite_all",
     "read_prefix",
+    "tensor_buffer",
 ]
 
 MAGIC: bytes = b"DUW1"
@@ -195,6 +198,51 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
+def as_uint8(t: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a tensor's bytes, any dtype (a copy only when it is not contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def pwrite_all(fd: int, bufs: Iterable[memoryview], offset: int) -> None:
+    """Writes ``bufs`` back to back at ``offset`` of ``fd``: the one write loop of the package.
+
+    ``os.pwritev`` (one system call for many small buffers; plain ``pwrite`` where it does not exist),
+    at most 1 GiB and ``IOV_MAX`` buffers per call, looping on short writes; the file offset of ``fd``
+    does not move. ``fd`` must not be opened with ``O_APPEND`` (Linux then ignores the offset).
+
+    Raises:
+        OSError: the write failed (e.g. ``ENOSPC``) or made no progress.
+    """
+    segs = [b for b in bufs if b.nbytes]
+    pos = offset
+    i = 0
+    pwritev = getattr(os, "pwritev", None)
+    while i < len(segs):
+        batch: list[memoryview] = []
+        size = 0
+        j = i
+        while j < len(segs) and len(batch) < _IOV_MAX and size < _MAX_WRITE:
+            seg = segs[j]
+            room = _MAX_WRITE - size
+            if seg.nbytes > room:
+                batch.append(seg[:room])
+                size += room
+                break
+            batch.append(seg)
+            size += seg.nbytes
+            j += 1
+        # os.pwritev exists on Linux, the BSDs and macOS >= 11; plain pwrite elsewhere.
+        written = pwritev(fd, batch, pos) if pwritev is not None else os.pwrite(fd, batch[0], pos)
+        if written <= 0:
+            raise OSError(f"pwritev wrote {written} of {size} bytes at offset {pos} of fd {fd}")
+        pos += written
+        while i < len(segs) and written >= segs[i].nbytes:
+            written -= segs[i].nbytes
+            i += 1
+        if written:
+            segs[i] = segs[i][written:]
+
+
 def _crc(segments: Iterable[memoryview], value: int = 0) -> int:
     for seg in segments:
         value = zlib.crc32(seg, value)
@@ -263,34 +311,7 @@ class EncodedPayload:
         Raises:
             OSError: the write failed (e.g. ``ENOSPC``) or made no progress.
         """
-        segs = [s for s in self._segments if s.nbytes]
-        pos = base
-        i = 0
-        pwritev = getattr(os, "pwritev", None)
-        while i < len(segs):
-            batch: list[memoryview] = []
-            size = 0
-            j = i
-            while j < len(segs) and len(batch) < _IOV_MAX and size < _MAX_WRITE:
-                seg = segs[j]
-                room = _MAX_WRITE - size
-                if seg.nbytes > room:
-                    batch.append(seg[:room])
-                    size += room
-                    break
-                batch.append(seg)
-                size += seg.nbytes
-                j += 1
-            # os.pwritev exists on Linux, the BSDs and macOS >= 11; plain pwrite elsewhere.
-            written = pwritev(fd, batch, pos) if pwritev is not None else os.pwrite(fd, batch[0], pos)
-            if written <= 0:
-                raise OSError(f"pwritev wrote {written} of {size} bytes at offset {pos} of fd {fd}")
-            pos += written
-            while i < len(segs) and written >= segs[i].nbytes:
-                written -= segs[i].nbytes
-                i += 1
-            if written:
-                segs[i] = segs[i][written:]
+        pwrite_all(fd, self._segments, base)
 
     def write_into(self, buf: memoryview | bytearray | Any) -> None:
         """Copy the payload into the first :attr:`nbytes` bytes of a writable buffer.

@@ -19,13 +19,9 @@ import pytest
 import torch
 
 from distribute_utils.cli import build_parser, main
-from distribute_utils.consolidate import (
-    load_safetensors,
-    make_gpt_state_dict,
-    shard_state_dict,
-    write_megatron_legacy,
-    write_own_layout,
-)
+from distribute_utils.consolidate import load_safetensors, write_own_layout
+from distribute_utils.consolidate.megatron import write_megatron_legacy
+from distribute_utils.consolidate.synthetic import make_gpt_state_dict, shard_state_dict
 
 from harness import torchrun_argv
 

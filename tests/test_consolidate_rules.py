@@ -21,12 +21,11 @@ from distribute_utils.consolidate import (
     Sum,
     TensorSpec,
     Unknown,
-    global_layer_name,
-    make_gpt_state_dict,
     parse_rule,
-    quantized_rule,
-    shard_state_dict,
 )
+from distribute_utils.consolidate.layouts import global_layer_name
+from distribute_utils.consolidate.rules import quantized_rule
+from distribute_utils.consolidate.synthetic import make_gpt_state_dict, shard_state_dict
 from distribute_utils.errors import DistributeError
 
 

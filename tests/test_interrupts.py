@@ -24,8 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from distribute_utils.consolidate import make_gpt_state_dict, shard_state_dict, write_own_layout
-from distribute_utils.consolidate.synthetic import balanced_layers_per_stage, synthetic_size_for
+from distribute_utils.consolidate import write_own_layout
+from distribute_utils.consolidate.synthetic import (
+    balanced_layers_per_stage,
+    make_gpt_state_dict,
+    shard_state_dict,
+    synthetic_size_for,
+)
 from distribute_utils.temporaries import RECORD_DIR
 
 from harness import torchrun_argv

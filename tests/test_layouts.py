@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from distribute_utils.consolidate import (
-    MEGATRON_FILE,
     Concat,
     LayoutError,
     MegatronLegacyLayout,
@@ -19,16 +18,18 @@ from distribute_utils.consolidate import (
     Same,
     TensorSpec,
     UnsafeCheckpointError,
+    open_checkpoint,
+    safe_torch_load,
+    write_own_layout,
+)
+from distribute_utils.consolidate.layouts import plan_merge
+from distribute_utils.consolidate.megatron import MEGATRON_FILE, write_megatron_legacy
+from distribute_utils.consolidate.synthetic import (
     balanced_layers_per_stage,
     gpt_specs,
     make_gpt_state_dict,
-    open_checkpoint,
-    plan_merge,
-    safe_torch_load,
     shard_state_dict,
     synthetic_size_for,
-    write_megatron_legacy,
-    write_own_layout,
 )
 
 TP, PP, LPS = 2, 2, [3, 1]

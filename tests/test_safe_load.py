@@ -10,13 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from distribute_utils.consolidate import (
-    LayoutError,
-    StandIn,
-    UnsafeCheckpointError,
-    open_checkpoint,
-    safe_torch_load,
-)
+from distribute_utils.consolidate import LayoutError, UnsafeCheckpointError, open_checkpoint, safe_torch_load
+from distribute_utils.consolidate.safe_load import StandIn
 
 _RAN: list[str] = []
 

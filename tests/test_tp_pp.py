@@ -17,15 +17,12 @@ from distribute_utils.consolidate import (
     RuleTable,
     consolidate_checkpoint,
     load_safetensors,
-    make_gpt_state_dict,
-    peak_rss_bytes,
     plan_checkpoint,
-    shard_state_dict,
-    synthetic_size_for,
-    write_megatron_legacy,
     write_own_layout,
 )
-from distribute_utils.consolidate.tp_pp import _make_batches
+from distribute_utils.consolidate.megatron import write_megatron_legacy
+from distribute_utils.consolidate.synthetic import make_gpt_state_dict, shard_state_dict, synthetic_size_for
+from distribute_utils.consolidate.tp_pp import _make_batches, peak_rss_bytes
 
 from harness import RankPool
 

@@ -13,7 +13,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from distribute_utils.consolidate import (
-    DTYPE_TO_SAFETENSORS,
     CheckpointFormatError,
     Concat,
     Max,
@@ -22,6 +21,10 @@ from distribute_utils.consolidate import (
     TorchSaveWriter,
     load_safetensors,
     open_writer,
+    write_merged,
+)
+from distribute_utils.consolidate.writers import (
+    DTYPE_TO_SAFETENSORS,
     parse_size,
     read_safetensors_metadata,
     read_safetensors_specs,
@@ -356,11 +359,11 @@ def test_write_merged_streams_concat_in_place(tmp_path: Path, writer_cls) -> Non
     expected = {n: rule.merge(n, parts) for n, (rule, parts) in cases.items()}
     with writer_cls(tmp_path, _specs(expected)) as w:
         for n, (rule, parts) in cases.items():
-            w.write_merged(n, rule, parts, ranks=list(range(len(parts))))
+            write_merged(w, n, rule, parts, ranks=list(range(len(parts))))
         with pytest.raises(ValueError, match=r"'rows'.*already written"):
-            w.write_merged("rows", Concat(0), cases["rows"][1])
+            write_merged(w, "rows", Concat(0), cases["rows"][1])
         with pytest.raises(ValueError, match=r"'x'.*rank 0: \(2, 3\), rank 1: \(2, 4\)"):
-            w.write_merged("x", Concat(0), [torch.zeros(2, 3), torch.zeros(2, 4)], ranks=[0, 1])
+            write_merged(w, "x", Concat(0), [torch.zeros(2, 3), torch.zeros(2, 4)], ranks=[0, 1])
     path = w.paths[0]
     loaded = load_file(path) if writer_cls is SafetensorsWriter else torch.load(path, weights_only=True)
     _assert_same(loaded, expected)

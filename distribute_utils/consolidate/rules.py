@@ -29,7 +29,8 @@ from typing import ClassVar, Literal
 import torch
 
 from ..errors import DistributeError
-from .writers import TensorSpec
+from ..wire import as_uint8
+from .writers import CheckpointWriter, SafetensorsWriter, TensorSpec, tensor_bytes
 
 __all__ = [
     "COLUMN_PARALLEL_LAYERS",
@@ -50,6 +51,7 @@ __all__ = [
     "Unknown",
     "parse_rule",
     "quantized_rule",
+    "write_merged",
 ]
 
 logger = logging.getLogger(__name__)
@@ -106,14 +108,10 @@ def _check_dtypes(
         )
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view (or copy, if not contiguous) of a tensor's bytes, any dtype."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_as_bytes(a), _as_bytes(b))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_uint8(a), as_uint8(b))
 
 
 _UPCAST_FOR_REDUCE = {
@@ -411,8 +409,8 @@ class Same(MergeRule):
         return shapes[0]
 
     def _merge(self, name: str, shards: Sequence[torch.Tensor], ranks: Sequence[int] | None) -> torch.Tensor:
-        first = _as_bytes(shards[0])
-        differ = [i for i in range(1, len(shards)) if not torch.equal(first, _as_bytes(shards[i]))]
+        first = as_uint8(shards[0])
+        differ = [i for i in range(1, len(shards)) if not torch.equal(first, as_uint8(shards[i]))]
         if differ:
             labels = _labels(len(shards), ranks)
             raise MergeError(
@@ -862,3 +860,40 @@ class RuleTable:
         entries.extend((p, Same()) for p in REPLICATED)
         entries += _default_entries(quant_format)
         return cls(entries, fallback=Unknown())
+
+
+#: Shortest run worth placing on its own: below it, one ``cat`` and one write beat many small writes.
+MIN_RUN_BYTES = 4096
+
+
+def write_merged(
+    writer: CheckpointWriter,
+    name: str,
+    rule: MergeRule,
+    shards: Sequence[torch.Tensor],
+    ranks: Sequence[int] | None = None,
+) -> None:
+    """Merges the TP shards of one tensor with ``rule`` and writes the result: where a rule meets a writer.
+
+    Shards of a rule that gives byte runs (:meth:`MergeRule.byte_runs`: ``concat``, ``swiglu``) go straight
+    to their places in a safetensors file with :meth:`SafetensorsWriter.write_part`, never building the
+    merged tensor, when there is one run per shard or every run is at least :data:`MIN_RUN_BYTES`;
+    otherwise the merged tensor is built and written. The writer knows nothing of rules.
+
+    Raises:
+        MergeError: the rule rejects the shards (tensor and ranks named).
+        CheckpointFormatError: as :meth:`CheckpointWriter.write`.
+    """
+    if len(shards) > 1 and isinstance(writer, SafetensorsWriter):
+        shapes = [tuple(t.shape) for t in shards]
+        shape = rule.merged_shape(name, shapes, ranks, [t.dtype for t in shards])
+        runs = rule.byte_runs(shapes, shards[0].dtype.itemsize)
+        if runs is not None and (len(runs) == len(shards) or min(n for _, _, n in runs) >= MIN_RUN_BYTES):
+            views = [tensor_bytes(t) for t in shards]
+            parts, pos = [], 0
+            for shard, start, n in runs:
+                parts.append((pos, views[shard][start : start + n]))
+                pos += n
+            writer.write_part(name, shards[0].dtype, shape, parts)
+            return
+    writer.write(name, rule.merge(name, shards, ranks))

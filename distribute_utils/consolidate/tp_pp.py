@@ -58,13 +58,13 @@ import torch
 import torch.distributed as dist
 
 from .. import sync
-from ..errors import DistributeError, PeerLostError
+from ..errors import DistributeError, PeerLostError, one_line
 from ..gather import gather_configs
 from ..mesh import ProcessGroupMesh
 from .dcp import DcpCheckpoint
 from .formats import Checkpoint, open_checkpoint
 from .layouts import CheckpointLayout, MergePlanEntry, plan_merge
-from .rules import Concat, MergeError, RuleTable
+from .rules import Concat, MergeError, RuleTable, write_merged
 from .writers import CheckpointWriter, SafetensorsWriter, open_writer, parse_size
 
 __all__ = [
@@ -405,17 +405,13 @@ class _Failure:
         return ConsolidationError(self.message, self.rank, self.kind)
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
 def _write(writer: CheckpointWriter, entry: MergePlanEntry, item: Item, ranks: Sequence[int]) -> None:
     """Writes one tensor (merged, or concat shards placed by the writer), naming the output on I/O errors."""
     try:
         if isinstance(item, torch.Tensor):
             writer.write(entry.name, item)
         else:
-            writer.write_merged(entry.name, entry.rule, item, ranks)
+            write_merged(writer, entry.name, entry.rule, item, ranks)
     except OSError as exc:
         raise OSError(
             exc.errno,
@@ -555,7 +551,7 @@ class _Job:
         if isinstance(exc, PeerLostError):
             raise exc
         if self.failure is None:
-            self.failure = _Failure(self.rank, type(exc).__name__, _one_line(str(exc)), exc)
+            self.failure = _Failure(self.rank, type(exc).__name__, one_line(exc), exc)
             logger.debug("rank %d failed; draining the remaining rounds", self.rank, exc_info=True)
 
     def _note(self, marker: Sequence[Any] | None) -> None:
@@ -1035,7 +1031,7 @@ def _rank_main(
         out["error"] = [exc.rank, exc.kind or type(exc).__name__, exc.cause]
     except Exception as exc:
         logger.debug("consolidation failed", exc_info=True)
-        out["error"] = [dist.get_rank(), type(exc).__name__, _one_line(str(exc))]
+        out["error"] = [dist.get_rank(), type(exc).__name__, one_line(exc)]
     return out
 
 

@@ -27,16 +27,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import DistributeError
 from ..temporaries import Temporaries
-from ..wire import tensor_buffer
-
-if TYPE_CHECKING:
-    from .rules import MergeRule
+from ..wire import pwrite_all, tensor_buffer
 
 __all__ = [
     "DTYPE_TO_SAFETENSORS",
@@ -93,7 +90,6 @@ DTYPE_TO_SAFETENSORS: dict[torch.dtype, str] = _build_dtype_map()
 SAFETENSORS_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_SAFETENSORS.items()}
 
 _MAX_HEADER_BYTES = 100_000_000
-_PWRITE_CHUNK = 1 << 30
 
 
 def safetensors_dtype(dtype: torch.dtype, name: str | None = None) -> str:
@@ -194,59 +190,11 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(tensor_buffer(t.reshape(-1).view(torch.uint8))).cast("B")
+    return memoryview(tensor_buffer(t.reshape(-1).view(torch.uint8))).cast("B")  # keeps a copy alive
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    pos = 0
-    while pos < len(data):
-        n = os.pwrite(fd, data[pos : pos + _PWRITE_CHUNK], offset + pos)
-        if n <= 0:
-            raise OSError(f"pwrite wrote {n} bytes")
-        pos += n
-
-
-def _iov_max() -> int:
-    try:
-        return max(16, int(os.sysconf("SC_IOV_MAX")))
-    except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
-        return 1024
-
-
-_IOV_MAX = _iov_max()
-_MIN_SLICE = 4096
 # Bytes written to a file between two starts of its writeback (see SafetensorsWriter._done).
 _WRITEBACK_BYTES = 64 << 20
-
-
-def _pwritev_all(fd: int, bufs: Sequence[memoryview], offset: int) -> None:
-    """Writes consecutive buffers starting at ``offset``, handling short writes."""
-    pending = [b for b in bufs if len(b)]
-    if not hasattr(os, "pwritev"):  # pragma: no cover - non-Linux
-        for b in pending:
-            _pwrite_all(fd, b, offset)
-            offset += len(b)
-        return
-    i = 0
-    while i < len(pending):
-        batch: list[memoryview] = []
-        size = 0
-        for b in pending[i : i + _IOV_MAX]:
-            if batch and size + len(b) > _PWRITE_CHUNK:
-                break
-            batch.append(b)
-            size += len(b)
-        n = os.pwritev(fd, batch, offset)
-        if n <= 0:
-            raise OSError(f"pwritev wrote {n} bytes")
-        offset += n
-        while n > 0:
-            if n >= len(pending[i]):
-                n -= len(pending[i])
-                i += 1
-            else:
-                pending[i] = pending[i][n:]
-                n = 0
 
 
 def _plan_shards(specs: Sequence[TensorSpec], max_shard_size: int | None) -> list[list[TensorSpec]]:
@@ -358,24 +306,6 @@ class CheckpointWriter:
             CheckpointFormatError: unknown name, written twice, or dtype/shape not matching the spec.
         """
         raise NotImplementedError
-
-    def write_merged(
-        self,
-        name: str,
-        rule: MergeRule,
-        shards: Sequence[torch.Tensor],
-        ranks: Sequence[int] | None = None,
-    ) -> None:
-        """Merges the TP shards of one tensor with ``rule`` and writes the result.
-
-        The default merges then calls :meth:`write`; :class:`SafetensorsWriter` writes ``concat`` shards
-        straight to their places in the file, never building the merged tensor.
-
-        Raises:
-            MergeError: the rule rejects the shards (tensor and ranks named).
-            CheckpointFormatError: as :meth:`write`.
-        """
-        self.write(name, rule.merge(name, shards, ranks))
 
     def _finish_files(self) -> None:
         """Makes every temp file complete and durable (fsync); subclass hook."""
@@ -535,7 +465,7 @@ class SafetensorsWriter(CheckpointWriter):
                 head, offsets = _safetensors_header(shard, meta)
                 fd = self._held.create(self._temps[i])
                 self._fds.append(fd)
-                _pwrite_all(fd, memoryview(head), 0)
+                pwrite_all(fd, [memoryview(head)], 0)
                 os.ftruncate(fd, len(head) + sum(s.nbytes for s in shard))
                 for name, off in offsets.items():
                     self._where[name] = (i, len(head) + off)
@@ -548,7 +478,7 @@ class SafetensorsWriter(CheckpointWriter):
         spec = self._check(name, tensor)
         i, offset = self._where[name]
         if spec.nbytes:
-            _pwrite_all(self._fds[i], tensor_bytes(tensor), offset)
+            pwrite_all(self._fds[i], [tensor_bytes(tensor)], offset)
         self._done(name)
 
     def _done(self, name: str) -> None:
@@ -581,7 +511,7 @@ class SafetensorsWriter(CheckpointWriter):
                     f"tensor '{name}': bytes {offset}..{offset + len(data)} lie outside its {spec.nbytes}"
                 )
             if group and offset != end:  # runs next to each other in the file go in one pwritev
-                _pwritev_all(self._fds[i], group, base + start)
+                pwrite_all(self._fds[i], group, base + start)
                 group = []
             if not group:
                 start = end = offset
@@ -589,41 +519,13 @@ class SafetensorsWriter(CheckpointWriter):
             end += len(data)
             filled += len(data)
         if group:
-            _pwritev_all(self._fds[i], group, base + start)
+            pwrite_all(self._fds[i], group, base + start)
         if filled > spec.nbytes:
             raise CheckpointFormatError(f"tensor '{name}': {filled} bytes written, it has {spec.nbytes}")
         self._parts[name] = filled
         if filled == spec.nbytes:
             del self._parts[name]
             self._done(name)
-
-    def write_merged(
-        self,
-        name: str,
-        rule: MergeRule,
-        shards: Sequence[torch.Tensor],
-        ranks: Sequence[int] | None = None,
-    ) -> None:
-        """Like :meth:`CheckpointWriter.write_merged`; shards of a rule that gives byte runs
-        (:meth:`MergeRule.byte_runs`: ``concat``) are written in place, zero-copy.
-
-        Each run is a contiguous piece of one shard; they are written in output order with ``os.pwritev``
-        as long as each is at least 4 KiB or there is one per shard (else the merged tensor is built in
-        memory first).
-        """
-        if len(shards) > 1:
-            shapes = [tuple(t.shape) for t in shards]
-            shape = rule.merged_shape(name, shapes, ranks, [t.dtype for t in shards])
-            runs = rule.byte_runs(shapes, shards[0].dtype.itemsize)
-            if runs is not None and (len(runs) == len(shards) or min(n for _, _, n in runs) >= _MIN_SLICE):
-                self._check_meta(name, shards[0].dtype, shape)
-                file_index, offset = self._where[name]
-                views = [tensor_bytes(t) for t in shards]
-                iov = [views[i][start : start + n] for i, start, n in runs]
-                _pwritev_all(self._fds[file_index], iov, offset)
-                self._done(name)
-                return
-        super().write_merged(name, rule, shards, ranks)
 
     def _finish_files(self) -> None:
         for fd in self._fds:

@@ -25,16 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..wire import EncodedPayload
+from ..wire import EncodedPayload, as_uint8
 
 __all__ = ["CollectiveTransport"]
 
 logger = logging.getLogger(__name__)
 
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's memory."""
-    return t.reshape(-1).view(torch.uint8)
 
 
 class CollectiveTransport:
@@ -66,7 +62,7 @@ class CollectiveTransport:
             [v for off, t in chunks for v in (off, t.numel() * t.element_size())], dtype=torch.int64
         )
         head = torch.frombuffer(bytearray(payload.head), dtype=torch.uint8)
-        messages = [sizes, layout, head, *(_as_bytes(t) for _, t in chunks)]
+        messages = [sizes, layout, head, *(as_uint8(t) for _, t in chunks)]
         messages = [m.to(self._device) for m in messages if m.numel()]
         works = [dist.isend(m, dst=self._first, group=self._group) for m in messages]
         self._pending[rank] = (works, messages)
