@@ -298,7 +298,8 @@ class _Gather:
     def workspace(self) -> Transport:
         """The workspace transport of the job (made on first use; sweeps dead jobs' leftovers)."""
         if self._workspace is None:
-            from .transports.workspace import WorkspaceTransport, job_token
+            from .transports.namespace import job_token
+            from .transports.workspace import WorkspaceTransport
 
             if self.workspace_path is None:
                 raise ValueError("this gather needs a workspace_path (a directory every rank can reach)")

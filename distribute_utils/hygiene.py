@@ -144,22 +144,22 @@ class NamespaceInfo:
 
 def inspect_namespaces(workspace: str) -> list[NamespaceInfo]:
     """The job namespaces in ``workspace`` and their owners (reads only)."""
-    from .transports import workspace as ws
+    from .transports import namespace as wsns
 
     me = this_process()
     now = time.time()
     found = []
     for entry in sorted(os.scandir(workspace), key=lambda e: e.name):
-        if not entry.name.startswith(ws.NAMESPACE_PREFIX) or not entry.is_dir(follow_symlinks=False):
+        if not entry.name.startswith(wsns.NAMESPACE_PREFIX) or not entry.is_dir(follow_symlinks=False):
             continue
         try:
-            records, unreadable, newest = ws._owner_records(entry.path)
-            stale = ws._judge(entry.path, me, ws.DEFAULT_SWEEP_AGE_S, now)
+            records, unreadable, newest = wsns.owner_records(entry.path)
+            stale = wsns.judge(entry.path, me, wsns.DEFAULT_SWEEP_AGE_S, now)
         except OSError:
             continue  # removed meanwhile
         owners = []
         for r in records:
-            info = ws.owner_process(r)
+            info = wsns.owner_process(r)
             if me.can_watch(info):
                 state = "alive" if process_alive(info) else "dead"
             else:
@@ -349,7 +349,7 @@ def held_unnamed_files(shm_dir: str = SHM_DIR) -> list[tuple[int, int]]:
 
 
 def _workspace_section(rep: _Report, workspace: str) -> None:
-    from .transports import workspace as ws
+    from .transports import files as wsfiles
 
     path = os.path.abspath(workspace)
     rep.data["workspace"] = info = {"path": path}
@@ -369,8 +369,8 @@ def _workspace_section(rep: _Report, workspace: str) -> None:
         rep.line(f"workspace {path}: not a directory")
         rep.problem(f"workspace {path} is not a directory; pass a directory that every node shares")
         return
-    free = ws._free_bytes(path)
-    fs = ws.filesystem_type(path)
+    free = wsfiles.free_bytes(path)
+    fs = wsfiles.filesystem_type(path)
     info.update(filesystem=fs, free_bytes=free)
     try:
         seconds = workspace_round_trip(path)
@@ -466,7 +466,7 @@ def clean(
     Returns:
         0 on success, 1 when something could not be removed or the workspace is unusable.
     """
-    from .transports.workspace import sweep_stale_namespaces
+    from .transports.namespace import sweep_stale_namespaces
 
     verb = "would remove" if dry_run else "removed"
     removed: list[dict[str, Any]] = []

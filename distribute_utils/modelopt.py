@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from . import gather
-from .transports.workspace import NFSWorkspace
+from .transports.nfs_workspace import NFSWorkspace
 
 __all__ = ["NFSWorkspace", "get_configs_parallel", "get_tensors_parallel"]
 

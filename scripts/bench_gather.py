@@ -773,9 +773,9 @@ def _config_tensors(configs: Sequence[Any]) -> list[torch.Tensor]:
 @contextlib.contextmanager
 def _workspace_fsync_off() -> Iterator[None]:
     """Make every ``WorkspaceTransport`` of this process skip ``fsync`` (a what-if, not an API)."""
-    from distribute_utils.transports import workspace as ws_module
+    from distribute_utils.transports import workspace as ws
 
-    cls = ws_module.WorkspaceTransport
+    cls = ws.WorkspaceTransport
     original = cls.__init__
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -1352,7 +1352,8 @@ def workspace_costs(writer_dir: str, reader_dir: str, nbytes: int, repeats: int)
     share, or twice the same path). Median and minimum of ``repeats``; files removed as it goes.
     """
     from distribute_utils import wire
-    from distribute_utils.transports import workspace as ws_module
+    from distribute_utils.transports import files as wsfiles
+    from distribute_utils.transports import workspace as ws
 
     tensor = bulk_tensor(0, nbytes)
     results: list[dict[str, Any]] = []
@@ -1390,7 +1391,7 @@ def workspace_costs(writer_dir: str, reader_dir: str, nbytes: int, repeats: int)
         start = time.perf_counter()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         t1 = time.perf_counter()
-        reserved = ws_module._reserve(fd, payload.nbytes)
+        reserved = wsfiles.reserve_space(fd, payload.nbytes)
         t2 = time.perf_counter()
         payload.write_to_fd(fd)
         t3 = time.perf_counter()
@@ -1411,8 +1412,8 @@ def workspace_costs(writer_dir: str, reader_dir: str, nbytes: int, repeats: int)
     token = f"costs{secrets.token_hex(6)}"
     totals: dict[str, list[float]] = defaultdict(list)
     for fsync in (True, False):
-        writer = ws_module.WorkspaceTransport(writer_dir, token, 120.0, fsync=fsync)
-        reader = ws_module.WorkspaceTransport(reader_dir, token, 120.0)
+        writer = ws.WorkspaceTransport(writer_dir, token, 120.0, fsync=fsync)
+        reader = ws.WorkspaceTransport(reader_dir, token, 120.0)
         mode = "mmap" if reader._mmap else "read"
         try:
             for _ in range(repeats):
@@ -1654,14 +1655,14 @@ class FileEvents:
 
 def filesystem_of(path: str | os.PathLike[str]) -> str:
     """The filesystem type holding ``path`` (the library's own mountinfo reader)."""
-    from distribute_utils.transports.workspace import filesystem_type
+    from distribute_utils.transports.files import filesystem_type
 
     return filesystem_type(path)
 
 
 def _watched_workspace(backing: Path, token: str) -> tuple[Path, Path]:
     """Create the job's namespace directory and the baseline directory ahead of the ranks."""
-    from distribute_utils.transports.workspace import namespace_path
+    from distribute_utils.transports.namespace import namespace_path
 
     namespace = Path(namespace_path(backing, token))
     namespace.mkdir(mode=0o700)
@@ -1680,7 +1681,7 @@ def _workspace_leftovers(backing: Path) -> list[str]:
 @contextlib.contextmanager
 def local_workspace(settings: Settings) -> Iterator[tuple[Settings, dict[str, Any]]]:
     """A fresh workspace on local disk for the local ranks; counts files; removed afterwards."""
-    from distribute_utils.transports.workspace import JOB_TOKEN_ENV
+    from distribute_utils.transports.namespace import JOB_TOKEN_ENV
 
     info: dict[str, Any] = {}
     if "workspace" not in settings.groups:
@@ -1730,7 +1731,7 @@ def run_multinode(settings: Settings, mode: str) -> dict[str, Any]:
     workspace's backing directory is a temporary one on the host, watched with inotify.
     Returns rank 0's report plus the file counts, or ``{"skipped": why}``.
     """
-    from distribute_utils.transports.workspace import JOB_TOKEN_ENV
+    from distribute_utils.transports.namespace import JOB_TOKEN_ENV
 
     sn = _load_simulate_nodes()
     reason = sn.require_simulation_support(mode)

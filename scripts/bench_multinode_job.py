@@ -37,7 +37,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gather as bg
 
-from distribute_utils.transports.workspace import close_namespaces
+from distribute_utils.transports.namespace import close_namespaces
 
 METHODS = ("ours", "ours_auto", "save_load", "save_load_mmap")
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from distribute_utils import get_tensors_parallel, sync, wire
+from distribute_utils.transports import namespace as wsns
 from distribute_utils.transports import shm
 from distribute_utils.transports import workspace as ws
 
@@ -363,7 +364,7 @@ def _bad_call(case: str, tmp: str) -> dict[str, Any]:
     out["elapsed"] = time.monotonic() - start
     out["seen"] = sorted(watch.seen)
     dist.barrier()
-    ws.close_namespaces()
+    wsns.close_namespaces()
     dist.barrier()
     return out
 
@@ -587,7 +588,7 @@ def _workspace_modes(workspace: str) -> dict[str, Any]:
             for name in os.listdir(self.namespace):
                 if name.startswith("owner-"):
                     recorded["owner"] = mode(os.path.join(self.namespace, name))
-            recorded["names"] = len(os.path.basename(self.namespace)) - len(ws.NAMESPACE_PREFIX)
+            recorded["names"] = len(os.path.basename(self.namespace)) - len(wsns.NAMESPACE_PREFIX)
 
         return spy
 
@@ -602,7 +603,7 @@ def _workspace_modes(workspace: str) -> dict[str, Any]:
         undo()
         os.umask(old_umask)
     dist.barrier()
-    ws.close_namespaces()
+    wsns.close_namespaces()
     return {"rank": rank, **recorded}
 
 

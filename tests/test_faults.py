@@ -37,7 +37,7 @@ import pytest
 import torch.distributed as dist
 
 from distribute_utils import sync
-from distribute_utils.transports.workspace import NAMESPACE_PREFIX
+from distribute_utils.transports.namespace import NAMESPACE_PREFIX
 
 from harness import torchrun_argv
 

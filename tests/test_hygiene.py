@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from distribute_utils import hygiene
-from distribute_utils.transports.workspace import NAMESPACE_PREFIX
+from distribute_utils.transports.namespace import NAMESPACE_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")

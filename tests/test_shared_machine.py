@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from distribute_utils import PayloadError, WorkspaceError, get_tensors_parallel, hygiene, wire
+from distribute_utils.transports import namespace as wsns
 from distribute_utils.transports import shm
 from distribute_utils.transports import workspace as ws
 
@@ -86,7 +87,7 @@ def test_another_users_segment_is_never_taken_for_a_ranks() -> None:
 def test_a_namespace_another_user_made_is_refused(shared_dir: Path) -> None:
     workspace = _shared_workspace(shared_dir)
     token = "predictable-job-1"
-    squatted = workspace / f"{ws.NAMESPACE_PREFIX}{token}"
+    squatted = workspace / f"{wsns.NAMESPACE_PREFIX}{token}"
     _as_other_user(f"mkdir -m 0777 {squatted}")
     with pytest.raises(WorkspaceError) as info:
         ws.WorkspaceTransport(workspace, token, 5.0)
@@ -103,7 +104,7 @@ def test_this_users_lock_directory_cannot_be_planted(shared_dir: Path, plant: st
     target = shared_dir / "victim"
     target.mkdir()
     (target / "sweep.lock").write_text("precious")
-    user_dir = ws._user_dir(str(workspace))
+    user_dir = wsns.user_dir(str(workspace))
     _as_other_user(f"mkdir -m 0777 {user_dir}" if plant == "directory" else f"ln -s {target} {user_dir}")
     with pytest.raises(WorkspaceError) as info:
         ws.WorkspaceTransport(workspace, "job-2", 5.0)
@@ -113,7 +114,7 @@ def test_this_users_lock_directory_cannot_be_planted(shared_dir: Path, plant: st
 
 
 def _token_then_gather(workspace: str, phase: int) -> dict[str, Any]:
-    from distribute_utils.transports.workspace import job_token
+    from distribute_utils.transports.namespace import job_token
 
     if phase == 0:
         return {"token": job_token()}
@@ -135,7 +136,7 @@ def _token_then_gather(workspace: str, phase: int) -> dict[str, Any]:
 def test_a_real_gather_refuses_a_squatted_namespace(ranks4: RankPool, shared_dir: Path) -> None:
     workspace = _shared_workspace(shared_dir)
     token = ranks4.run(_token_then_gather, str(workspace), 0)[0]["token"]
-    squatted = workspace / f"{ws.NAMESPACE_PREFIX}{token}"
+    squatted = workspace / f"{wsns.NAMESPACE_PREFIX}{token}"
     _as_other_user(f"mkdir -m 0777 {squatted}")
     results = ranks4.run(_token_then_gather, str(workspace), 1, timeout=90)
     for rank, r in enumerate(results):

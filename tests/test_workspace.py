@@ -32,14 +32,12 @@ import torch.distributed as dist
 import distribute_utils
 from distribute_utils import PayloadError, wire
 from distribute_utils._host import _start_time, this_process
-from distribute_utils.transports import workspace as ws
-from distribute_utils.transports.workspace import (
-    NFSWorkspace,
-    WorkspaceError,
-    WorkspaceTransport,
-    job_token,
-    sweep_stale_namespaces,
-)
+from distribute_utils.errors import WorkspaceError
+from distribute_utils.transports import files as wsfiles
+from distribute_utils.transports import namespace as wsns
+from distribute_utils.transports.namespace import job_token, sweep_stale_namespaces
+from distribute_utils.transports.nfs_workspace import NFSWorkspace
+from distribute_utils.transports.workspace import WorkspaceTransport
 
 from harness import RankPool
 
@@ -129,16 +127,16 @@ def test_transport_rejoins_a_namespace_it_left(tmp_path: Path) -> None:
     token = _token()
     tr.publish(token, 1, wire.encode([1, 2], checksum=True))  # e.g. after close_namespaces()
     assert wire.decode(tr.fetch(token, 1)) == [1, 2]
-    ws.close_namespaces()
+    wsns.close_namespaces()
     assert not os.path.exists(tr.namespace)
 
 
 def test_auto_read_mode_maps_only_local_filesystems(tmp_path: Path) -> None:
-    kind = ws.filesystem_type(tmp_path)
+    kind = wsfiles.filesystem_type(tmp_path)
     assert kind != "unknown"
     with WorkspaceTransport(tmp_path, _token(), 1.0) as tr:
-        assert tr._mmap == (kind in ws._LOCAL_FS)
-    assert "nfs4" not in ws._LOCAL_FS and not any(k.startswith("fuse") for k in ws._LOCAL_FS)
+        assert tr._mmap == (kind in wsfiles.LOCAL_FS)
+    assert "nfs4" not in wsfiles.LOCAL_FS and not any(k.startswith("fuse") for k in wsfiles.LOCAL_FS)
 
 
 def test_truncated_file_is_waited_for_then_named(transport: WorkspaceTransport) -> None:
@@ -260,7 +258,7 @@ def test_permissions_are_private_whatever_the_umask(tmp_path: Path) -> None:
         assert mode(tr.path(token, 1)) == 0o600
         owners = [n for n in os.listdir(tr.namespace) if n.startswith("owner-")]
         assert len(owners) == 1 and mode(os.path.join(tr.namespace, owners[0])) == 0o600
-        assert mode(ws._lock_path(str(tmp_path / "ws"))) == 0o600
+        assert mode(wsns.lock_path(str(tmp_path / "ws"))) == 0o600
         record = json.loads(Path(tr.namespace, owners[0]).read_text())
         me = this_process()
         assert (record["pid"], record["boot_id"], record["start_time"]) == (me.pid, me.boot_id, me.start_time)
@@ -290,7 +288,7 @@ def test_release_removes_leftovers(transport: WorkspaceTransport, monkeypatch: p
     assert _entries(transport.namespace) == []
 
     # ...and when even that unlink fails, release removes the temporary file.
-    monkeypatch.setattr(ws, "_unlink", lambda path: False)
+    monkeypatch.setattr(wsfiles, "unlink", lambda path: False)
     with pytest.raises(OSError, match="I/O error"):
         transport.publish(token, 2, payload)
     monkeypatch.undo()
@@ -323,7 +321,9 @@ _SPACE_SCRIPT = textwrap.dedent(
     """
     import errno, json, os, sys
     import torch
-    from distribute_utils import SpaceError, wire
+    from distribute_utils import SpaceError, WorkspaceError, wire
+    from distribute_utils.transports import files as wsfiles
+    from distribute_utils.transports import nfs_workspace
     from distribute_utils.transports import workspace as ws
 
     full, ro = sys.argv[1], sys.argv[2]
@@ -334,12 +334,12 @@ _SPACE_SCRIPT = textwrap.dedent(
         tr.publish("round1", 1, payload)
     except SpaceError as exc:
         out["reserve"] = [exc.errno, str(exc)]
-    ws._reserve = lambda fd, n: False  # a filesystem without fallocate: the write itself fails
+    wsfiles.reserve_space = lambda fd, n: False  # a filesystem without fallocate: the write itself fails
     try:
         tr.publish("round2", 1, payload)
     except SpaceError as exc:
         out["write"] = [exc.errno, str(exc)]
-    nfs = ws.NFSWorkspace(full)
+    nfs = nfs_workspace.NFSWorkspace(full)
     try:
         nfs.write_configs_and_weights({"a": 1}, {"w": torch.zeros(2**20)})
     except SpaceError as exc:
@@ -348,7 +348,7 @@ _SPACE_SCRIPT = textwrap.dedent(
     out["left_nfs"] = sorted(n for n in os.listdir(nfs.namespace) if not n.startswith("owner-"))
     try:
         ws.WorkspaceTransport(ro, "rojob", 5.0)
-    except ws.WorkspaceError as exc:
+    except WorkspaceError as exc:
         out["ro"] = [exc.errno, str(exc)]
     out["payload_bytes"] = payload.nbytes
     print(json.dumps(out))
@@ -404,15 +404,15 @@ def test_two_sshfs_mounts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         job = _token()
         writer = WorkspaceTransport(Path(mount_a, "ws"), job, 10.0)
         reader = WorkspaceTransport(Path(mount_b, "ws"), job, 10.0)
-        assert ws.filesystem_type(reader.namespace).startswith("fuse") and not reader._mmap
+        assert wsfiles.filesystem_type(reader.namespace).startswith("fuse") and not reader._mmap
         for i in range(40):  # sizes change every round: a reused name would show a stale size
             token = _token()
             value = {"i": i, "t": torch.arange(1 + 97 * (i % 5), dtype=torch.float64)}
             writer.publish(token, 1, wire.encode(value, checksum=True))
             _same(value, wire.decode(reader.fetch(token, 1)))
             writer.release(token, 1)
-        monkeypatch.setenv(ws.JOB_TOKEN_ENV, job)
-        monkeypatch.setattr(ws, "_TOKEN_CACHE", {})
+        monkeypatch.setenv(wsns.JOB_TOKEN_ENV, job)
+        monkeypatch.setattr(wsns, "_TOKEN_CACHE", {})
         nfs_a, nfs_b = NFSWorkspace(Path(mount_a, "ws")), NFSWorkspace(Path(mount_b, "ws"))
         for k in range(3):
             nfs_a.write_configs_and_weights({"k": k}, {"w": torch.full((10 + k,), float(k))})
@@ -421,7 +421,7 @@ def test_two_sshfs_mounts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         nfs_a.close()
         writer.close()
         reader.close()
-        assert os.listdir(export / "ws") == [os.path.basename(ws._user_dir(""))]
+        assert os.listdir(export / "ws") == [os.path.basename(wsns.user_dir(""))]
 
 
 # -- NFSWorkspace: ModelOpt semantics ------------------------------------------------------------
@@ -526,7 +526,7 @@ def test_nfs_workspace_on_four_ranks(ranks4: RankPool, tmp_path: Path) -> None:
     assert reports[0]["round2"] == [({"rank": r, "round": 2}, {}) for r in range(4)]
     assert reports[0]["fetched"] == 3
     assert not any(r["namespace_left"] for r in reports)
-    assert os.listdir(tmp_path / "ws") == [os.path.basename(ws._user_dir(""))]
+    assert os.listdir(tmp_path / "ws") == [os.path.basename(wsns.user_dir(""))]
 
 
 def test_latest_write_wins_and_a_reader_may_skip_writes(tmp_path: Path) -> None:
@@ -543,22 +543,22 @@ def test_latest_write_wins_and_a_reader_may_skip_writes(tmp_path: Path) -> None:
 
 def test_job_token_without_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not dist.is_initialized()
-    monkeypatch.setattr(ws, "_TOKEN_CACHE", {})
-    monkeypatch.setenv(ws.JOB_TOKEN_ENV, "my-job-42")
+    monkeypatch.setattr(wsns, "_TOKEN_CACHE", {})
+    monkeypatch.setenv(wsns.JOB_TOKEN_ENV, "my-job-42")
     assert job_token() == "my-job-42"
-    monkeypatch.setattr(ws, "_TOKEN_CACHE", {})
-    monkeypatch.setenv(ws.JOB_TOKEN_ENV, "bad/token")
+    monkeypatch.setattr(wsns, "_TOKEN_CACHE", {})
+    monkeypatch.setenv(wsns.JOB_TOKEN_ENV, "bad/token")
     with pytest.raises(ValueError, match="DISTRIBUTE_UTILS_JOB_TOKEN"):
         job_token()
-    monkeypatch.setattr(ws, "_TOKEN_CACHE", {})
-    monkeypatch.delenv(ws.JOB_TOKEN_ENV)
+    monkeypatch.setattr(wsns, "_TOKEN_CACHE", {})
+    monkeypatch.delenv(wsns.JOB_TOKEN_ENV)
     first = job_token()
     assert first == job_token() and len(first) == 32
 
 
 # -- sweeping ------------------------------------------------------------------------------------
 def _fake_namespace(workspace: Path, name: str, owners: list[dict], age_s: float = 0.0) -> Path:
-    path = workspace / f"{ws.NAMESPACE_PREFIX}{name}"
+    path = workspace / f"{wsns.NAMESPACE_PREFIX}{name}"
     path.mkdir(mode=0o700)
     (path / "abc_1.du").write_bytes(b"x")
     for i, owner in enumerate(owners):
@@ -573,7 +573,7 @@ def _fake_namespace(workspace: Path, name: str, owners: list[dict], age_s: float
 def _record(pid: int, start_time: int, boot_id: str | None = None) -> dict:
     me = this_process()
     info = me.__class__(me.hostname, boot_id or me.boot_id, -1, me.pid_namespace, pid, start_time)
-    return json.loads(ws._owner_record(info))
+    return json.loads(wsns.owner_record(info))
 
 
 def test_sweep_removes_dead_local_jobs_and_keeps_live_ones(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from .. import interrupts
 from .._host import SHM_DIR, ProcessInfo, process_alive
 from ..errors import PayloadError, PeerLostError, SpaceError
 from ..wire import EncodedPayload, read_prefix
+from .files import unlink
 
 __all__ = [
     "SEGMENT_PREFIX",
@@ -103,7 +104,7 @@ class SharedMemoryTransport:
             _reserve(fd, payload.nbytes, rank)
             payload.write_to_fd(fd)
         except BaseException:
-            _unlink(path)
+            unlink(path)
             raise
         finally:
             os.close(fd)
@@ -142,7 +143,7 @@ class SharedMemoryTransport:
         finally:
             os.close(fd)
             if kind == "n":
-                _unlink(path)
+                unlink(path)
         if kind == "p":
             weakref.finalize(buf, _FREED.add, (rank, ident))
         prefix = read_prefix(buf)
@@ -154,13 +155,13 @@ class SharedMemoryTransport:
 
     def release(self, token: str, rank: int) -> None:
         """The sender: remove its named segment of ``token`` if the receiver never took it."""
-        _unlink(segment_path(token, rank, os.getpid()))
+        unlink(segment_path(token, rank, os.getpid()))
 
     def discard(self, token: str, rank: int, receipt: str) -> None:
         """The receiver, after a failure: remove ``rank``'s named segment if it is still there."""
         kind, pid, *_ = _parse_receipt(receipt, rank)
         if kind == "n":
-            _unlink(segment_path(token, rank, pid))
+            unlink(segment_path(token, rank, pid))
 
     @staticmethod
     def abandon(receipt: str) -> None:
@@ -397,9 +398,6 @@ def segments_freed(idents: set[str]) -> None:
     _POOL.freed(idents)
 
 
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 # An interrupted process removes the named segments it published that nobody took (pooled ones have
