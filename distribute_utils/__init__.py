@@ -17,8 +17,8 @@ if TYPE_CHECKING:
         WorkspaceError,
     )
     from .gather import gather_configs, gather_tensors, get_configs_parallel, get_tensors_parallel
-    from .layout import MeshLayout
     from .mesh import ProcessGroupMesh
+    from .mesh_layout import MeshLayout
     from .sync import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, barrier
     from .transports import NFSWorkspace
     from .transports.shm import release_shared_memory
@@ -63,7 +63,7 @@ _HOMES = {
     "gather_tensors": ".gather",
     "get_configs_parallel": ".gather",
     "get_tensors_parallel": ".gather",
-    "MeshLayout": ".layout",
+    "MeshLayout": ".mesh_layout",
     "ProcessGroupMesh": ".mesh",
     "DEFAULT_TIMEOUT_S": ".sync",
     "TIMEOUT_ENV": ".sync",

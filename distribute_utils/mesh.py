@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import sync
-from .layout import AxisSpec, MeshLayout, RavelMode
+from .mesh_layout import AxisSpec, MeshLayout, RavelMode
 
 __all__ = ["ProcessGroupMesh"]
 
@@ -111,20 +111,23 @@ class ProcessGroupMesh:
         """Global rank of this process."""
         return self._rank
 
-    def size(self, dim: AxisSpec | None = None) -> int | tuple[int, ...]:
-        """The whole shape, or the size of axis ``dim`` (an index or a name)."""
-        if dim is None:
-            return self.shape
-        return self.shape[self._layout.axis_index(dim)]
+    def size(self, axis: AxisSpec | None = None) -> int | tuple[int, ...]:
+        """The whole shape, or the size of ``axis`` (an index or a name).
 
-    def coordinate(self, dim: AxisSpec | None = None) -> int | tuple[int, ...]:
-        """This rank's coordinate, or its index along axis ``dim``.
+        "Axis" is a mesh dimension, "dim" a tensor one (torchtitan's rule); ColossalAI calls this
+        parameter ``dim``: positional calls are the same."""
+        if axis is None:
+            return self.shape
+        return self.shape[self._layout.axis_index(axis)]
+
+    def coordinate(self, axis: AxisSpec | None = None) -> int | tuple[int, ...]:
+        """This rank's coordinate, or its index along ``axis``.
 
         Raises:
             ValueError: this rank lies outside the mesh.
         """
         coord = self._layout.coordinate(self._rank)
-        return coord if dim is None else coord[self._layout.axis_index(dim)]
+        return coord if axis is None else coord[self._layout.axis_index(axis)]
 
     def __repr__(self) -> str:
         return f"ProcessGroupMesh({self._layout!r}, rank={self._rank})"
