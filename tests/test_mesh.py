@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -134,24 +135,28 @@ def test_mesh_inside_a_larger_world(ranks4: RankPool) -> None:
     assert [r["coord"] for r in results[1:]] == [(0,), (1,), (2,)]
 
 
-def _per_axis_barriers() -> list[float]:
+def _per_axis_barriers() -> bool:
     mesh = ProcessGroupMesh(2, 2, axis_names=("pp", "tp"))
-    # Ranks 2 and 3 (pp=1) arrive late at the tp barrier: ranks 0 and 1 must not wait for them.
-    stamps = []
+    store = dist.distributed_c10d._get_default_store()
+    barrier(timeout=30)
+    call = (store.add("per_axis_barriers", 1) - 1) // 4  # this test's call, the same on every rank
+    passed = [f"per_axis_{call}_passed_{r}" for r in (0, 1)]
+    # Ranks 2 and 3 (pp=1) reach the tp barrier only after ranks 0 and 1 (pp=0) have passed theirs: if a
+    # tp barrier waited for the other tp group, this would deadlock (and fail at the timeout).
     if mesh.coordinate("pp") == 1:
-        time.sleep(1.0)
-    start = time.monotonic()
+        store.set_timeout(datetime.timedelta(seconds=60))
+        store.wait(passed)
     mesh.barrier("tp", timeout=30)
-    stamps.append(time.monotonic() - start)
+    if mesh.coordinate("pp") == 0:
+        store.set(passed[mesh.coordinate("tp")], "1")
     mesh.barrier("pp", timeout=30)
     mesh.barrier(timeout=30)
     barrier(timeout=30)
-    return stamps
+    return True
 
 
 def test_barriers_per_axis_let_independent_groups_proceed(ranks4: RankPool) -> None:
-    results = ranks4.run(_per_axis_barriers)
-    assert all(stamps[0] < 0.5 for stamps in results)
+    assert ranks4.run(_per_axis_barriers) == [True] * 4
 
 
 def _world_barrier_rounds(n: int) -> float:
@@ -186,8 +191,11 @@ def _num_keys() -> int:
 
 
 def _missing_rank_barrier() -> str:
-    if dist.get_rank() == 3:
-        time.sleep(4.0)  # never arrives within the others' timeout
+    store = dist.distributed_c10d._get_default_store()
+    call = (store.add("missing_rank_barrier", 1) - 1) // 4
+    if dist.get_rank() == 3:  # alive, but never arrives: it waits until the others have given up
+        store.set_timeout(datetime.timedelta(seconds=60))
+        store.wait([f"missing_{call}_gave_up_{r}" for r in range(3)])
         return "late"
     start = time.monotonic()
     try:
@@ -195,6 +203,8 @@ def _missing_rank_barrier() -> str:
     except PeerLostError as exc:
         assert isinstance(exc, TimeoutError)
         return f"{time.monotonic() - start:.2f}|{exc.missing}|{exc}"
+    finally:
+        store.set(f"missing_{call}_gave_up_{dist.get_rank()}", "1")
     return "no error"
 
 

@@ -13,8 +13,8 @@ Cases (the victim is the last rank unless the name says "first rank"):
 - ``sender_dies_before_meeting``: the victim dies right after ``init_process_group``, before
   any exchange: its peers cannot watch its pid, so the timeout (``$DISTRIBUTE_UTILS_TIMEOUT``)
   names it.
-- ``sender_hangs``: the victim sleeps (alive, unresponsive) past the others' timeout, then
-  enters the gather late.
+- ``sender_hangs``: the victim stays away (alive, unresponsive) until every other rank has timed
+  out, then enters the gather late.
 - ``sender_dies_mid_publish``: the victim dies with its segment half written.
 - ``sender_dies_after_publish``: the victim dies in the body of its ``with`` block.
 - ``sender_dies_while_reader_reads``: the victim dies right after posting its claim; the first
@@ -158,6 +158,17 @@ def _payload_files(workspace: str) -> list[str]:
     return sorted(found)
 
 
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _wait_for(keys: list[str]) -> None:
+    """Waits until the other ranks have posted ``keys`` in the job's store (an event, not a sleep)."""
+    store = _store()
+    store.set_timeout(datetime.timedelta(seconds=120))
+    store.wait(keys)
+
+
 def _next_sync(report: dict[str, Any]) -> None:
     """The synchronisation after the gather: a barrier that must name a dead rank."""
     start = time.monotonic()
@@ -185,9 +196,11 @@ def run_case(case: str, report: dict[str, Any]) -> None:
             _die()
         _gather(report, ranks, timeout=TIMEOUT)
     elif case == "sender_hangs":
-        if rank == victim:
-            time.sleep(TIMEOUT + 1)  # alive but late: the others' timeout must expire first
+        if rank == victim:  # alive but late: it enters only once every other rank has given up
+            _wait_for([f"gave_up_{r}" for r in ranks if r != victim])
         _gather(report, ranks, timeout=TIMEOUT)
+        if rank != victim:
+            _store().set(f"gave_up_{rank}", "1")
     elif case in ("sender_dies_mid_publish", "workspace_sender_dies_mid_publish"):
         if rank == victim:
             wire.EncodedPayload.write_to_fd = _half_then_die  # type: ignore[method-assign]
@@ -219,9 +232,10 @@ def run_case(case: str, report: dict[str, Any]) -> None:
         _gather(report, ranks, timeout=TIMEOUT)
         _next_sync(report)
     elif case == "first_rank_dies_before_gather":
-        if rank == 0:
-            time.sleep(0.5)  # the senders publish and wait for it
+        if rank == 0:  # dies once every sender is entering the gather
+            _wait_for([f"entering_{r}" for r in ranks if r != 0])
             _die()
+        _store().set(f"entering_{rank}", "1")
         _gather(report, ranks, timeout=TIMEOUT)
     elif case == "first_rank_dies_mid_read":
         if rank == 0:
