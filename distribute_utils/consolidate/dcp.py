@@ -124,6 +124,10 @@ class DcpCheckpoint:
     def describe_stage(self, stage: int) -> str:
         return "the checkpoint"
 
+    def stage_ranks(self, stage: int) -> list[int]:
+        """One process reads the whole checkpoint (see :meth:`CheckpointLayout.stage_ranks`)."""
+        return [0]
+
     def __repr__(self) -> str:
         return f"DcpCheckpoint('{self.root}', kind={self.kind})"
 

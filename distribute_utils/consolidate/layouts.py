@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import DistributeError
+from ..mesh_layout import MeshLayout
 from .rules import MergeRule, RuleTable
 from .safe_load import safe_torch_load
 from .writers import SafetensorsWriter, TensorSpec, _standalone, load_safetensors, read_safetensors_specs
@@ -164,6 +165,16 @@ class CheckpointLayout(ABC):
     def stages(self) -> int:
         """Rows of the grid: ``pp * ep``."""
         return self.pp * self.ep
+
+    @property
+    def rank_grid(self) -> MeshLayout:
+        """The ranks of a consolidation of this checkpoint, one per file: axes ``("stage", "tp")``, TP
+        fastest (as Megatron numbers ranks); rank ``(s, t)`` reads ``file_for(t, s)``."""
+        return MeshLayout((self.stages, self.tp), axis_names=("stage", "tp"))
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The ranks holding one stage's TP shards, in TP order."""
+        return self.rank_grid.groups_along("tp")[stage]
 
     def stage_coords(self, stage: int) -> tuple[int, int]:
         """``(pp_rank, ep_rank)`` of a stage."""

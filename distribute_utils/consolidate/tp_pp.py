@@ -296,8 +296,8 @@ def _where(layout: CheckpointLayout, message: str) -> str:
             for spec in layout.shard_specs(0, s):
                 if layout.global_name(spec.name, s) == m.group(1):
                     shards = ", ".join(
-                        f"TP rank {t} = global rank {s * layout.tp + t} in '{layout.file_for(t, s)}'"
-                        for t in range(layout.tp)
+                        f"TP rank {t} = global rank {r} in '{layout.file_for(t, s)}'"
+                        for t, r in enumerate(layout.stage_ranks(s))
                     )
                     return f" ({layout.describe_stage(s)}: {shards})"
     except Exception:  # only decoration of an error message
@@ -602,7 +602,7 @@ class _Job:
                     f"{self.tp * self.pp} ranks, but the world has {self.world}; run it on "
                     f"{self.tp * self.pp} ranks (or on 1 to consolidate in one process)"
                 )
-            self.pp_rank, self.tp_rank = divmod(self.rank, self.tp)
+            self.pp_rank, self.tp_rank = self.layout.rank_grid.coordinate(self.rank)
             self.batches = _make_batches(self.plan, self.pp, self.batch_bytes)
             self.rounds = max((len(b) for b in self.batches), default=0)
             self.total_bytes = sum(e.spec.nbytes for e in self.plan)
@@ -610,7 +610,7 @@ class _Job:
             self.source = _ShardSource(
                 self.layout, self.tp_rank, self.pp_rank, _REMAP_FACTOR * self.batch_bytes
             )
-            self.stage_ranks = [self.pp_rank * self.tp + t for t in range(self.tp)]
+            self.stage_ranks = self.layout.stage_ranks(self.pp_rank)
             if self.rank == 0:
                 _check_space(self.output, self.total_bytes)
                 self.writer = open_writer(
@@ -721,7 +721,7 @@ class _Job:
                     raise RuntimeError(
                         f"stage {p} sent {len(items)} tensors in round {r}, expected {len(batch)}"
                     )
-                ranks = [p * self.tp + t for t in range(self.tp)]
+                ranks = self.layout.stage_ranks(p)
                 tasks += [(entry, item, ranks) for entry, item in zip(batch, items)]
             self.bg.submit(tasks)
 
@@ -804,24 +804,53 @@ class _Job:
         return failure.error(self.rank)
 
     def _report(self, files: list[str]) -> ConsolidationReport:
-        return ConsolidationReport(
-            input_dir=os.fspath(self.input_dir),
-            output=os.fspath(self.output),
-            layout=self.layout.kind,
-            tp=self.tp,
-            pp=self.pp,
-            world_size=self.world,
-            format=self.format,
-            tensors=len(self.plan),
-            bytes=self.total_bytes,
-            seconds=time.perf_counter() - self.start,
-            transport=self.transport_used,
-            rounds=self.rounds,
-            batch_bytes=self.batch_bytes,
-            peak_rss_bytes=peak_rss_bytes(),
-            files=files,
-            rank=self.rank,
+        return _report(
+            self.input_dir,
+            self.output,
+            self.layout,
+            self.plan,
+            self.format,
+            self.start,
+            self.world,
+            self.transport_used,
+            self.rounds,
+            self.batch_bytes,
+            files,
         )
+
+
+def _report(
+    input_dir: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    layout: Checkpoint,
+    plan: Sequence[MergePlanEntry],
+    format: str,
+    start: float,
+    world_size: int,
+    transport: str,
+    rounds: int,
+    batch_bytes: int,
+    files: list[str],
+) -> ConsolidationReport:
+    """The report of a finished consolidation (rank 0's, in one process or on N ranks)."""
+    return ConsolidationReport(
+        input_dir=os.fspath(input_dir),
+        output=os.fspath(output),
+        layout=layout.kind,
+        tp=layout.tp,
+        pp=layout.pp,
+        world_size=world_size,
+        format=format,
+        tensors=len(plan),
+        bytes=sum(e.spec.nbytes for e in plan),
+        seconds=time.perf_counter() - start,
+        transport=transport,
+        rounds=rounds,
+        batch_bytes=batch_bytes,
+        peak_rss_bytes=peak_rss_bytes(),
+        files=files,
+        rank=0,
+    )
 
 
 def _describe_transport(domains: set[str], requested: str, has_workspace: bool) -> str:
@@ -885,7 +914,7 @@ def _consolidate_alone(
     ):
         for p in range(layout.stages):
             sources = [_ShardSource(layout, t, p, window) for t in range(layout.tp)]
-            ranks = [p * layout.tp + t for t in range(layout.tp)]
+            ranks = layout.stage_ranks(p)
             for batch in batches[p]:
                 if isinstance(layout, DcpCheckpoint) and isinstance(writer, SafetensorsWriter):
                     layout.stream_into(writer, batch)  # chunk by chunk, no tensor built
@@ -894,25 +923,9 @@ def _consolidate_alone(
                 _write_batch(writer, batch, [s.get(batch) for s in sources], ranks, bar)
                 for s in sources:
                     s.batch_done()
+    rounds = max((len(b) for b in batches), default=0)
     files = [os.fspath(p) for p in writer.paths]
-    return ConsolidationReport(
-        input_dir=os.fspath(input_dir),
-        output=os.fspath(output),
-        layout=layout.kind,
-        tp=layout.tp,
-        pp=layout.pp,
-        world_size=1,
-        format=format,
-        tensors=len(plan),
-        bytes=total,
-        seconds=time.perf_counter() - start,
-        transport="none",
-        rounds=max((len(b) for b in batches), default=0),
-        batch_bytes=batch_bytes,
-        peak_rss_bytes=peak_rss_bytes(),
-        files=files,
-        rank=0,
-    )
+    return _report(input_dir, output, layout, plan, format, start, 1, "none", rounds, batch_bytes, files)
 
 
 # --------------------------------------------------------------------------------------------------------
