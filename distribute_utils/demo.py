@@ -144,8 +144,7 @@ def run_demo(
         shard_state_dict,
         synthetic_size_for,
     )
-    from .consolidate.tp_pp import ConsolidationReport, _raise_origin, _rank_main
-    from .launch import run_local
+    from .consolidate.tp_pp import consolidate_on_local_ranks
 
     if tp < 1 or pp < 1 or tp * pp != nproc:
         raise ValueError(f"--tp {tp} x --pp {pp} = {tp * pp}, but --nproc is {nproc}")
@@ -175,9 +174,9 @@ def run_demo(
         )
         options = {"progress": False, "timeout": 120}
         before = functools.partial(mesh_rank, tp, pp)
-        results = run_local(_rank_main, nproc, os.fspath(ckpt), os.fspath(out), options, before, timeout=600)
-        _raise_origin(results)
-        report = ConsolidationReport.from_dict(results[0]["report"])
+        report, befores = consolidate_on_local_ranks(
+            ckpt, out, nproc, before=before, launch_timeout=600, **options
+        )
         merged = load_safetensors(report.files[0])
         if set(merged) != set(original):
             raise RuntimeError(f"output names differ: {sorted(set(merged) ^ set(original))[:5]}")
@@ -200,7 +199,7 @@ def run_demo(
             nproc=nproc,
             tp=tp,
             pp=pp,
-            mesh=results[0]["before"],
+            mesh=befores[0],
             report=report,
             model=model,
             model_bytes=dims.nbytes,
@@ -236,7 +235,8 @@ def format_demo(result: DemoResult) -> str:
         f"  model:      {result.model}: {r.tensors} tensors, {result.model_bytes / 2**20:.1f} MiB",
         f"  layout:     own (mesh.json), safetensors shards, TP {r.tp} x PP {r.pp}, "
         f"layers per stage {result.layers_per_stage}",
-        f"  transport:  {r.transport} ({r.rounds} rounds of <= {r.batch_bytes / 2**20:.0f} MiB per stage)",
+        f"  transport:  {r.transport} ({r.rounds} round{'' if r.rounds == 1 else 's'} of "
+        f"<= {r.batch_bytes / 2**20:.0f} MiB per stage)",
         f"  moved:      {r.tensors} tensors, {r.bytes / 2**20:.1f} MiB in {r.seconds:.2f} s "
         f"({r.mib_per_s:.0f} MiB/s)",
         f"  peak memory of rank 0 (VmHWM): {r.peak_rss_bytes / 2**20:.0f} MiB",

@@ -61,6 +61,7 @@ __all__ = [
     "TRANSPORTS",
     "gather_configs",
     "gather_tensors",
+    "gather_to_first",
     "get_configs_parallel",
     "get_tensors_parallel",
 ]
@@ -654,7 +655,7 @@ def _place(value: Any, target: torch.device) -> Any:
 
 
 @contextmanager
-def _gather(
+def gather_to_first(
     value: Any,
     ranks: Sequence[int],
     group: dist.ProcessGroup | Sequence[int] | None,
@@ -666,6 +667,13 @@ def _gather(
     root: str,
     place_own: bool = True,
 ) -> Iterator[list[Any]]:
+    """The one gather under the public functions (and :mod:`distribute_utils.modelopt`): ``value`` of every
+    rank in ``ranks`` to ``ranks[0]``, synchronised over ``group``; yields the list there, ``[]`` elsewhere.
+
+    ``root`` says which public call this is (``"tensor"`` or ``"config"``, for checks and messages);
+    ``place_own=False`` keeps the first rank's own value as passed (ModelOpt's behaviour). Every rank of
+    ``group`` must enter it (see ``docs/design.md``: ``group`` synchronises, ``ranks`` routes).
+    """
     # A local mistake is posted in this rank's claim: its gather partners raise it too, none waits.
     error: tuple[Any, ...] | None = None
     try:
@@ -785,7 +793,7 @@ def get_tensors_parallel(
             workspace.
     """
     options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
-    with _gather(tensor, ranks, group, root="tensor", **options) as out:
+    with gather_to_first(tensor, ranks, group, root="tensor", **options) as out:
         yield out
 
 
@@ -812,7 +820,7 @@ def get_configs_parallel(
             on every rank before any rank writes anything.
     """
     options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
-    with _gather(config, ranks, group, root="config", **options) as out:
+    with gather_to_first(config, ranks, group, root="config", **options) as out:
         yield out
 
 
@@ -835,7 +843,7 @@ def gather_tensors(
     ranks = mesh.ranks_along_axis(axis)
     group = mesh.cached_group_along_axis(axis) or ranks
     options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
-    with _gather(tensor, ranks, group, root="tensor", **options) as out:
+    with gather_to_first(tensor, ranks, group, root="tensor", **options) as out:
         yield out
 
 
@@ -857,5 +865,5 @@ def gather_configs(
     ranks = mesh.ranks_along_axis(axis)
     group = mesh.cached_group_along_axis(axis) or ranks
     options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
-    with _gather(config, ranks, group, root="config", **options) as out:
+    with gather_to_first(config, ranks, group, root="config", **options) as out:
         yield out

@@ -60,7 +60,7 @@ class ProcessGroupMesh:
         backend: str | None = None,
         timeout: float | timedelta | None = None,
     ) -> None:
-        sync._require_initialized()
+        sync.require_initialized()
         if len(size) == 1 and isinstance(size[0], (tuple, list)):
             size = tuple(size[0])
         self._layout = MeshLayout(size, axis_names, rank_offset)  # type: ignore[arg-type]

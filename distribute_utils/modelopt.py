@@ -64,7 +64,7 @@ def get_configs_parallel(
     """ModelOpt's ``get_configs_parallel``: on ``ranks[0]``, its own config, then every other
     rank's config that is not ``None``. Must be entered on every rank of ``group``."""
     options: dict[str, Any] = {"transport": "auto", "timeout": None, "device": None, "place_own": False}
-    with gather._gather(
+    with gather.gather_to_first(
         config, ranks, group, workspace_path=workspace_path, root="config", **options
     ) as configs:
         if configs:

@@ -61,6 +61,7 @@ __all__ = [
     "companion",
     "group_ranks",
     "on_new_incarnation",
+    "require_initialized",
     "resolve_timeout",
 ]
 
@@ -98,7 +99,8 @@ def resolve_timeout(timeout: float | timedelta | None) -> float:
     return float(timeout)
 
 
-def _require_initialized() -> None:
+def require_initialized() -> None:
+    """Raises RuntimeError (saying what to call) unless a default process group exists."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "torch.distributed is not initialised: call torch.distributed.init_process_group() "
@@ -108,7 +110,7 @@ def _require_initialized() -> None:
 
 def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
     """Global ranks of ``group`` (the whole world when None), in group-rank order."""
-    _require_initialized()
+    require_initialized()
     if group is None or group is dist.group.WORLD:
         return tuple(range(dist.get_world_size()))
     return tuple(dist.get_process_group_ranks(group))
@@ -393,7 +395,7 @@ def _run_reset_hooks() -> None:
 def _incarnation() -> _Incarnation:
     """The state of the current default process group, made anew after re-initialisation."""
     global _CURRENT
-    _require_initialized()
+    require_initialized()
     pg = dist.distributed_c10d._get_default_group()
     current = _CURRENT
     if current is not None and current.pg() is pg:

@@ -29,7 +29,7 @@ from ..errors import DistributeError
 from ..mesh_layout import MeshLayout
 from .rules import MergeRule, RuleTable
 from .safe_load import safe_torch_load
-from .writers import SafetensorsWriter, TensorSpec, _standalone, load_safetensors, read_safetensors_specs
+from .writers import SafetensorsWriter, TensorSpec, load_safetensors, read_safetensors_specs, standalone
 
 __all__ = [
     "MESH_FILE",
@@ -39,6 +39,7 @@ __all__ = [
     "OwnLayout",
     "flatten_tensors",
     "global_layer_name",
+    "local_layer_index",
     "plan_merge",
     "write_own_layout",
 ]
@@ -56,7 +57,7 @@ class LayoutError(DistributeError, ValueError):
     """A checkpoint directory is not a known layout, or its description is inconsistent."""
 
 
-def _local_layer_index(name: str) -> int | None:
+def local_layer_index(name: str) -> int | None:
     m = _LAYER_RE.search(name)
     return int(m.group(1)) if m else None
 
@@ -259,7 +260,7 @@ class CheckpointLayout(ABC):
                 for spec in self.shard_specs(0, p * self.ep):
                     chunk, rest = self.split_chunk(spec.name)
                     indices = per_chunk.setdefault(chunk, set())
-                    if (i := _local_layer_index(rest)) is not None:
+                    if (i := local_layer_index(rest)) is not None:
                         indices.add(i)
                 for chunk, indices in per_chunk.items():
                     if indices != set(range(len(indices))):
@@ -302,7 +303,7 @@ class CheckpointLayout(ABC):
         """
         chunk, rest = self.split_chunk(name)
         p, _ = self.stage_coords(stage)
-        local = _local_layer_index(rest)
+        local = local_layer_index(rest)
         if local is not None:
             count = self._layer_counts().get((p, chunk), 0)
             if local >= count:
@@ -599,7 +600,7 @@ def write_own_layout(
                 for n, x in sd.items():
                     w.write(n, x)
         else:
-            atomic_torch_save({n: _standalone(x) for n, x in sd.items()}, path)
+            atomic_torch_save({n: standalone(x) for n, x in sd.items()}, path)
     atomic_write_text(root / MESH_FILE, json.dumps(description, indent=2) + "\n")
     return layout
 

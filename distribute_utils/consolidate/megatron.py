@@ -386,7 +386,7 @@ def _coords(layout: MegatronLegacyLayout, t: int, stage: int) -> tuple[int, ...]
 
 
 def _nest(sd: Mapping[str, torch.Tensor], depth: int) -> dict[str, Any]:
-    from .writers import _standalone
+    from .writers import standalone
 
     out: dict[str, Any] = {}
     for name, t in sd.items():
@@ -394,7 +394,7 @@ def _nest(sd: Mapping[str, torch.Tensor], depth: int) -> dict[str, Any]:
         node = out
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = _standalone(t)
+        node[parts[-1]] = standalone(t)
     return out
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layouts import _local_layer_index, global_layer_name
+from .layouts import global_layer_name, local_layer_index
 from .rules import QUANT_FORMATS, RuleTable
 from .writers import TensorSpec
 
@@ -211,7 +211,7 @@ def shard_state_dict(
     if tp < 1 or pp < 1:
         raise ValueError(f"tp and pp must be positive, got tp={tp}, pp={pp}")
     table = rules if rules is not None else RuleTable.default(quant_format)
-    indices = {i for n in sd if (i := _local_layer_index(n)) is not None}
+    indices = {i for n in sd if (i := local_layer_index(n)) is not None}
     num_layers = len(indices)
     if indices != set(range(num_layers)):
         raise ValueError(f"layer indices must be 0..n-1, got {sorted(indices)}")
@@ -229,7 +229,7 @@ def shard_state_dict(
         stage_of_layer += [p] * n
     out: dict[tuple[int, int], dict[str, torch.Tensor]] = {(t, p): {} for p in range(pp) for t in range(tp)}
     for name, tensor in sd.items():
-        layer = _local_layer_index(name)
+        layer = local_layer_index(name)
         if layer is not None:
             stage = stage_of_layer[layer]
             local = global_layer_name(name, -offsets[stage])

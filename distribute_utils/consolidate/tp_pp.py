@@ -74,6 +74,7 @@ __all__ = [
     "ConsolidationReport",
     "consolidate_checkpoint",
     "consolidate_local",
+    "consolidate_on_local_ranks",
     "peak_rss_bytes",
     "plan_checkpoint",
     "resolve_rules",
@@ -1048,15 +1049,6 @@ def _rank_main(
     return out
 
 
-def _raise_origin(results: Sequence[dict[str, Any]]) -> None:
-    errors = [r["error"] for r in results if r.get("error")]
-    if not errors:
-        return
-    own = [e for i, e in enumerate(errors) if e[0] is not None and e[0] == i]
-    rank, kind, message = (own or errors)[0]
-    raise ConsolidationError(message, rank, kind)
-
-
 def consolidate_local(
     input_dir: str | os.PathLike[str],
     output: str | os.PathLike[str],
@@ -1086,22 +1078,48 @@ def consolidate_local(
         ConsolidationError: the consolidation failed; the originating rank, error type and cause.
         LaunchError: a rank died.
     """
-    from ..launch import run_local
-
     if nproc is None or nproc == 1:
         return consolidate_checkpoint(input_dir, output, **options)
     layout = open_checkpoint(
         input_dir, options.get("layers_per_stage"), options.get("iteration"), names=options.get("names")
     )
     needed = layout.tp * layout.stages
-    n = nproc
-    if n != needed:
+    if nproc != needed:
         raise ValueError(
             f"'{input_dir}' is a {layout.describe_grid()} checkpoint: it needs {needed} ranks "
-            f"(or 1 for one process), not {n}"
+            f"(or 1 for one process), not {nproc}"
         )
+    report, _ = consolidate_on_local_ranks(input_dir, output, nproc, launch_timeout=launch_timeout, **options)
+    return report
+
+
+def consolidate_on_local_ranks(
+    input_dir: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    nproc: int,
+    *,
+    before: Callable[[], Any] | None = None,
+    launch_timeout: float | None = None,
+    **options: Any,
+) -> tuple[ConsolidationReport, list[Any]]:
+    """Spawns ``nproc`` local ranks (:func:`distribute_utils.launch.run_local`); each runs ``before()``
+    (if given, e.g. the demo's mesh part), then :func:`consolidate_checkpoint`.
+
+    Returns:
+        Rank 0's report, and what ``before`` returned on each rank.
+
+    Raises:
+        ConsolidationError: the consolidation failed: the originating rank's error, not the first to arrive.
+        LaunchError: a rank died; Interrupted: a rank was interrupted.
+    """
+    from ..launch import run_local
+
     results = run_local(
-        _rank_main, n, os.fspath(input_dir), os.fspath(output), options, timeout=launch_timeout
+        _rank_main, nproc, os.fspath(input_dir), os.fspath(output), options, before, timeout=launch_timeout
     )
-    _raise_origin(results)
-    return ConsolidationReport.from_dict(results[0]["report"])
+    errors = [r["error"] for r in results if r.get("error")]
+    if errors:
+        own = [e for i, e in enumerate(errors) if e[0] is not None and e[0] == i]
+        rank, kind, message = (own or errors)[0]
+        raise ConsolidationError(message, rank, kind)
+    return ConsolidationReport.from_dict(results[0]["report"]), [r["before"] for r in results]

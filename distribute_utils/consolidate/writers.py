@@ -49,6 +49,7 @@ __all__ = [
     "read_safetensors_metadata",
     "read_safetensors_specs",
     "safetensors_dtype",
+    "standalone",
     "tensor_bytes",
 ]
 
@@ -538,7 +539,7 @@ class SafetensorsWriter(CheckpointWriter):
                 os.close(fd)
 
 
-def _standalone(t: torch.Tensor) -> torch.Tensor:
+def standalone(t: torch.Tensor) -> torch.Tensor:
     """A tensor owning exactly its bytes, so ``torch.save`` does not write a larger base storage."""
     t = t.detach()
     if t.device.type != "cpu":
@@ -593,7 +594,7 @@ class TorchSaveWriter(CheckpointWriter):
         """Buffers one tensor; saves its file once complete (see :meth:`CheckpointWriter.write`)."""
         self._check(name, tensor)
         i = self._shard_of[name]
-        self._pending[i][name] = _standalone(tensor)
+        self._pending[i][name] = standalone(tensor)
         self._written.add(name)
         if len(self._pending[i]) == len(self.shards[i]):
             self._save(i)
