@@ -3,7 +3,7 @@
 * :mod:`.rules`: :class:`MergeRule` (``Concat``, ``Max``, ``Sum``, ``Same``, ``First``, ``ScalarMax``) and
   :class:`RuleTable` (ordered globs, rules files, Megatron/ModelOpt defaults);
 * :mod:`.writers`: :class:`SafetensorsWriter` / :class:`TorchSaveWriter`, one tensor at a time, atomic;
-  :func:`load_safetensors` (zero-copy mmap reader);
+  :func:`load_safetensors` (through `safetensors.safe_open`, memory-mapped);
 * :mod:`.layouts`: the grid interface (:class:`CheckpointLayout`), the own ``mesh.json`` layout and
   :func:`plan_merge` from metadata; :mod:`.megatron`: Megatron-LM legacy checkpoints (``args`` read);
   :mod:`.dcp`: torch.distributed.checkpoint / Megatron torch_dist, read in batches; :mod:`.formats`:

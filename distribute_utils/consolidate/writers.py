@@ -1,4 +1,4 @@
-"""Streaming checkpoint writers and a zero-copy safetensors reader.
+"""Streaming checkpoint writers, and reading safetensors files through ``safetensors.safe_open``.
 
 A writer is created from the full, ordered list of :class:`TensorSpec` (known from metadata before any
 data arrives), so every file name and byte offset is fixed up front. Tensors are then written one at a
@@ -17,9 +17,9 @@ never written, the temporaries are removed and nothing half-written is visible.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
-import mmap as _mmap
 import os
 import re
 import struct
@@ -90,7 +90,6 @@ DTYPE_TO_SAFETENSORS: dict[torch.dtype, str] = _build_dtype_map()
 #: safetensors dtype string -> torch dtype.
 SAFETENSORS_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_SAFETENSORS.items()}
 
-_MAX_HEADER_BYTES = 100_000_000
 
 
 def safetensors_dtype(dtype: torch.dtype, name: str | None = None) -> str:
@@ -638,110 +637,61 @@ def open_writer(
 # Reading safetensors.
 
 
-def _read_header(path: Path, f: Any, file_size: int) -> tuple[dict[str, Any], int]:
-    if file_size < 8:
-        raise CheckpointFormatError(f"'{path}' is not a safetensors file: {file_size} bytes, need at least 8")
-    (n,) = struct.unpack("<Q", f.read(8))
-    if n > _MAX_HEADER_BYTES or 8 + n > file_size:
-        raise CheckpointFormatError(
-            f"'{path}' is not a valid safetensors file: header length {n} does not fit the file ({file_size} bytes)"
-        )
+def _open_safetensors(path: str | os.PathLike[str]) -> Any:
+    """``safetensors.safe_open`` (torch framework), its errors as :class:`CheckpointFormatError` naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(errno.ENOENT, "no such safetensors file", os.fspath(path))
     try:
-        header = json.loads(f.read(n).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointFormatError(f"'{path}': safetensors header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointFormatError(f"'{path}': safetensors header must be a JSON object")
-    return header, 8 + n
-
-
-def _parse_entries(path: Path, header: dict[str, Any], data_len: int) -> list[tuple[TensorSpec, int, int]]:
-    entries: list[tuple[TensorSpec, int, int]] = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = SAFETENSORS_TO_DTYPE[info["dtype"]]
-            shape = tuple(info["shape"])
-            begin, end = info["data_offsets"]
-            if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)):
-                raise TypeError
-        except KeyError as exc:
-            if isinstance(info, dict) and "dtype" in info and exc.args[0] == info["dtype"]:
-                raise CheckpointFormatError(
-                    f"'{path}': tensor '{name}' has unsupported dtype {info['dtype']!r}; "
-                    f"supported: {', '.join(SAFETENSORS_TO_DTYPE)}"
-                ) from None
-            raise CheckpointFormatError(
-                f"'{path}': tensor '{name}' lacks dtype, shape or data_offsets"
-            ) from None
-        except (TypeError, ValueError):
-            raise CheckpointFormatError(f"'{path}': tensor '{name}' has a malformed entry {info!r}") from None
-        spec = TensorSpec(name, dtype, shape)
-        if end - begin != spec.nbytes:
-            raise CheckpointFormatError(
-                f"'{path}': tensor '{name}' spans {end - begin} bytes but {dtype} {shape} needs {spec.nbytes}"
-            )
-        entries.append((spec, begin, end))
-    pos = 0
-    for spec, begin, end in sorted(entries, key=lambda e: (e[1], e[2])):
-        if begin != pos:
-            raise CheckpointFormatError(
-                f"'{path}': tensor '{spec.name}' starts at byte {begin}, expected {pos} (overlap or hole in data)"
-            )
-        pos = end
-    if pos != data_len:
-        raise CheckpointFormatError(f"'{path}': tensors cover {pos} bytes of a {data_len}-byte data buffer")
-    return entries
+        return safe_open(os.fspath(path), framework="pt")
+    except SafetensorError as exc:
+        raise CheckpointFormatError(f"'{path}' is not a valid safetensors file: {exc}") from None
 
 
 def read_safetensors_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     """Returns the ``__metadata__`` map of a safetensors file (empty when absent)."""
-    p = Path(path)
-    with open(p, "rb") as f:
-        header, _ = _read_header(p, f, os.fstat(f.fileno()).st_size)
-    meta = header.get("__metadata__") or {}
-    return dict(meta)
+    with _open_safetensors(path) as f:
+        return dict(f.metadata() or {})
 
 
 def read_safetensors_specs(path: str | os.PathLike[str]) -> list[TensorSpec]:
-    """Reads only the header of a safetensors file and returns its tensor specs, in header order.
+    """Reads only the header of a safetensors file and returns its tensor specs, in file (offset) order.
 
     Raises:
-        CheckpointFormatError: malformed header (the message says what is wrong).
+        CheckpointFormatError: malformed header, or a dtype torch has no type for (the message says which).
     """
-    p = Path(path)
-    with open(p, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        header, start = _read_header(p, f, size)
-    return [spec for spec, _, _ in _parse_entries(p, header, size - start)]
+    specs = []
+    with _open_safetensors(path) as f:
+        for name in f.offset_keys():
+            piece = f.get_slice(name)
+            dtype = SAFETENSORS_TO_DTYPE.get(piece.get_dtype())
+            if dtype is None:
+                raise CheckpointFormatError(
+                    f"'{path}': tensor '{name}' has unsupported dtype {piece.get_dtype()!r}; "
+                    f"supported: {', '.join(SAFETENSORS_TO_DTYPE)}"
+                )
+            specs.append(TensorSpec(name, dtype, tuple(piece.get_shape())))
+    return specs
 
 
 def load_safetensors(path: str | os.PathLike[str], mmap: bool = True) -> dict[str, torch.Tensor]:
-    """Loads a safetensors file as ``{name: tensor}`` in header order.
+    """Loads a safetensors file as ``{name: tensor}`` in file order, with ``safetensors.safe_open``.
 
-    With ``mmap=True`` (default) the tensors are zero-copy views of a private (copy-on-write) mapping of
-    the file: nothing is read until touched, and writing to a tensor never changes the file. The mapping
-    lives as long as any tensor does. With ``mmap=False`` the file is read into memory once.
+    With ``mmap=True`` (default) the tensors are backed by a private (copy-on-write) mapping of the file:
+    nothing is read until touched, and writing to a tensor never changes the file. With ``mmap=False``
+    the file is read into memory once.
 
     Raises:
-        CheckpointFormatError: malformed header or offsets.
+        CheckpointFormatError: not a valid safetensors file, or a dtype torch has no type for.
     """
-    p = Path(path)
-    with open(p, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        header, start = _read_header(p, f, size)
-        entries = _parse_entries(p, header, size - start)
-        if mmap:
-            buf: Any = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
-        else:
-            f.seek(0)
-            buf = bytearray(f.read())
-    out: dict[str, torch.Tensor] = {}
-    for spec, begin, _end in entries:
-        if spec.numel == 0:
-            out[spec.name] = torch.empty(spec.shape, dtype=spec.dtype)
-            continue
-        t = torch.frombuffer(buf, dtype=spec.dtype, count=spec.numel, offset=start + begin)
-        out[spec.name] = t.reshape(spec.shape)
-    return out
+    read_safetensors_specs(path)  # the dtype check, with our message
+    if not mmap:
+        from safetensors.torch import load
+
+        with open(path, "rb") as raw:
+            tensors = load(raw.read())
+        with _open_safetensors(path) as f:
+            return {name: tensors[name] for name in f.offset_keys()}
+    with _open_safetensors(path) as f:
+        return {name: f.get_tensor(name) for name in f.offset_keys()}
