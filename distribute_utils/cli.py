@@ -557,18 +557,28 @@ def _handle_interrupts(args: argparse.Namespace) -> Callable[[], None]:
 
 
 def _progress_shown() -> bool:
+    """Whether a progress bar may be half drawn on stderr (runs beside the main thread: never raises)."""
     tqdm = sys.modules.get("tqdm")
-    return tqdm is not None and any(not bar.disable for bar in list(tqdm.tqdm._instances))
+    try:
+        return tqdm is not None and any(not bar.disable for bar in list(tqdm.tqdm._instances))
+    except Exception:  # the main thread changed the set meanwhile
+        return True
 
 
 def _say_interrupted(args: argparse.Namespace, signum: int) -> None:
-    """The one line an interrupted command prints (stderr; with ``--json`` also the error object)."""
+    """The one line an interrupted command prints (stderr; with ``--json`` also the error object).
+
+    Runs in the interrupt watcher while the main thread may still run: each step is guarded, so that a
+    failing one cannot swallow the line."""
+    what = "stopped"
     if args.command in ("consolidate", "demo"):
+        what = "nothing written"
         target = args.target
-        done = target is not None and target.written_since()
-        what = f"the output in '{target.directory}' was already complete" if done else "nothing written"
-    else:
-        what = "stopped"
+        try:
+            if target is not None and target.written_since():
+                what = f"the output in '{target.directory}' was already complete"
+        except Exception:
+            logger.debug("could not look at the output", exc_info=True)
     clear = "\r\x1b[2K" if sys.stderr.isatty() else "\n" if _progress_shown() else ""  # a half-drawn bar
     os.write(2, f"{clear}distribute-utils {args.command}: interrupted; {what}\n".encode())
     if getattr(args, "json", False):
