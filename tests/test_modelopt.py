@@ -93,7 +93,7 @@ def _check(results: list[dict[str, Any]], tp: int, pp: int, resmoothed: bool = F
     assert merged["[0].lm_head.weight"][1] == (VOCAB, HIDDEN)
 
 
-@pytest.mark.parametrize("quant", ["bf16", "fp8", "int4_awq"])
+@pytest.mark.parametrize("quant", [pytest.param("bf16", marks=pytest.mark.slow), "fp8", "int4_awq"])
 def test_modelopt_tp2_pp2_export_is_identical_with_our_helpers(fresh_job: Any, quant: str) -> None:
     results = fresh_job(4).run(_run_both, 2, 2, quant, None, timeout=180)
     _check(results, tp=2, pp=2, resmoothed=quant == "int4_awq")
