@@ -327,14 +327,19 @@ class _PeerDirectory:
                     self._infos[r] = ProcessInfo.from_wire(msgpack.unpackb(v))
         return [self._infos[r] for r in ranks]
 
+    def watch_client(self) -> dist.Store:
+        """The watchdog thread's own client of the store, one per process group incarnation (every new
+        connection costs the store server a name lookup: see docs/performance.md)."""
+        if self._watch_client is None:
+            self._watch_client = self.store.clone()
+        return self._watch_client
+
     def local_peers(self) -> dict[int, ProcessInfo]:
         """Ranks this process can watch by pid (read by the watchdog thread, refreshed ≤ 2/s)."""
         now = time.monotonic()
         if now - self._local_read < 0.5:
             return self._local
-        if self._watch_client is None:
-            self._watch_client = self.store.clone()
-        client = self._watch_client
+        client = self.watch_client()
         listed = client.get(self._domain_key(self.me)).decode().split(",")
         ranks = [int(r) for r in listed if r and int(r) != self.rank]
         found = {}
@@ -622,7 +627,9 @@ class GroupSync:
         return _wait_values(self.store, keys, ranks, timeout, what, watch, lookup, generation)
 
     def _watch_store(self) -> dist.Store:
-        """A second client of the store, for the watchdog thread (made once)."""
+        """The watchdog thread's client of the store (shared by every group of the incarnation)."""
+        if self.directory is not None:
+            return self.directory.watch_client()
         client = getattr(self, "_watch_client", None)
         if client is None:
             client = self._watch_client = self.store.clone()
@@ -680,7 +687,8 @@ class GroupSync:
             if previous is not None:
                 keys += [previous.key("count"), previous.key("go")]
         self._collected = barrier_number + 1 if barrier_number >= 0 else self._collected
-        _JANITOR.delete(self.store, keys)
+        # One janitor client per incarnation, not per group: keyed by the store every group's was cloned from.
+        _JANITOR.delete(self.directory.store if self.directory is not None else self.store, keys)
 
     # -- exchange ------------------------------------------------------------------------------
     def _through_first(
