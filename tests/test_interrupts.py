@@ -302,6 +302,15 @@ def _signal_to(target: str, cmd: Command, sig: signal.Signals, rank: int | None 
         os.kill(rank, sig)
 
 
+def _signal_while_stopped(stopped: int, target: str, cmd: Command, sig: signal.Signals, rank: int) -> None:
+    """Stops process ``stopped`` (SIGSTOP), sends ``sig`` to ``target``, then lets ``stopped`` go on."""
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        _signal_to(target, cmd, sig, rank)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+
+
 def _consolidate(ckpt: Path, out: Path, *extra: str) -> Command:
     return Command("consolidate", str(ckpt), str(out), *extra)
 
@@ -340,12 +349,7 @@ def test_interrupt_mid_gather(ckpt: Path, tmp_path: Path, target: str, sig: sign
         cmd.watch()
         writer = _holder(".tmp-", ranks)
         senders = [r for r in ranks if r != writer]
-        frozen, signalled = senders[0], senders[1]
-        os.kill(frozen, signal.SIGSTOP)
-        try:
-            _signal_to(target, cmd, sig, signalled)
-        finally:
-            os.kill(frozen, signal.SIGCONT)
+        _signal_while_stopped(senders[0], target, cmd, sig, senders[1])
         _check_clean_end(cmd, sig, out, records, f"({target}, mid-gather)")
     finally:
         cmd.close()
@@ -370,12 +374,8 @@ def test_interrupt_mid_write(
         procs = cmd.watch()
         writer = _holder(".tmp-", procs)
         assert writer is not None, "nobody holds the output temporary"
-        os.kill(writer, signal.SIGSTOP)  # hold it mid-write while the signal is sent
-        try:
-            assert isinstance(temp, Path) and temp.exists()
-            _signal_to(target, cmd, sig, writer)
-        finally:
-            os.kill(writer, signal.SIGCONT)
+        assert isinstance(temp, Path)
+        _signal_while_stopped(writer, target, cmd, sig, writer)  # held mid-write while the signal is sent
         _check_clean_end(cmd, sig, out, records, f"(nproc {nproc}, {target}, mid-write)")
     finally:
         cmd.close()

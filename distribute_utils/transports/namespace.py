@@ -401,14 +401,7 @@ def owner_records(path: str) -> tuple[list[dict[str, Any]], int, float]:
             try:
                 with open(entry.path, encoding="utf-8") as f:
                     record = json.load(f)
-                ProcessInfo(
-                    str(record["hostname"]),
-                    str(record["boot_id"]),
-                    -1,
-                    int(record["pid_namespace"]),
-                    int(record["pid"]),
-                    int(record["start_time"]),
-                )
+                owner_process(record)  # a record that does not describe a process is unreadable
                 owners.append(record)
             except (OSError, ValueError, KeyError, TypeError):
                 unreadable += 1
