@@ -84,18 +84,22 @@ class Temporaries:
             self._record = self._write_record(token)
 
     def _write_record(self, token: str) -> str | None:
-        directory = _private_dir()
-        if directory is None:
-            return None
-        path = os.path.join(directory, f"{token}.json")
         body = {"owner": this_process().to_wire(), "paths": [os.path.abspath(t) for t in self.temps]}
-        try:
-            with open(path, "x", encoding="utf-8") as f:
-                json.dump(body, f)
-        except OSError as exc:
-            logger.warning("could not record temporary files in %s: %s", directory, exc)
-            return None
-        return path
+        for _attempt in range(2):  # another process may remove the empty directory in between
+            directory = _private_dir()
+            if directory is None:
+                return None
+            path = os.path.join(directory, f"{token}.json")
+            try:
+                with open(path, "x", encoding="utf-8") as f:
+                    json.dump(body, f)
+                return path
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                logger.warning("could not record temporary files in %s: %s", directory, exc)
+                return None
+        return None
 
     def create(self, temp: str | os.PathLike[str], mode: int = 0o666) -> int:
         """Creates one of :attr:`temps` exclusively and returns its descriptor (write only, close on exec)."""
@@ -130,9 +134,16 @@ class Temporaries:
             self._undo.cancel()
             self._undo = None
         if self._record is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._record)
+            _remove_record(self._record)
             self._record = None
+
+
+def _remove_record(record: str) -> None:
+    """Removes a record, and the record directory once it is empty (nothing is left in /dev/shm)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(record)
+    with contextlib.suppress(OSError):  # not empty: other processes' records
+        os.rmdir(os.path.dirname(record))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -212,8 +223,7 @@ def remove_abandoned(item: Abandoned) -> list[str]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(p)
             removed.append(p)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(item.record)
+    _remove_record(item.record)
     return removed
 
 

@@ -317,7 +317,9 @@ def test_reader_rejects_malformed_files(tmp_path: Path) -> None:
     for write, says in cases:
         write()
         for read in (load_safetensors, read_safetensors_specs, read_safetensors_metadata):
-            with pytest.raises(CheckpointFormatError, match=rf"'{p}' is not a valid safetensors file: .*{says}"):
+            with pytest.raises(
+                CheckpointFormatError, match=rf"'{p}' is not a valid safetensors file: .*{says}"
+            ):
                 read(p)
     # Valid for safetensors, but torch has no dtype for it: our message names tensor and dtype.
     header({"a": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, bytes(1))
@@ -367,3 +369,25 @@ def test_write_merged_streams_concat_in_place(tmp_path: Path, writer_cls) -> Non
     path = w.paths[0]
     loaded = load_file(path) if writer_cls is SafetensorsWriter else torch.load(path, weights_only=True)
     _assert_same(loaded, expected)
+
+
+@pytest.mark.parametrize("finish", ["close", "abort"])
+def test_temporaries_are_recorded_until_published_or_removed(tmp_path: Path, finish: str) -> None:
+    """The writer records its temporaries (for ``clean`` after a kill -9) before they exist, and drops
+    the record, and the record directory once empty, when it publishes or aborts."""
+    from distribute_utils.temporaries import RECORD_DIR
+
+    def records() -> set[str] | None:
+        return set(os.listdir(RECORD_DIR)) if os.path.isdir(RECORD_DIR) else None
+
+    before = records()
+    sd = {"w": torch.arange(6.0)}
+    w = SafetensorsWriter(tmp_path, _specs(sd))
+    mine = (records() or set()) - (before or set())
+    assert len(mine) == 1, mine
+    listed = json.loads(Path(RECORD_DIR, mine.pop()).read_text())["paths"]
+    assert listed == [str(w._temps[0])] and os.path.exists(listed[0])
+    w.write("w", sd["w"])
+    w.close() if finish == "close" else w.abort()
+    assert records() == before, "the record (or its empty directory) was left"
+    assert sorted(os.listdir(tmp_path)) == (["model.safetensors"] if finish == "close" else [])
