@@ -380,9 +380,11 @@ def test_workspace_dead_job_swept_and_two_live_jobs_share_it(tmp_path: Path, row
     def run(name: str, extra: dict[str, str]) -> None:
         results[name] = _launch("workspace_rounds", 2, tmp_path / name, env={**env, **rounds, **extra})
 
+    # A stays (its namespace live) until B is done, however fast A's own rounds are.
+    done = str(tmp_path / "b_done")
     threads = [
-        threading.Thread(target=run, args=("a", {})),
-        threading.Thread(target=run, args=("b", {"DU_AWAIT_LIVE_NAMESPACE": "1"})),
+        threading.Thread(target=run, args=("a", {"DU_HOLD_UNTIL": done})),
+        threading.Thread(target=run, args=("b", {"DU_AWAIT_LIVE_NAMESPACE": "1", "DU_DONE_FILE": done})),
     ]
     for thread in threads:
         thread.start()

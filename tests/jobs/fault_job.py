@@ -24,7 +24,8 @@ Cases (the victim is the last rank unless the name says "first rank"):
 - ``workspace_sender_dies_mid_publish``: as ``sender_dies_mid_publish`` through the workspace
   (``$DU_WORKSPACE``), leaving a half-written temporary file.
 - ``workspace_rounds``: a healthy job, ``$DU_ROUNDS`` gathers through the workspace with the
-  receiver rotating.
+  receiver rotating (``$DU_AWAIT_LIVE_NAMESPACE``: first wait until another job's namespace is live;
+  ``$DU_DONE_FILE``: create it when done; ``$DU_HOLD_UNTIL``: stay, namespace live, until it exists).
 - ``shm_fallback``: 4 ranks gather ``$DU_PER_RANK_MIB`` MiB each with a workspace given, in a
   /dev/shm too small for all of it.
 - ``workspace_full_ro``: a gather into a full workspace (``$DU_FULL_WS``), then into a
@@ -145,6 +146,15 @@ def _await_live_namespace(workspace: str, timeout: float = 60.0) -> str:
                         return name
         time.sleep(0.01)
     raise TimeoutError(f"no other job opened a namespace in {workspace} within {timeout:g} s")
+
+
+def _await_file(path: str, timeout: float = 120.0) -> None:
+    """Waits until ``path`` exists (another job's signal)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout:g} s")
+        time.sleep(0.01)
 
 
 def _payload_files(workspace: str) -> list[str]:
@@ -269,6 +279,10 @@ def run_case(case: str, report: dict[str, Any]) -> None:
             wrong += [f"round {i}: {w}" for w in round_report.get("wrong", [])]
         report["outcome"] = "ok" if not wrong else "error"
         report["wrong"] = wrong
+        if os.environ.get("DU_DONE_FILE"):  # tell the other job that this one is done
+            open(os.environ["DU_DONE_FILE"], "a").close()
+        if os.environ.get("DU_HOLD_UNTIL"):  # keep this job's namespace live until the other job is done
+            _await_file(os.environ["DU_HOLD_UNTIL"])
     elif case == "shm_fallback":
         elements = int(os.environ.get("DU_PER_RANK_MIB", "32")) * 2**20 // 4
         handler = _Warnings()
