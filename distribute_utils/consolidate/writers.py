@@ -655,24 +655,29 @@ def read_safetensors_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
+def _specs_of(path: str | os.PathLike[str], f: Any) -> list[TensorSpec]:
+    """The specs of an open safetensors file in file (offset) order; a dtype torch lacks is an error."""
+    specs = []
+    for name in f.offset_keys():
+        piece = f.get_slice(name)
+        dtype = SAFETENSORS_TO_DTYPE.get(piece.get_dtype())
+        if dtype is None:
+            raise CheckpointFormatError(
+                f"'{path}': tensor '{name}' has unsupported dtype {piece.get_dtype()!r}; "
+                f"supported: {', '.join(SAFETENSORS_TO_DTYPE)}"
+            )
+        specs.append(TensorSpec(name, dtype, tuple(piece.get_shape())))
+    return specs
+
+
 def read_safetensors_specs(path: str | os.PathLike[str]) -> list[TensorSpec]:
     """Reads only the header of a safetensors file and returns its tensor specs, in file (offset) order.
 
     Raises:
         CheckpointFormatError: malformed header, or a dtype torch has no type for (the message says which).
     """
-    specs = []
     with _open_safetensors(path) as f:
-        for name in f.offset_keys():
-            piece = f.get_slice(name)
-            dtype = SAFETENSORS_TO_DTYPE.get(piece.get_dtype())
-            if dtype is None:
-                raise CheckpointFormatError(
-                    f"'{path}': tensor '{name}' has unsupported dtype {piece.get_dtype()!r}; "
-                    f"supported: {', '.join(SAFETENSORS_TO_DTYPE)}"
-                )
-            specs.append(TensorSpec(name, dtype, tuple(piece.get_shape())))
-    return specs
+        return _specs_of(path, f)
 
 
 def load_safetensors(path: str | os.PathLike[str], mmap: bool = True) -> dict[str, torch.Tensor]:
@@ -685,13 +690,12 @@ def load_safetensors(path: str | os.PathLike[str], mmap: bool = True) -> dict[st
     Raises:
         CheckpointFormatError: not a valid safetensors file, or a dtype torch has no type for.
     """
-    read_safetensors_specs(path)  # the dtype check, with our message
-    if not mmap:
-        from safetensors.torch import load
-
-        with open(path, "rb") as raw:
-            tensors = load(raw.read())
-        with _open_safetensors(path) as f:
-            return {name: tensors[name] for name in f.offset_keys()}
     with _open_safetensors(path) as f:
-        return {name: f.get_tensor(name) for name in f.offset_keys()}
+        names = [s.name for s in _specs_of(path, f)]
+        if mmap:
+            return {name: f.get_tensor(name) for name in names}
+    from safetensors.torch import load
+
+    with open(path, "rb") as raw:
+        tensors = load(raw.read())
+    return {name: tensors[name] for name in names}
