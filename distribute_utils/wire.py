@@ -101,6 +101,7 @@ _MAX_NDIM = 64
 _MAX_EMPTY_TENSORS = 4096  # plus one per 64 payload bytes (see _build_tensors)
 _MAX_DIM = 2**63 - 1
 _ZEROS = bytes(ALIGN)
+_FEW_TENSORS = 2  # payloads with at most this many tensors view each with its own frombuffer
 _MAX_WRITE = 2**30  # split writes larger than 1 GiB
 try:
     _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX")))
@@ -194,8 +195,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     ctypes over ``data_ptr`` costs about 0.5 us per tensor, a quarter of the
     ``t.view(torch.uint8).numpy()`` route, and works for every dtype incl. bfloat16/float8.
     """
-    n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+    return memoryview((ctypes.c_ubyte * t.nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def as_uint8(t: torch.Tensor) -> torch.Tensor:
@@ -371,7 +371,7 @@ def _segments_after(
 ) -> Iterator[memoryview]:
     """Yield byte views covering ``[pos, nbytes)``: zero padding and chunk bytes in order."""
     for offset, tensor in chunks:
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        if not (tensor.is_cpu and tensor.is_contiguous()):
             raise ValueError(f"chunk at offset {offset} must be a contiguous CPU tensor")
         if offset < pos:
             raise ValueError(f"chunk at offset {offset} overlaps the previous bytes ending at {pos}")
@@ -541,7 +541,7 @@ class _Encoder:
                 f"{self.path()}: tensor dtype {t.dtype} is not supported (quantized tensors carry "
                 "scales the format does not store); use .int_repr() and send the scales separately"
             )
-        if t.device.type == "meta":
+        if t.is_meta:
             raise TypeError(f"{self.path()}: a meta tensor has no data to send")
         index = len(self.tensors)
         self.tensors.append(_contiguous(t, self.keep_device))
@@ -576,16 +576,19 @@ def _pack(obj: Any) -> bytes:
 
 
 def _contiguous(t: torch.Tensor, keep_device: bool) -> torch.Tensor:
-    """A detached, contiguous tensor with only ``t``'s elements (never its base storage).
+    """A contiguous tensor outside autograd with only ``t``'s elements (never its base storage).
 
     On the CPU, unless ``keep_device`` leaves it on its accelerator.
     """
-    t = t.detach()
+    # Few calls into torch: each costs microseconds when its caches are cold, as they are
+    # every round (the rank slept in a store wait while others ran).
+    if t.requires_grad:
+        t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    if t.is_contiguous() and (t.device.type == "cpu" or keep_device):
+    if t.is_contiguous() and (keep_device or t.is_cpu):
         return t
     dtype = t.dtype
     carrier = _CARRIERS.get(t.element_size(), dtype)
@@ -650,7 +653,7 @@ def encode(
         cursor = start
         end = 0
         for t in tensors:
-            nb = t.numel() * t.element_size()
+            nb = t.nbytes
             entries.append([_DTYPE_NAMES[t.dtype], list(t.shape), cursor, nb])
             end = cursor + nb
             cursor = _align(end)
@@ -821,8 +824,9 @@ def _decode(
             )
     header_end = PREFIX_SIZE + header_len
     header = mv[PREFIX_SIZE:header_end]
-    entries, v_span = _parse_header(header, header_len)
-    tensors = _build_tensors(mv, entries, header_end, total_len, device, data)
+    v_span, t_span = _parse_header(header, header_len)
+    table = _tensor_table(header[t_span[0] : t_span[1]], header_end, total_len)
+    tensors = _build_tensors(mv, table, total_len, device, data)
     return _decode_tree(header[v_span[0] : v_span[1]], tensors)
 
 
@@ -830,8 +834,8 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise PayloadError(f"unexpected ext type {code} in the tensor table")
 
 
-def _parse_header(header: memoryview, header_len: int) -> tuple[Any, tuple[int, int]]:
-    """Split the header map: the raw span of ``"v"`` and the decoded tensor table ``"t"``."""
+def _parse_header(header: memoryview, header_len: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The byte spans of the header map's ``"v"`` (the tree) and ``"t"`` (the tensor table)."""
     up = msgpack.Unpacker(
         None,
         max_buffer_size=header_len,
@@ -844,9 +848,7 @@ def _parse_header(header: memoryview, header_len: int) -> tuple[Any, tuple[int, 
         max_map_len=header_len // 2,
         max_ext_len=header_len,
     )
-    v_span: tuple[int, int] | None = None
-    entries: Any = None
-    seen_t = False
+    spans: dict[str, tuple[int, int]] = {}
     try:
         up.feed(header)
         n = up.read_map_header()
@@ -854,17 +856,13 @@ def _parse_header(header: memoryview, header_len: int) -> tuple[Any, tuple[int, 
             raise PayloadError(f'malformed header: a map with {n} entries, expected 2 ("v" and "t")')
         for _ in range(2):
             key = up.unpack()
-            if key == "v" and type(key) is str and v_span is None:
-                start = up.tell()
-                up.skip()
-                v_span = (start, up.tell())
-            elif key == "t" and type(key) is str and not seen_t:
-                entries = up.unpack()
-                seen_t = True
-            else:
+            if type(key) is not str or key not in ("v", "t") or key in spans:
                 raise PayloadError(
                     f'malformed header: unexpected or repeated key {key!r:.60}; expected "v" and "t"'
                 )
+            start = up.tell()
+            up.skip()
+            spans[key] = (start, up.tell())
         used = up.tell()
     except PayloadError:
         raise
@@ -879,18 +877,52 @@ def _parse_header(header: memoryview, header_len: int) -> tuple[Any, tuple[int, 
             f"malformed header: msgpack map ends at byte {used} of a {header_len}-byte header; "
             "expected no trailing bytes"
         )
-    assert v_span is not None
-    return entries, v_span
+    return spans["v"], spans["t"]
 
 
-def _build_tensors(
-    mv: memoryview,
-    entries: Any,
-    header_end: int,
-    total_len: int,
-    device: str | torch.device | None,
-    data: torch.Tensor | None = None,
-) -> list[torch.Tensor]:
+class _Slot(NamedTuple):
+    """One checked tensor entry, ready to build: where its bytes are and what they are."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: list[int]
+    strides: list[int]
+
+
+_TABLES: collections.OrderedDict[tuple[bytes, int, int], tuple[_Slot, ...]] = collections.OrderedDict()
+_TABLES_MAX = 256  # checked tensor tables kept; gathers repeat the same shapes round after round
+_TABLE_BYTES_MAX = 1 << 16  # larger tables are checked every time rather than kept
+
+
+def _tensor_table(raw: memoryview, header_end: int, total_len: int) -> tuple[_Slot, ...]:
+    """The checked tensor table of a payload (``raw``: the msgpack bytes of ``"t"``).
+
+    A table is a pure function of its bytes, where the header ends and the payload's length, so
+    a table already checked under the same three is reused (the same shapes come back round
+    after round): checking costs several microseconds per tensor, a lookup one per payload.
+    """
+    key = (raw.tobytes(), header_end, total_len)
+    table = _TABLES.get(key)
+    if table is not None:
+        _TABLES.move_to_end(key)
+        return table
+    try:
+        entries = msgpack.unpackb(
+            raw, raw=False, ext_hook=_no_ext, max_str_len=len(raw), max_bin_len=len(raw), max_ext_len=len(raw)
+        )
+    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as e:
+        raise PayloadError(f"malformed header: {type(e).__name__}: {e}") from None
+    table = _check_table(entries, header_end, total_len)
+    if len(key[0]) <= _TABLE_BYTES_MAX:
+        _TABLES[key] = table
+        if len(_TABLES) > _TABLES_MAX:
+            _TABLES.popitem(last=False)
+    return table
+
+
+def _check_table(entries: Any, header_end: int, total_len: int) -> tuple[_Slot, ...]:
+    """Check every entry of a tensor table against the payload's bounds; in table order."""
     if type(entries) is not list:
         raise PayloadError(f'malformed header: "t" is a {type(entries).__name__}, expected a list')
     checked = []
@@ -944,14 +976,14 @@ def _build_tensors(
                 f"tensor {i}: bytes {offset}..{offset + nbytes} run past the payload's end at {total_len}"
             )
         data_end = max(data_end, offset + nbytes)
-        checked.append((offset, nbytes, i, dtype, shape, numel))
+        checked.append((offset, nbytes, i))
     if data_end != total_len:
         raise PayloadError(
             f"payload length {total_len} does not match the end of its content at byte {data_end}; "
             "expected them equal (corrupt length or header)"
         )
     prev_end, prev = 0, -1
-    for offset, nbytes, i, *_ in sorted(checked):
+    for offset, nbytes, i in sorted(checked):
         if nbytes == 0:
             continue
         if offset < prev_end:
@@ -959,7 +991,20 @@ def _build_tensors(
                 f"tensors {prev} and {i} overlap (byte {offset} < {prev_end}); expected disjoint ranges"
             )
         prev_end, prev = offset + nbytes, i
+    return tuple(
+        _Slot(offset, nbytes, _DTYPES[name], shape, _strides(shape))
+        for name, shape, offset, nbytes in entries
+    )
 
+
+def _build_tensors(
+    mv: memoryview,
+    table: tuple[_Slot, ...],
+    total_len: int,
+    device: str | torch.device | None,
+    data: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """The tensors of a checked table: views of ``mv`` (or of ``data``), or copies on ``device``."""
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cpu":
         dev = None
@@ -969,28 +1014,34 @@ def _build_tensors(
     with warnings.catch_warnings() if mv.readonly else contextlib.nullcontext():
         if mv.readonly:
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        # One view of the whole buffer per dtype, and a strided view of it per tensor: a
-        # ``frombuffer`` per tensor costs several times more (offsets are multiples of ALIGN,
-        # so of every item size).
+        # Few tensors: one ``frombuffer`` each. More: one view of the whole buffer per dtype and
+        # a strided view of it per tensor, which costs less per tensor (offsets are multiples
+        # of ALIGN, so of every item size).
+        few = data is None and len(table) <= _FEW_TENSORS
         base = (
-            torch.frombuffer(mv, dtype=torch.uint8, count=total_len) if data is None and total_len else None
+            torch.frombuffer(mv, dtype=torch.uint8, count=total_len)
+            if data is None and total_len and not few
+            else None
         )
         typed: dict[torch.dtype, torch.Tensor] = {}
-        for offset, _nbytes, i, dtype, shape, numel in checked:
+        for i, (offset, nbytes, dtype, shape, strides) in enumerate(table):
             try:
-                if numel == 0:
+                if not nbytes:
                     t = torch.empty(shape, dtype=dtype, device=dev if data is None else data.device)
                 elif data is not None:
-                    t = _view_bytes(data[offset : offset + _nbytes], dtype).view(shape)
+                    t = _view_bytes(data[offset : offset + nbytes], dtype).view(shape)
                     if dev is not None:
                         t = _to_device(t, dev)
                 else:
-                    assert base is not None
                     size = dtype.itemsize
-                    whole = typed.get(dtype)
-                    if whole is None:
-                        whole = typed[dtype] = _view_bytes(base[: total_len // size * size], dtype)
-                    t = whole.as_strided(shape, _strides(shape), offset // size)
+                    if few:
+                        t = torch.frombuffer(mv, dtype=dtype, count=nbytes // size, offset=offset).view(shape)
+                    else:
+                        assert base is not None
+                        whole = typed.get(dtype)
+                        if whole is None:
+                            whole = typed[dtype] = _view_bytes(base[: total_len // size * size], dtype)
+                        t = whole.as_strided(shape, strides, offset // size)
                     if dev is not None:
                         t = _to_device(t, dev)
             except (RuntimeError, ValueError, OverflowError) as e:
