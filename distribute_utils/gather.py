@@ -12,15 +12,17 @@ proceed at once. A rank its list does not name only checks in and returns ``[]``
 
 One call, keys in the group's namespace (:class:`distribute_utils.sync.Call`), one hop each way:
 
-1. a sender encodes its value and publishes it: inside its claim when small
-   (:data:`INLINE_MAX_BYTES`), else in shared memory (or the workspace / a collective
-   across hosts); then posts its claim ``c/<rank>`` (list digest, transport, local error,
-   receipt) and a marker ``v/<rank>``, and waits for one key: its first rank's ``v``.
+1. a sender encodes its value and publishes it through the transport its route names (see
+   :mod:`distribute_utils.transports.base`): within a host :class:`~.transports.host.HostTransport`
+   (inside the claim when small, else shared memory), across hosts the workspace or a collective;
+   then posts its claim ``c/<rank>`` (list digest, transport, local error, ``[token, receipt]``)
+   and a marker ``v/<rank>``, and waits for one key: its first rank's ``v``.
 2. the first rank posts its own claim, reads only its own participants' claims, checks that
-   they name the same list and transport and carry no error, fetches and decodes every
-   payload (zero-copy), and posts its verdict ``v/<first>`` (with the pooled segments its
-   senders may reuse). Any disagreement or error ends up in the verdict, so every rank of
-   that gather raises, and nobody waits for a rank that will not come.
+   they name the same list and transport and carry no error, fetches each payload from the
+   transport that carried it (handing back the receipt unread), decodes it (zero-copy), and
+   posts its verdict ``v/<first>`` (with the host transport's notes for its senders). Any
+   disagreement or error ends up in the verdict, so every rank of that gather raises, and
+   nobody waits for a rank that will not come.
 3. a sender releases what it published as soon as it has the verdict.
 
 Senders on another host than the first rank wait for its plan (``plan``): the first
@@ -35,7 +37,7 @@ import logging
 import secrets
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from os import PathLike
 from typing import Any, NoReturn
@@ -46,18 +48,14 @@ import torch.distributed as dist
 
 from . import sync, wire
 from ._host import process_alive
-from .errors import GatherError, PayloadError, PeerLostError, SpaceError, TransportUnavailableError
+from .errors import GatherError, PayloadError, PeerLostError, TransportUnavailableError
 from .mesh import ProcessGroupMesh
-from .transports import CollectiveTransport, SharedMemoryTransport, Transport
-from .transports.shm import (
-    note_payload,
-    release_shared_memory,
-    remove_segments_of,
-    segments_freed,
-    take_freed,
-)
+from .transports import CollectiveTransport, Transport
+from .transports.host import INLINE_MAX_BYTES, HostTransport
+from .transports.shm import release_shared_memory
 
 __all__ = [
+    "INLINE_MAX_BYTES",
     "TRANSPORTS",
     "gather_configs",
     "gather_tensors",
@@ -70,8 +68,6 @@ logger = logging.getLogger(__name__)
 sync.on_new_incarnation(release_shared_memory)  # nothing kept warm past a process group
 
 TRANSPORTS = ("auto", "shm", "workspace", "collective")
-INLINE_MAX_BYTES = 64 * 2**10
-"""Payloads up to this size travel inside the sender's claim in the store, not through a file."""
 _SMALL_CLAIM_BYTES = 4096  # larger claims (inline payloads) are overwritten once taken, not kept
 
 
@@ -113,7 +109,8 @@ def _short(ranks: Sequence[int]) -> str:
 class _Claim:
     """What one rank posts at the start of a gather call (key ``c/<rank>``).
 
-    ``kind`` is "first" (it receives), "send" (``body`` says where its payload is) or "none"
+    ``kind`` is "first" (it receives), "send" (``body`` is ``[token, receipt]``: where its
+    payload is, in the words of the transport that carried it) or "none"
     (its own list does not name it: it only checks in). Ranks that do not receive also post a
     :class:`_Verdict` marker under ``v/<rank>``, so that a rank that wrongly takes them for its
     receiver hears why at once instead of waiting.
@@ -152,17 +149,17 @@ class _Verdict:
     ranks: list[int] | None
     digest: str
     error: tuple[Any, ...] | None = None  # the receiver failed: (type name, message)
-    freed: list[list[Any]] = field(default_factory=list)  # [sender rank, pooled segment id]
+    notes: list[Any] = field(default_factory=list)  # the host transport's word to its senders
 
     def pack(self) -> bytes:
         return msgpack.packb(
-            [self.receiver, self.ranks, self.digest, list(self.error) if self.error else None, self.freed]
+            [self.receiver, self.ranks, self.digest, list(self.error) if self.error else None, self.notes]
         )
 
     @classmethod
     def unpack(cls, data: bytes) -> _Verdict:
-        receiver, ranks, digest, error, freed = msgpack.unpackb(data)
-        return cls(receiver, ranks, digest, tuple(error) if error else None, freed)
+        receiver, ranks, digest, error, notes = msgpack.unpackb(data)
+        return cls(receiver, ranks, digest, tuple(error) if error else None, notes)
 
 
 def _error_of(exc: BaseException) -> tuple[Any, ...]:
@@ -288,7 +285,8 @@ class _Gather:
         self.what = f"gather to rank {self.first}"
         self._workspace: Transport | None = None
         self._collective: dict[str, CollectiveTransport] = {}
-        self._local = SharedMemoryTransport()
+        self._sent: tuple[Transport, str, Any] | None = None  # a sender's (transport, token, receipt)
+        self._host_in: HostTransport | None = None
         self._deferred: tuple[str, wire.EncodedPayload] | None = None  # a collective send awaiting "go"
         self._go_posted = False
         self._cross: str | None = None
@@ -369,61 +367,74 @@ class _Gather:
     def encode(self, value: Any, checksum: bool, keep_device: bool) -> wire.EncodedPayload:
         return wire.encode(value, root=self.root, checksum=checksum, keep_device=keep_device)
 
-    def publish_on_host(self, payload: wire.EncodedPayload, token: str, receiver: int) -> list[Any]:
-        """Put ``payload`` where ``receiver`` (on this host) finds it; returns the claim body."""
-        note_payload(payload.nbytes)
-        if payload.nbytes <= INLINE_MAX_BYTES:
-            return ["inline", payload.to_bytes()]
-        directory = self.companion.directory
-        assert directory is not None
-        info = directory.info(receiver, self.companion.store, self.seconds, self.what)
-        try:
-            local = SharedMemoryTransport(pool=directory.me.can_watch(info), receiver=info)
-            return ["shm", token, local.publish(token, self.me, payload)]
-        except SpaceError:
-            if self.workspace_path is None or self.transport == "shm":
-                raise
-        logger.warning(
-            "%s: /dev/shm cannot hold rank %d's payload of %d bytes; it goes through the workspace %s",
-            self.what,
-            self.me,
-            payload.nbytes,
-            self.workspace_path,
+    def host(self, receiver: int | None = None) -> HostTransport:
+        """The host transport: a sender's to ``receiver`` (on this host), or the receiving side's."""
+        if receiver is None and self._host_in is not None:
+            return self._host_in
+        info, pool = None, False
+        if receiver is not None:
+            directory = self.companion.directory
+            assert directory is not None
+            info = directory.info(receiver, self.companion.store, self.seconds, self.what)
+            pool = directory.me.can_watch(info)
+        # A sender may fall back to the workspace when /dev/shm is full, unless told "shm" only.
+        fallback = self.workspace_path is not None and (receiver is None or self.transport != "shm")
+        host = HostTransport(
+            info,
+            pool=pool,
+            workspace=self._workspace_now if fallback else None,
+            workspace_path=str(self.workspace_path),
+            what=self.what,
         )
-        self.workspace.publish(token, self.me, payload.with_checksum())
-        return ["workspace", token]
+        if receiver is None:
+            self._host_in = host
+        return host
 
-    def publish_across(self, plan: _Plan, payload: wire.EncodedPayload, token: str) -> list[Any]:
+    def _workspace_now(self) -> Transport:
+        return self.workspace
+
+    def publish(self, transport: Transport, payload: wire.EncodedPayload) -> list[Any]:
+        """Publish this sender's ``payload`` through ``transport``; returns the claim body."""
+        token = secrets.token_hex(8)
+        receipt = transport.publish(token, self.me, payload)
+        self._sent = (transport, token, receipt)
+        return [token, receipt]
+
+    def publish_across(self, plan: _Plan, payload: wire.EncodedPayload) -> list[Any]:
         if plan.cross == "workspace":
-            self.workspace.publish(token, self.me, payload)
-            return ["workspace", token]
+            return self.publish(self.workspace, payload)
         # A send cannot be taken back: it goes only after the first rank's "go" (see send()).
         device = _carrier(self.group, payload.device_resident)
         self._deferred = (device, payload.to_cpu() if device == "cpu" else payload)
-        return ["collective", token, device]
+        token = secrets.token_hex(8)
+        self._sent = (self.collective(device), token, device)
+        return [token, device]
 
-    def fetch(self, rank: int, body: list[Any]) -> Any:
-        """The buffer of ``rank``'s payload, from where its claim says."""
-        where = body[0]
-        if where == "inline":
-            return bytearray(body[1])  # writable, so that tensors decode writable
-        if where == "shm":
-            return self._local.fetch(body[1], rank, body[2])
-        if where == "workspace":
-            return self.workspace.fetch(body[1], rank)
-        if where == "collective":
-            return self.collective(body[2]).fetch(body[1], rank)
-        raise PayloadError(f"rank {rank} published its payload in an unknown place {where!r}")
+    def source(self, rank: int, plan: _Plan | None, receipt: Any) -> Transport:
+        """The transport that carried ``rank``'s payload here: a remote host's leader (or, with a
+        forced transport, every sender) came across hosts; the rest through this host."""
+        if plan is None or plan.cross is None or rank not in plan.hosts:
+            return self.host()
+        if plan.cross == "workspace":
+            return self.workspace
+        if type(receipt) is not str or not (receipt == "cpu" or receipt.startswith("cuda")):
+            raise PayloadError(f"rank {rank} sent its payload on an unknown device {receipt!r:.40}")
+        return self.collective(receipt)
 
-    def discard(self, rank: int, body: list[Any] | None) -> None:
+    def fetch(self, rank: int, plan: _Plan | None, body: list[Any]) -> Any:
+        """The buffer of ``rank``'s payload, from the transport that carried it."""
+        if type(body) is not list or len(body) != 2 or type(body[0]) is not str:
+            raise PayloadError(f"rank {rank} posted a malformed claim body {body!r:.80}")
+        token, receipt = body
+        return self.source(rank, plan, receipt).fetch(token, rank, receipt)
+
+    def discard(self, rank: int, plan: _Plan | None, body: list[Any] | None) -> None:
         """Remove what ``rank`` published for us and we did not take (a dead peer cannot)."""
         if not body:
             return
         try:
-            if body[0] == "shm":
-                self._local.discard(body[1], rank, body[2])
-            elif body[0] == "workspace":
-                self.workspace.release(body[1], rank)
+            token, receipt = body
+            self.source(rank, plan, receipt).discard(token, rank, receipt)
         except Exception as exc:
             logger.warning("%s: could not remove what rank %d published: %s", self.what, rank, exc)
 
@@ -434,20 +445,15 @@ class _Gather:
         for rank in ranks:
             info = directory.local_peers().get(rank) if directory is not None else None
             if info is not None and not process_alive(info):
-                for path in remove_segments_of(rank, info.pid):
+                for path in HostTransport.remove_left_by(rank, info.pid):
                     logger.info("%s: removed %s, left by rank %d, which died", self.what, path, rank)
 
-    def release(self, body: list[Any] | None, token: str) -> None:
-        """Remove what this sender published, once its receiver is done (or gave up)."""
-        if not body:
-            return
-        where = body[0]
-        if where == "shm":
-            self._local.release(token, self.me)
-        elif where == "workspace":
-            self.workspace.release(token, self.me)
-        elif where == "collective":
-            self.collective(body[2]).release(token, self.me)
+    def release(self, taken: bool) -> None:
+        """Remove what this sender published, once its receiver is done (or gave up: ``taken=False``)."""
+        if self._sent is not None:
+            transport, token, receipt = self._sent
+            self._sent = None
+            transport.release(token, self.me, receipt, taken=taken)
 
     @staticmethod
     def decode(buffer: Any, rank: int, target: torch.device | None) -> Any:
@@ -463,26 +469,19 @@ class _Gather:
 
     def send(self, value: Any, error: tuple[Any, ...] | None) -> None:
         """A participant that does not receive: publish, claim, wait for the verdict, release."""
-        token = secrets.token_hex(8)
         body: list[Any] | None = None
-        plan: _Plan | None = None
         try:
             if error is None:
                 plan = self.my_plan()
                 if plan is None:
-                    body = self.publish_on_host(self.encode(value, False, False), token, self.first)
+                    body = self.publish(self.host(self.first), self.encode(value, False, False))
                 elif plan.leader_of(self.me) == self.me:
-                    body = self.forward(plan, value, token)
+                    body = self.forward(plan, value)
                 else:
-                    leader = plan.leader_of(self.me)
-                    body = self.publish_on_host(self.encode(value, False, False), token, leader)
-        except (TypeError, ValueError, SpaceError, TransportUnavailableError, PeerLostError) as exc:
-            error = _error_of(exc)
-            self.call.post({"c": self.claim("send", error).pack(), "v": self.marker()})
-            raise
+                    body = self.publish(self.host(plan.leader_of(self.me)), self.encode(value, False, False))
         except BaseException as exc:
             self.call.post({"c": self.claim("send", _error_of(exc)).pack(), "v": self.marker()})
-            self.release(body, token)
+            self.release(taken=False)
             raise
         self.call.post({"c": self.claim("send", error, body).pack(), "v": self.marker()})
         if error is not None:
@@ -494,28 +493,27 @@ class _Gather:
                 go = msgpack.unpackb(self.call.wait_shared("go", self.first, 2 * self.seconds, self.what))
                 if go is not None:
                     _raise_from(tuple(go), f"the first rank ({self.first}) failed: ")
-                self.collective(device).publish(token, self.me, payload)
+                assert self._sent is not None
+                self.collective(device).publish(self._sent[1], self.me, payload)
             verdict = _Verdict.unpack(self.call.wait_verdict(self.first, self.seconds, self.what))
         except BaseException:
-            self.release(body, token)
-            if body and body[0] == "shm":
-                self._local.abandon(body[2])
+            self.release(taken=False)
             raise
-        self.release(body, token)
+        self.release(taken=True)
         if not verdict.receiver or verdict.digest != self.digest:
             raise _mismatch(self.me, self.shown, self.first, verdict.ranks)
-        segments_freed({ident for rank, ident in verdict.freed if rank == self.me})
+        HostTransport.heed(self.me, verdict.notes)
         if verdict.error is not None:
             _raise_from(verdict.error, f"the first rank ({self.first}) failed: ")
 
-    def forward(self, plan: _Plan, value: Any, token: str) -> list[Any]:
+    def forward(self, plan: _Plan, value: Any) -> list[Any]:
         """A remote host's leader: collect its host's payloads and send one bundle across."""
         host = plan.hosts[self.me]
         flat = len(host) == 1
         keep_device = flat and plan.cross == "collective" and _carrier(self.group, True) != "cpu"
         own = self.encode(value, checksum=flat and plan.cross == "workspace", keep_device=keep_device)
         if flat:
-            return self.publish_across(plan, own, token)
+            return self.publish_across(plan, own)
         others = host[1:]
         claims = [_Claim.unpack(c) for c in self.call.wait_for("c", others, self.seconds, self.what)]
         try:
@@ -525,14 +523,14 @@ class _Gather:
             own.write_into(mine)
             parts = [torch.frombuffer(mine, dtype=torch.uint8)]
             for rank, claim in zip(others, claims):
-                parts.append(torch.frombuffer(self.fetch(rank, claim.body or []), dtype=torch.uint8))
+                parts.append(torch.frombuffer(self.fetch(rank, None, claim.body), dtype=torch.uint8))
         except BaseException:
             for rank, claim in zip(others, claims):
-                self.discard(rank, claim.body)
+                self.discard(rank, None, claim.body)
             raise
         bundle = {"ranks": [self.me, *others], "parts": parts}
         payload = wire.encode(bundle, root="bundle", checksum=plan.cross == "workspace")
-        return self.publish_across(plan, payload, token)
+        return self.publish_across(plan, payload)
 
     def receive(
         self, own: Any, device: str | torch.device | None, error: tuple[Any, ...] | None
@@ -540,6 +538,8 @@ class _Gather:
         """The first rank: read its senders' claims, fetch and decode, post the verdict."""
         self.call.post({"c": self.claim("first", error).pack()})
         claims: dict[int, _Claim] = {}
+        taken: set[int] = set()  # whose payloads were fetched: nothing of theirs is left to discard
+        plan: _Plan | None = None
         try:
             if error is not None:
                 _raise_from(error, "")
@@ -557,9 +557,8 @@ class _Gather:
             found: dict[int, Any] = {self.first: _place(own, target) if self.place_own else own}
             decode_to = None if target.type == "cpu" else target
             for rank in direct:
-                body = claims[rank].body or []
-                value = self.decode(self.fetch(rank, body), rank, decode_to)
-                claims[rank] = replace(claims[rank], body=None)  # taken: nothing left to discard
+                value = self.decode(self.fetch(rank, plan, claims[rank].body), rank, decode_to)
+                taken.add(rank)
                 if rank in plan.hosts and len(plan.hosts[rank]) > 1:
                     for part_rank, part in zip(value["ranks"], value["parts"]):
                         found[part_rank] = self.decode(wire.tensor_buffer(part), part_rank, decode_to)
@@ -569,13 +568,14 @@ class _Gather:
             self.tell_go(_error_of(exc), claims)
             self.call.post({"v": _Verdict(True, self.shown, self.digest, _error_of(exc)).pack()})
             for rank, claim in claims.items():
-                self.discard(rank, claim.body)
+                if rank not in taken:
+                    self.discard(rank, plan, claim.body)
             self.remove_leftovers_of(getattr(exc, "missing", ()))
             raise
-        freed = [list(item) for item in take_freed(self.ranks[1:])]
-        taken = _Claim("taken", None, self.digest, self.mode, None).pack()
+        notes = HostTransport.notes(self.ranks[1:])
+        overwrite = _Claim("taken", None, self.digest, self.mode, None).pack()
         self.call.post(
-            {"v": _Verdict(True, self.shown, self.digest, None, freed).pack()}, ("c", bulky, taken)
+            {"v": _Verdict(True, self.shown, self.digest, None, notes).pack()}, ("c", bulky, overwrite)
         )
         return [found[r] for r in self.ranks]
 
@@ -583,7 +583,10 @@ class _Gather:
         """Let collective senders send (or tell them why not); once, only where some may wait."""
         if self._go_posted:
             return
-        waiting = any((c.body or [None])[0] == "collective" for c in claims.values())
+        # Who sends by collective waits for "go": by this rank's plan, or by its own request.
+        waiting = any(
+            c.body and (self._cross == "collective" or c.mode.startswith("collective:")) for c in claims.values()
+        )
         if waiting or (error is not None and (self.transport == "collective" or self._cross == "collective")):
             self.call.post_shared("go", msgpack.packb(list(error) if error else None))
             self._go_posted = True

@@ -13,7 +13,13 @@ Methods, per size (one float32 tensor per rank to rank 0):
 - ``fresh``: the same with a new segment per repetition (create, ``posix_fallocate``, write,
   map, unlink), what a first gather of that size costs;
 - ``gloo``: ``dist.gather`` into preallocated outputs;
-- ``modelopt``: ModelOpt's ``get_tensors_parallel`` (when ``nvidia-modelopt`` is installed).
+- ``modelopt``: ModelOpt's ``get_tensors_parallel`` (when ``nvidia-modelopt`` is installed);
+- up to 64 KiB (payloads that travel inside the store), ``bare`` and ``bare+wire``: our round's
+  store protocol and nothing else (each sender posts its bytes in one key and waits for rank 0's
+  verdict key; rank 0 posts its own key, reads the senders' in one ``multi_get``, views each
+  payload, posts the verdict), with raw bytes, then with ``distribute_utils.wire`` encoding and
+  decoding them. ``ours`` minus ``bare+wire`` is what the library adds around the protocol
+  (checks, routing, the watchdog, key collection); ``bare+wire`` minus ``bare`` is the format.
 
 Then the tiny round trip (``{"a": 1}`` through ``get_configs_parallel``) and a decoder layer's
 config of 64 small tensors (ours; ModelOpt's helper carries at most ~32 tensors in one config,
@@ -46,7 +52,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from distribute_utils import get_configs_parallel, get_tensors_parallel
+from distribute_utils import get_configs_parallel, get_tensors_parallel, wire
+from distribute_utils.gather import INLINE_MAX_BYTES
 from distribute_utils.launch import run_local
 
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
@@ -120,6 +127,33 @@ class _Limit:
                 os.unlink(self.path)
 
 
+class _Bare:
+    """Our round's store protocol alone (see the module doc), with or without the wire format."""
+
+    def __init__(self, nbytes: int, use_wire: bool) -> None:
+        self.nbytes, self.use_wire = nbytes, use_wire
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.store = dist.distributed_c10d._get_default_store().clone()
+        self.rep = 0
+
+    def run(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.rep += 1
+        tag = f"bench/bare/{self.use_wire}/{self.nbytes}/{self.rep}"
+        if self.rank != 0:
+            data = wire.encode(tensor, root="tensor").to_bytes() if self.use_wire else tensor.numpy().tobytes()
+            self.store.multi_set([f"{tag}/c/{self.rank}"], [data])
+            self.store.multi_get([f"{tag}/v"])
+            return []
+        self.store.multi_set([f"{tag}/c/0"], [b"1"])
+        values = self.store.multi_get([f"{tag}/c/{r}" for r in range(1, self.world)])
+        if self.use_wire:
+            got = [wire.decode(bytearray(v)) for v in values]
+        else:
+            got = [torch.frombuffer(bytearray(v), dtype=tensor.dtype) for v in values]
+        self.store.set(f"{tag}/v", b"1")
+        return [tensor, *got]
+
+
 def _all_gather_str(value: str) -> list[str]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
@@ -169,6 +203,10 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
                     return list(got)
 
             methods["modelopt"] = modelopt
+        if nbytes <= INLINE_MAX_BYTES:
+            for use_wire in (False, True):
+                bare = _Bare(nbytes, use_wire)
+                methods["bare+wire" if use_wire else "bare"] = lambda bare=bare, tensor=tensor: bare.run(tensor)
         times: dict[str, list[float]] = {m: [] for m in methods}
         for fn in methods.values():  # warm-up: pools, connections, page cache
             _timed(fn)
@@ -282,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"tiny round trip ({{'a': 1}}, get_configs_parallel): {small['ours'] * 1e3:.3f} ms (load {small['load']:.1f})"
     )
+    bare = [name for name in args.sizes if "bare" in report[name]]
+    if bare:
+        print("where the time goes below 64 KiB (ms): the store protocol alone, + the wire format, ours")
+        print(f"{'size':>6} {'bare':>8} {'+wire':>8} {'ours':>8}")
+        for name in bare:
+            row = report[name]
+            print(f"{name:>6} " + " ".join(f"{row[m] * 1e3:8.2f}" for m in ("bare", "bare+wire", "ours")))
     for n, row in report["layer"].items():
         text = f"layer config of {n} tensors, per layer: ours {row['ours'] * 1e3:.2f} ms"
         if "modelopt" in row:

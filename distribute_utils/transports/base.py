@@ -1,23 +1,28 @@
 """The transport protocol: how one gather round moves payloads to the first rank.
 
 A transport only moves bytes. The gather module (:mod:`distribute_utils.gather`) owns the
-round: it checks agreement, picks the transport, signals through the CPU companion of the
-group (:mod:`distribute_utils.sync`) and decodes what arrives.
+round: it checks agreement, plans the route (which transport carries each sender's payload),
+signals through the CPU companion of the group (:mod:`distribute_utils.sync`) and decodes what
+arrives. As torch DCP's storage layer hands its planner opaque ``storage_data``, a transport
+hands the gather an opaque *receipt*: a msgpack-able value that the gather carries to the
+receiver in the sender's claim and gives back, unread, to the same transport.
 
-Call order of one round, identified by ``token`` (fresh and unguessable per round, the same
-on every rank of the round):
+Call order of one round, for one sender ``rank`` and its ``token`` (fresh and unguessable, chosen
+by the sender and carried in its claim):
 
-1. every sender (each participant except the first rank):
-   ``publish(token, rank, payload)``; then the gather module posts "published" (or the error).
-2. the first rank waits for every sender's "published", then calls ``fetch(token, rank)``
-   once per sender, in the order of ``ranks``, and decodes the returned buffer.
-3. the first rank posts "done" (or its error); every sender waits for it.
-4. every sender: ``release(token, rank)``, also when anything above failed; it removes
-   whatever ``publish`` left behind and must be idempotent.
+1. sender: ``receipt = publish(token, rank, payload)``; the gather posts the receipt (or the
+   error) in the sender's claim.
+2. receiver, once the claim is there: ``buffer = fetch(token, rank, receipt)``, then decodes it.
+   If the round fails before it fetched: ``discard(token, rank, receipt)`` (a dead sender cannot
+   clean up; idempotent).
+3. the receiver posts its verdict; the sender waits for it.
+4. sender: ``release(token, rank, receipt, taken=...)``, also when anything above failed
+   (``taken=False``: no verdict came, the receiver may still hold the buffer); it removes whatever
+   ``publish`` left and must be idempotent.
 
-``fetch`` returns a buffer that owns its memory (the decoded tensors are views of it and keep
-it alive); nothing the transport made may remain visible to other processes once ``fetch``
-has returned or ``release`` has run.
+``fetch`` returns a buffer that owns its memory (decoded tensors are views of it and keep it
+alive); nothing the transport made may stay visible to other processes once ``fetch`` has
+returned or ``release`` has run.
 """
 
 from __future__ import annotations
@@ -34,14 +39,18 @@ class Transport(Protocol):
 
     name: str
 
-    def publish(self, token: str, rank: int, payload: EncodedPayload) -> None:
-        """Make ``payload`` of ``rank`` available to the first rank. Senders only."""
+    def publish(self, token: str, rank: int, payload: EncodedPayload) -> Any:
+        """Make ``payload`` of ``rank`` available to the first rank; returns the receipt. Senders only."""
         ...
 
-    def fetch(self, token: str, rank: int) -> Any:
-        """The payload ``rank`` published, as a buffer. First rank only, after "published"."""
+    def fetch(self, token: str, rank: int, receipt: Any) -> Any:
+        """The payload ``rank`` published, as a buffer. First rank only, once it has the receipt."""
         ...
 
-    def release(self, token: str, rank: int) -> None:
+    def discard(self, token: str, rank: int, receipt: Any) -> None:
+        """Remove what ``rank`` published and the first rank will not fetch. First rank only; idempotent."""
+        ...
+
+    def release(self, token: str, rank: int, receipt: Any, *, taken: bool = True) -> None:
         """Remove what ``publish`` made, if anything is left. Senders only; idempotent."""
         ...

@@ -54,7 +54,8 @@ class CollectiveTransport:
         self._device = device
         self._pending: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
 
-    def publish(self, token: str, rank: int, payload: EncodedPayload) -> None:
+    def publish(self, token: str, rank: int, payload: EncodedPayload) -> str:
+        """Start sending ``payload`` (asynchronously); the receipt names the device it travels on."""
         del token  # messages are matched by sender and order within the group
         chunks = [(off, t) for off, t in payload.chunks if t.numel()]
         sizes = torch.tensor([payload.nbytes, len(payload.head), len(chunks)], dtype=torch.int64)
@@ -66,9 +67,11 @@ class CollectiveTransport:
         messages = [m.to(self._device) for m in messages if m.numel()]
         works = [dist.isend(m, dst=self._first, group=self._group) for m in messages]
         self._pending[rank] = (works, messages)
+        return str(self._device)
 
-    def fetch(self, token: str, rank: int) -> Any:
-        del token
+    def fetch(self, token: str, rank: int, receipt: str | None = None) -> Any:
+        """Receive ``rank``'s payload into one buffer on this transport's device."""
+        del token, receipt
         sizes = self._recv(torch.empty(3, dtype=torch.int64), rank)
         total, head_len, count = (int(v) for v in sizes)
         layout = self._recv(torch.empty(2 * count, dtype=torch.int64), rank) if count else sizes[:0]
@@ -85,8 +88,12 @@ class CollectiveTransport:
             dist.recv(target, src=rank, group=self._group)
         return target.cpu() if target.dtype == torch.int64 else target
 
-    def release(self, token: str, rank: int) -> None:
-        del token
+    def discard(self, token: str, rank: int, receipt: str | None = None) -> None:
+        """Nothing to remove: a message that was sent cannot be taken back (senders wait for "go")."""
+
+    def release(self, token: str, rank: int, receipt: str | None = None, *, taken: bool = True) -> None:
+        """Wait for this sender's messages to complete (bounded by the timeout)."""
+        del token, receipt, taken
         works, _messages = self._pending.pop(rank, ([], []))
         for work in works:
             try:

@@ -153,21 +153,20 @@ class SharedMemoryTransport:
             )
         return buf
 
-    def release(self, token: str, rank: int) -> None:
-        """The sender: remove its named segment of ``token`` if the receiver never took it."""
-        unlink(segment_path(token, rank, os.getpid()))
+    def release(self, token: str, rank: int, receipt: str | None = None, *, taken: bool = True) -> None:
+        """The sender: remove its named segment of ``token`` if the receiver never took it. When the
+        receiver never said it was done (``taken=False``), its pooled segment is never written again
+        (the receiver may still map it)."""
+        if receipt is None or receipt.startswith("n:"):
+            unlink(segment_path(token, rank, os.getpid()))
+        elif not taken and receipt.startswith("p:"):
+            _POOL.drop(receipt.split(":")[2])
 
     def discard(self, token: str, rank: int, receipt: str) -> None:
         """The receiver, after a failure: remove ``rank``'s named segment if it is still there."""
         kind, pid, *_ = _parse_receipt(receipt, rank)
         if kind == "n":
             unlink(segment_path(token, rank, pid))
-
-    @staticmethod
-    def abandon(receipt: str) -> None:
-        """The sender gave up on its receiver: never write its pooled segment again."""
-        if receipt.startswith("p:"):
-            _POOL.drop(receipt.split(":")[2])
 
 
 def remove_segments_of(rank: int | None, pid: int) -> list[str]:

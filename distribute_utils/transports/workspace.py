@@ -105,6 +105,7 @@ class WorkspaceTransport:
         return os.path.join(self._ns.path, f"{token}_{int(rank)}{FILE_SUFFIX}")
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> None:
+        """Write ``payload`` to its file (atomically); the receipt is None: names follow from the token."""
         if not read_prefix(payload.head).flags & FLAG_CHECKSUM:
             raise ValueError(
                 "the workspace transport needs payloads encoded with checksum=True "
@@ -124,7 +125,8 @@ class WorkspaceTransport:
         if not temps:
             del self._temps[(token, rank)]
 
-    def fetch(self, token: str, rank: int) -> Any:
+    def fetch(self, token: str, rank: int, receipt: None = None) -> Any:
+        """Read (or map) ``rank``'s payload file and remove its name."""
         path = self.path(token, rank)
         buf = read_payload_file(
             path,
@@ -137,7 +139,12 @@ class WorkspaceTransport:
         unlink(path)
         return buf
 
-    def release(self, token: str, rank: int) -> None:
+    def discard(self, token: str, rank: int, receipt: None = None) -> None:
+        """The receiver, after a failure: remove ``rank``'s file if it is still there."""
+        unlink(self.path(token, rank))
+
+    def release(self, token: str, rank: int, receipt: None = None, *, taken: bool = True) -> None:
+        """The sender: remove its file and temporaries if anything is left (idempotent)."""
         unlink(self.path(token, rank))
         for tmp in self._temps.pop((token, rank), ()):
             unlink(tmp)
