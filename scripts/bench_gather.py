@@ -38,9 +38,8 @@ method's own synchronisation included), median of the repetitions.
    ``/proc/self/io`` ``write_bytes`` (page-cache writes to disk or FUSE files; not tmpfs or
    sockets). ``--workspace-costs local|sshfs`` times each step in one process.
 
-``--breakdown`` (on by default in a full run) times the phases of our rounds on rank 0 and on
-a sender (store round trips, encode, ``posix_fallocate``, ``pwritev``, mmap, decode) by
-wrapping the library's functions in this process, and the latency of single store operations.
+Where the time of a small round goes (the store protocol alone, the wire format, the library
+around them) is measured by ``scripts/bench_latency.py``, through the public API only.
 
 Usage::
 
@@ -157,7 +156,6 @@ class Settings:
     layers: int
     small_rounds: int
     modelopt: bool
-    breakdown: bool
     quick: bool
     timeout_s: float
     groups: tuple[str, ...] = ("shm",)  # "shm": cases 1-4; "workspace": case 5
@@ -962,218 +960,6 @@ def bench_workspace(ctx: RankContext, setup: WorkspaceSetup) -> None:
             os.rmdir(setup.baseline_dir)
 
 
-# ---------------------------------------------------------------------------------- breakdown
-
-
-class PhaseTimer:
-    """Wraps functions and methods in place and adds up the seconds spent in each."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-        self._undo: list[tuple[Any, str, Any, bool]] = []
-        self.active = False
-
-    def wrap(self, owner: Any, attr: str, label: str) -> None:
-        original = getattr(owner, attr)
-        own = isinstance(owner, type) or attr in vars(owner)  # else an instance borrows it
-
-        @functools.wraps(original)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if not self.active:
-                return original(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds[label] += time.perf_counter() - start
-                self.calls[label] += 1
-
-        setattr(owner, attr, timed)
-        self._undo.append((owner, attr, original, own))
-
-    def restore(self) -> None:
-        for owner, attr, original, own in reversed(self._undo):
-            if own:
-                setattr(owner, attr, original)
-            else:
-                delattr(owner, attr)
-        self._undo.clear()
-
-    def reset(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
-
-
-class TimedStore:
-    """A proxy of a ``dist.Store`` that times every operation by name."""
-
-    def __init__(self, store: dist.Store, timer: PhaseTimer) -> None:
-        self._store = store
-        self._timer = timer
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._store, name)
-        if not callable(attr) or name == "clone":
-            return attr
-        timer = self._timer
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if not timer.active:
-                return attr(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                timer.seconds[f"store.{name}"] += time.perf_counter() - start
-                timer.calls[f"store.{name}"] += 1
-
-        return timed
-
-
-_POST = "sync: post (store set)"
-_WAIT = "sync: wait (store wait + multi_get, incl. waiting for peers)"
-_PUBLISH = "publish (shm: open, fallocate, pwritev, close)"
-
-
-def _phases() -> list[tuple[Any, str, str, str | None]]:
-    """(owner, attribute, label, parent label) of the phases to time; a phase nests in its parent.
-
-    Names the library does not have (it changes) are skipped by :func:`_breakdown_rounds`.
-    """
-    from distribute_utils import gather as g
-    from distribute_utils import sync, wire
-    from distribute_utils.transports import shm
-
-    return [
-        (sync.Round, "post", _POST, None),
-        (sync.Round, "wait", _WAIT, None),
-        (sync.GroupSync, "_forget_before", "delete the previous round's keys", _WAIT),
-        (sync._WATCHDOG, "start_watching", "watchdog start/stop", _WAIT),
-        (sync._WATCHDOG, "stop_watching", "watchdog start/stop", _WAIT),
-        (g, "_check_ranks", "check ranks", None),
-        (g, "_plan", "plan the route", None),
-        (g, "_choose_transport", "choose transport", None),
-        (wire, "encode", "encode (wire)", None),
-        (shm.SharedMemoryTransport, "publish", _PUBLISH, None),
-        (os, "posix_fallocate", "posix_fallocate", _PUBLISH),
-        (wire.EncodedPayload, "write_to_fd", "pwritev", _PUBLISH),
-        (shm.SharedMemoryTransport, "fetch", "fetch (shm: open, fstat, mmap, unlink)", None),
-        (wire, "decode", "decode (wire)", None),
-        (shm.SharedMemoryTransport, "release", "release (unlink if left)", None),
-    ]
-
-
-def _breakdown_rounds(ctx: RankContext, label: str, values: Sequence[Any], warmup: int) -> dict[str, Any]:
-    """Time the phases of one of our gathers per value (a gloo barrier before each).
-
-    Tensors go through ``get_tensors_parallel``, anything else through ``get_configs_parallel``;
-    the first ``warmup`` values are gathered once more, untimed, before the timed rounds. Each
-    phase's time is its median over the rounds (so the phases need not add up to the round).
-    """
-    from distribute_utils import sync
-
-    timer = PhaseTimer()
-    phases = [phase for phase in _phases() if hasattr(phase[0], phase[1])]
-    for owner, attr, name, _ in phases:
-        timer.wrap(owner, attr, name)
-    group = sync.companion(None)
-    real_store = group.store
-    group.store = TimedStore(real_store, timer)  # type: ignore[assignment]
-    totals: list[float] = []
-    per_round: list[dict[str, float]] = []
-    calls: list[dict[str, int]] = []
-    try:
-        for i, value in enumerate([*values[:warmup], *values]):
-            gather = get_tensors_parallel if isinstance(value, torch.Tensor) else get_configs_parallel
-            dist.barrier()
-            timer.active = i >= warmup
-            start = time.perf_counter()
-            with gather(value, ctx.ranks, None, transport="shm") as got:
-                if got and isinstance(got[-1], torch.Tensor):
-                    touch(got)
-                elif got and isinstance(got[-1], dict) and "tensor_00" in got[-1]:
-                    touch([config["tensor_00"] for config in got])
-            if timer.active:
-                totals.append(time.perf_counter() - start)
-                per_round.append(dict(timer.seconds))
-                calls.append(dict(timer.calls))
-                timer.reset()
-            timer.active = False
-    finally:
-        group.store = real_store
-        timer.restore()
-    labels = {label for seconds in per_round for label in seconds}
-    parents = {name: parent for _, _, name, parent in phases}
-    order: list[str] = []
-    for name, parent in parents.items():
-        if parent is None:
-            order.append(name)
-            order += [child for child, above in parents.items() if above == name]
-    return {
-        "case": label,
-        "rank": ctx.rank,
-        "rounds": len(values),
-        "round_median_ms": median_ms(totals),
-        "phases_ms": {label: median_ms([r.get(label, 0.0) for r in per_round]) for label in labels},
-        "calls_per_round": {label: statistics.fmean(c.get(label, 0) for c in calls) for label in labels},
-        "parents": parents,
-        "order": list(dict.fromkeys(order)),
-    }
-
-
-def _store_latency(ctx: RankContext, ops: int) -> dict[str, float]:
-    """Rank 0 alone: the latency of single store operations (others wait in a barrier)."""
-    from distribute_utils import sync
-
-    result: dict[str, float] = {}
-    if ctx.first:
-        store = sync.companion(None).store
-        keys = [f"bench_gather/latency/{i}" for i in range(ctx.world)]
-        for key in keys:
-            store.set(key, b"1")
-        window = datetime.timedelta(seconds=10)
-        ops_by_name: dict[str, Callable[[], Any]] = {
-            "set": lambda: store.set(keys[0], b"1"),
-            "get": lambda: store.get(keys[0]),
-            f"wait ({ctx.world} present keys)": lambda: store.wait(keys, window),
-            f"multi_get ({ctx.world} keys)": lambda: store.multi_get(keys),
-            "check": lambda: store.check([keys[0]]),
-        }
-        for name, op in ops_by_name.items():
-            start = time.perf_counter()
-            for _ in range(ops):
-                op()
-            result[name] = (time.perf_counter() - start) / ops * 1e3
-        for key in keys:
-            store.delete_key(key)
-    dist.barrier()
-    return result
-
-
-def bench_breakdown(ctx: RankContext) -> None:
-    """Where the time of our rounds goes, on rank 0 and on rank 1 (a sender)."""
-    s, rank = ctx.settings, ctx.rank
-    layer_rounds = min(s.layers, 16)
-    bulk = [bulk_tensor(rank, s.bulk_bytes)] * max(3, min(s.repeats, 5))
-    per_rank = [
-        _breakdown_rounds(ctx, f"bulk {s.bulk_bytes // MIB} MiB", bulk, 1),
-        _breakdown_rounds(ctx, "layer config", [layer_config(rank, i) for i in range(layer_rounds)], 4),
-        _breakdown_rounds(ctx, "small round trip", [{"a": 1}] * min(s.small_rounds, 100), 10),
-    ]
-    del bulk
-    gathered: list[Any] | None = [None] * ctx.world if ctx.first else None
-    dist.gather_object(per_rank, gathered, dst=0)
-    latency = _store_latency(ctx, 2000 if not s.quick else 200)
-    if ctx.first:
-        assert gathered is not None
-        ctx.report["breakdown"] = {
-            "rank0": gathered[0],
-            "rank1": gathered[1] if ctx.world > 1 else None,
-            "store_latency_ms": latency,
-        }
-
-
 # ---------------------------------------------------------------------------------- ranks
 
 
@@ -1207,8 +993,6 @@ def rank_main(rank: int, settings: Settings, port: int, out_path: str) -> None:
                 steps.insert(
                     2, ("layer config (ModelOpt-sized)", functools.partial(bench_layers, n_tensors=32))
                 )
-            if settings.breakdown:
-                steps.append(("breakdown", bench_breakdown))
         if "workspace" in settings.groups and settings.workspace_dir is not None:
             local = WorkspaceSetup(
                 f"local disk 1x{settings.nproc}",
@@ -1414,7 +1198,7 @@ def workspace_costs(writer_dir: str, reader_dir: str, nbytes: int, repeats: int)
     for fsync in (True, False):
         writer = ws.WorkspaceTransport(writer_dir, token, 120.0, fsync=fsync)
         reader = ws.WorkspaceTransport(reader_dir, token, 120.0)
-        mode = "mmap" if reader._mmap else "read"
+        mode = "mmap" if reader.maps_files else "read"
         try:
             for _ in range(repeats):
                 round_token = f"r{next(counter)}"
@@ -1974,8 +1758,6 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{entry['method']:<50} {entry['peak_growth_bytes'] / MIB:>16.1f} {entry['ratio']:>10.2f}x "
                 f"{entry['held_anon_bytes'] / MIB:>9.1f} {entry['held_shmem_bytes'] / MIB:>10.1f}"
             )
-    if report.get("breakdown"):
-        lines += ["", *format_breakdown(report["breakdown"])]
     lines += format_workspace(report)
     lines += ["", "targets:"]
     for target in report["targets"]:
@@ -1984,39 +1766,6 @@ def format_report(report: dict[str, Any]) -> str:
     for note in report.get("notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)
-
-
-def format_breakdown(breakdown: dict[str, Any]) -> list[str]:
-    """Per-phase time of one round, rank 0 and rank 1 side by side."""
-    lines = ["breakdown of our rounds (median ms per round; indented phases are inside the one above)"]
-    rank0, rank1 = breakdown["rank0"], breakdown["rank1"] or [None, None]
-    for mine, sender in zip(rank0, rank1):
-        lines.append(
-            f"  {mine['case']}: round median {mine['round_median_ms']:.3f} ms on rank 0"
-            + (f", {sender['round_median_ms']:.3f} ms on rank 1" if sender else "")
-        )
-        seen = {*mine["phases_ms"], *(sender["phases_ms"] if sender else {})}
-        parents = mine["parents"]
-        ordered = [label for label in mine["order"] if label in seen]
-        ordered += sorted(label for label in seen if label.startswith("store."))
-        lines.append(f"    {'phase':<66} {'rank 0':>9} {'calls':>6} {'rank 1':>9} {'calls':>6}")
-        for label in ordered:
-            parent = parents.get(label)
-            shown = ("    " + label) if parent else label
-            cells = []
-            for rep in (mine, sender):
-                if rep is None or label not in rep["phases_ms"]:
-                    cells.append(f"{'':>9} {'':>6}")
-                else:
-                    cells.append(f"{rep['phases_ms'][label]:>9.3f} {rep['calls_per_round'][label]:>6.1f}")
-            lines.append(f"    {shown:<66} {' '.join(cells)}")
-    latency = breakdown.get("store_latency_ms", {})
-    if latency:
-        lines.append(
-            "  store latency, rank 0 alone (ms per op): "
-            + ", ".join(f"{name} {ms:.3f}" for name, ms in latency.items())
-        )
-    return lines
 
 
 def environment() -> dict[str, Any]:
@@ -2051,11 +1800,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
         "--modelopt",
         action=argparse.BooleanOptionalAction,
         help="compare with ModelOpt's helpers when importable (default: on, off with --quick)",
-    )
-    parser.add_argument(
-        "--breakdown",
-        action=argparse.BooleanOptionalAction,
-        help="time the phases of our rounds (default: on, off with --quick)",
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
     parser.add_argument(
@@ -2117,7 +1861,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
         layers=args.layers or (8 if quick else 32),
         small_rounds=args.rounds or (50 if quick else 200),
         modelopt=args.modelopt if args.modelopt is not None else not (quick or only_workspace),
-        breakdown=args.breakdown if args.breakdown is not None else not (quick or only_workspace),
         quick=quick,
         timeout_s=args.timeout,
         groups=groups,
@@ -2126,8 +1869,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
         workspace_repeats=args.ws_repeats or (3 if quick else 5),
         multinode=multinode if "workspace" in groups else (),
     )
-    if settings.layers <= 5 and settings.breakdown:
-        parser.error("--layers must be above 5 with --breakdown")
     return settings, args
 
 

@@ -95,6 +95,11 @@ class WorkspaceTransport:
         return self._ns
 
     @property
+    def maps_files(self) -> bool:
+        """Whether ``fetch`` maps payload files (zero-copy) rather than reading them into memory."""
+        return self._mmap
+
+    @property
     def namespace(self) -> str:
         """The job's namespace directory."""
         return self._ns.path
