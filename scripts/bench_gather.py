@@ -61,7 +61,6 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
-import datetime
 import functools
 import gc
 import json
@@ -84,11 +83,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 
 import distribute_utils
 from distribute_utils import barrier as store_barrier
 from distribute_utils import get_configs_parallel, get_tensors_parallel
+from distribute_utils.launch import run_local
 
 MIB = 2**20
 SHM_DIR = "/dev/shm"
@@ -963,58 +962,55 @@ def bench_workspace(ctx: RankContext, setup: WorkspaceSetup) -> None:
 # ---------------------------------------------------------------------------------- ranks
 
 
-def rank_main(rank: int, settings: Settings, port: int, out_path: str) -> None:
-    """Entry point of one spawned rank: join the group, run every case, rank 0 writes results."""
+def rank_main(settings: Settings) -> dict[str, Any]:
+    """One rank (started by :func:`distribute_utils.launch.run_local`, in its gloo group): run every
+    case; rank 0 returns the report, the others ``{}``."""
+    rank = dist.get_rank()
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(settings.nproc), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=settings.timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, settings.nproc, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=settings.nproc, timeout=timeout)
-    try:
-        ctx = RankContext(rank, settings.nproc, settings)
-        if settings.modelopt:
-            found = import_modelopt()
-            flags = [None] * settings.nproc
-            dist.all_gather_object(flags, isinstance(found, str))
-            if isinstance(found, str) or any(flags):
-                ctx.report["modelopt_skipped"] = (
-                    found if isinstance(found, str) else "not importable on every rank"
-                )
-            else:
-                ctx.mo_distribute, ctx.mo_config = found
-        steps: list[tuple[str, Callable[[RankContext], None]]] = []
-        if "shm" in settings.groups:
-            steps += [
-                ("bulk", bench_bulk),
-                ("layer config", functools.partial(bench_layers, n_tensors=LAYER_TENSORS)),
-                ("small round trip", bench_small),
-            ]
-            if ctx.mo_distribute is not None:  # the largest layer ModelOpt's helper can carry
-                steps.insert(
-                    2, ("layer config (ModelOpt-sized)", functools.partial(bench_layers, n_tensors=32))
-                )
-        if "workspace" in settings.groups and settings.workspace_dir is not None:
-            local = WorkspaceSetup(
-                f"local disk 1x{settings.nproc}",
-                settings.workspace_dir,
-                ("ours", "ours_nofsync", "save_load", "save_load_mmap"),
-                read_every_byte=False,
+    ctx = RankContext(rank, settings.nproc, settings)
+    if settings.modelopt:
+        found = import_modelopt()
+        flags = [None] * settings.nproc
+        dist.all_gather_object(flags, isinstance(found, str))
+        if isinstance(found, str) or any(flags):
+            ctx.report["modelopt_skipped"] = (
+                found if isinstance(found, str) else "not importable on every rank"
             )
-            steps.append(("workspace (local disk)", functools.partial(bench_workspace, setup=local)))
-        if "shm" in settings.groups:
-            steps.append(("memory", bench_memory))  # last: it changes malloc's settings
-        for name, step in steps:
-            started = time.perf_counter()
-            step(ctx)
-            gc.collect()
-            if ctx.first:
-                print(f"[bench_gather] {name}: done in {time.perf_counter() - started:.1f} s", flush=True)
-        dist.barrier()
+        else:
+            ctx.mo_distribute, ctx.mo_config = found
+    steps: list[tuple[str, Callable[[RankContext], None]]] = []
+    if "shm" in settings.groups:
+        steps += [
+            ("bulk", bench_bulk),
+            ("layer config", functools.partial(bench_layers, n_tensors=LAYER_TENSORS)),
+            ("small round trip", bench_small),
+        ]
+        if ctx.mo_distribute is not None:  # the largest layer ModelOpt's helper can carry
+            steps.insert(
+                2, ("layer config (ModelOpt-sized)", functools.partial(bench_layers, n_tensors=32))
+            )
+    if "workspace" in settings.groups and settings.workspace_dir is not None:
+        local = WorkspaceSetup(
+            f"local disk 1x{settings.nproc}",
+            settings.workspace_dir,
+            ("ours", "ours_nofsync", "save_load", "save_load_mmap"),
+            read_every_byte=False,
+        )
+        steps.append(("workspace (local disk)", functools.partial(bench_workspace, setup=local)))
+    if "shm" in settings.groups:
+        steps.append(("memory", bench_memory))  # last: it changes malloc's settings
+    for name, step in steps:
+        started = time.perf_counter()
+        step(ctx)
+        gc.collect()
         if ctx.first:
-            ctx.report["rows"] = [row.to_json() for row in ctx.rows]
-            Path(out_path).write_text(json.dumps(ctx.report))
-    finally:
-        dist.destroy_process_group()
+            print(f"[bench_gather] {name}: done in {time.perf_counter() - started:.1f} s", flush=True)
+    dist.barrier()
+    if ctx.first:
+        ctx.report["rows"] = [row.to_json() for row in ctx.rows]
+        return ctx.report
+    return {}
 
 
 # ---------------------------------------------------------------------------------- write costs
@@ -1278,49 +1274,27 @@ def _modelopt_names(nproc: int) -> set[str]:
     return {f"rank_{r}" for r in range(nproc)} | {f"rank_{r}_config" for r in range(nproc)}
 
 
-def clean_shm(pids: Sequence[int], existed: set[str], nproc: int, modelopt_ran: bool) -> list[str]:
-    """Remove segments our ranks left: ours named after their pids, ModelOpt's new ``rank_*``."""
-    pid_suffixes = {f"_{pid}" for pid in pids}
-    modelopt = _modelopt_names(nproc) - existed if modelopt_ran else set()
+def clean_shm(existed: set[str], nproc: int, modelopt_ran: bool) -> list[str]:
+    """Remove the segments ModelOpt's helpers left (fixed ``rank_*`` names); ``run_local`` removes ours."""
     removed = []
-    for name in sorted(os.listdir(SHM_DIR)):
-        ours = name.startswith("du_") and any(name.endswith(sfx) for sfx in pid_suffixes)
-        if ours or name in modelopt:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
+    for name in sorted(_modelopt_names(nproc) - existed if modelopt_ran else set()):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
     return removed
 
 
 def run_ranks(settings: Settings) -> dict[str, Any]:
-    """Spawn the ranks, wait for them (killing them on timeout or error), return rank 0's report."""
+    """Run the ranks (:func:`distribute_utils.launch.run_local`: all stopped on an error, the
+    timeout or an interrupt); rank 0's report."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     existed = set(os.listdir(SHM_DIR))
-    store = dist.TCPStore("127.0.0.1", 0, settings.nproc, is_master=True, wait_for_workers=False)
-    with tempfile.TemporaryDirectory(prefix="bench_gather_") as tmp:
-        out_path = os.path.join(tmp, "rank0.json")
-        procs = torch_mp.start_processes(
-            rank_main,
-            args=(settings, store.port, out_path),
-            nprocs=settings.nproc,
-            join=False,
-            start_method="spawn",
-        )
-        pids = procs.pids()
-        deadline = time.monotonic() + settings.timeout_s
-        try:
-            while not procs.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the ranks did not finish within {settings.timeout_s:g} s")
-        finally:
-            for proc in procs.processes:
-                if proc.is_alive():
-                    proc.kill()
-                proc.join()
-            removed = clean_shm(pids, existed, settings.nproc, settings.modelopt)
-            if removed:
-                print(f"[bench_gather] removed segments left in {SHM_DIR}: {removed}", file=sys.stderr)
-        report: dict[str, Any] = json.loads(Path(out_path).read_text())
+    try:
+        report: dict[str, Any] = run_local(rank_main, settings.nproc, settings, timeout=settings.timeout_s)[0]
+    finally:
+        removed = clean_shm(existed, settings.nproc, settings.modelopt)
+        if removed:
+            print(f"[bench_gather] removed segments left in {SHM_DIR}: {removed}", file=sys.stderr)
     report["removed_segments"] = removed
     return report
 
