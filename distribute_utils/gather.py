@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import secrets
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from os import PathLike
@@ -77,6 +77,27 @@ _RAISABLE: dict[str, type[Exception]] = {
 
 
 def _check_ranks(ranks: Sequence[int], members: tuple[int, ...]) -> list[int]:
+    """``ranks`` as a list, checked against the world and the group's ``members`` (raises ValueError).
+
+    The same lists come back call after call: a list checked once is remembered (by value).
+    """
+    world = dist.get_world_size()
+    if (type(ranks) is list or type(ranks) is tuple) and set(map(type, ranks)) == {int}:
+        key = (tuple(ranks), members, world)
+        if key in _CHECKED:
+            return list(key[0])
+        checked = _check_ranks_now(ranks, members, world)
+        if len(_CHECKED) >= 256:
+            _CHECKED.clear()
+        _CHECKED.add(key)
+        return checked
+    return _check_ranks_now(ranks, members, world)
+
+
+_CHECKED: set[tuple[tuple[Any, ...], tuple[int, ...], int]] = set()
+
+
+def _check_ranks_now(ranks: Sequence[int], members: tuple[int, ...], world: int) -> list[int]:
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
         raise ValueError(f"ranks must be a list of global ranks; got {type(ranks).__name__}")
     ranks = list(ranks)
@@ -89,7 +110,6 @@ def _check_ranks(ranks: Sequence[int], members: tuple[int, ...]) -> list[int]:
         seen: set[int] = set()
         duplicates = sorted({r for r in ranks if r in seen or seen.add(r)})
         raise ValueError(f"ranks {ranks} lists {duplicates} more than once; each rank may appear once")
-    world = dist.get_world_size()
     outside_world = [r for r in ranks if not 0 <= r < world]
     if outside_world:
         raise ValueError(f"ranks {outside_world} are outside the world (valid: 0..{world - 1})")
@@ -755,7 +775,6 @@ def _check_device(device: str | torch.device | None) -> None:
 Workspace = str | PathLike[str] | None
 
 
-@contextmanager
 def get_tensors_parallel(
     tensor: torch.Tensor,
     ranks: Sequence[int],
@@ -765,7 +784,7 @@ def get_tensors_parallel(
     transport: str = "auto",
     timeout: float | timedelta | None = None,
     device: str | torch.device | None = None,
-) -> Iterator[list[torch.Tensor]]:
+) -> AbstractContextManager[list[torch.Tensor]]:
     """Gather ``tensor`` of every rank in ``ranks`` to ``ranks[0]``.
 
     Must be entered on every rank of ``group`` (the world when None). Ranks of the group not
@@ -796,11 +815,9 @@ def get_tensors_parallel(
             workspace.
     """
     options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
-    with gather_to_first(tensor, ranks, group, root="tensor", **options) as out:
-        yield out
+    return gather_to_first(tensor, ranks, group, root="tensor", **options)
 
 
-@contextmanager
 def get_configs_parallel(
     config: Any,
     ranks: Sequence[int],
@@ -810,7 +827,7 @@ def get_configs_parallel(
     transport: str = "auto",
     timeout: float | timedelta | None = None,
     device: str | torch.device | None = None,
-) -> Iterator[list[Any]]:
+) -> AbstractContextManager[list[Any]]:
     """Gather ``config`` (a tree of plain values, dataclasses and tensors) to ``ranks[0]``.
 
     Same contract as :func:`get_tensors_parallel`; every tensor yielded, those of the first
@@ -823,11 +840,9 @@ def get_configs_parallel(
             on every rank before any rank writes anything.
     """
     options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
-    with gather_to_first(config, ranks, group, root="config", **options) as out:
-        yield out
+    return gather_to_first(config, ranks, group, root="config", **options)
 
 
-@contextmanager
 def gather_tensors(
     tensor: torch.Tensor,
     mesh: ProcessGroupMesh,
@@ -837,7 +852,7 @@ def gather_tensors(
     transport: str = "auto",
     timeout: float | timedelta | None = None,
     device: str | torch.device | None = None,
-) -> Iterator[list[torch.Tensor]]:
+) -> AbstractContextManager[list[torch.Tensor]]:
     """Gather ``tensor`` to the first rank of this rank's group along ``axis`` of ``mesh``.
 
     Must be entered on every rank of that group; groups along the axis proceed independently.
@@ -846,11 +861,9 @@ def gather_tensors(
     ranks = mesh.ranks_along_axis(axis)
     group = mesh.cached_group_along_axis(axis) or ranks
     options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
-    with gather_to_first(tensor, ranks, group, root="tensor", **options) as out:
-        yield out
+    return gather_to_first(tensor, ranks, group, root="tensor", **options)
 
 
-@contextmanager
 def gather_configs(
     config: Any,
     mesh: ProcessGroupMesh,
@@ -860,7 +873,7 @@ def gather_configs(
     transport: str = "auto",
     timeout: float | timedelta | None = None,
     device: str | torch.device | None = None,
-) -> Iterator[list[Any]]:
+) -> AbstractContextManager[list[Any]]:
     """Gather ``config`` to the first rank of this rank's group along ``axis`` of ``mesh``.
 
     Must be entered on every rank of that group. Options as in :func:`get_configs_parallel`.
@@ -868,5 +881,4 @@ def gather_configs(
     ranks = mesh.ranks_along_axis(axis)
     group = mesh.cached_group_along_axis(axis) or ranks
     options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
-    with gather_to_first(config, ranks, group, root="config", **options) as out:
-        yield out
+    return gather_to_first(config, ranks, group, root="config", **options)

@@ -338,9 +338,12 @@ def test_a_new_incarnation_on_the_same_store_never_reads_the_old_keys() -> None:
 
 def test_store_host_gone_is_a_peer_lost_error() -> None:
     master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    # Connect with a long timeout (a new connection can stall 5 s on this machine's resolver, see
+    # docs/performance.md), then wait with a short one.
     client = dist.TCPStore(
-        "127.0.0.1", master.port, 1, is_master=False, timeout=datetime.timedelta(seconds=5)
+        "127.0.0.1", master.port, 1, is_master=False, timeout=datetime.timedelta(seconds=60)
     )
+    client.set_timeout(datetime.timedelta(seconds=5))
     group = sync.GroupSync((0, 1), 0, client, "test/store-gone")
     failure: list[BaseException] = []
 
