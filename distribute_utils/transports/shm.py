@@ -33,7 +33,7 @@ from .. import interrupts
 from .._host import SHM_DIR, ProcessInfo, process_alive
 from ..errors import PayloadError, PeerLostError, SpaceError
 from ..wire import EncodedPayload, read_prefix
-from .files import unlink
+from .files import reserve_space, unlink
 
 __all__ = [
     "SEGMENT_PREFIX",
@@ -215,9 +215,11 @@ def _check_owned(info: os.stat_result, path: str, rank: int) -> None:
 
 
 def _reserve(fd: int, nbytes: int, rank: int) -> None:
-    """Allocate every page of a new segment now, so a full /dev/shm fails here, cleanly."""
+    """Allocate every page of a new segment now, so a full /dev/shm fails here, cleanly (never a SIGBUS
+    later): :func:`.files.reserve_space`, with the answer a full ``/dev/shm`` deserves."""
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        if not reserve_space(fd, nbytes):  # tmpfs has fallocate(2); glibc's emulation otherwise
+            os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             size, free = shm_space()
