@@ -503,6 +503,38 @@ class _BackgroundWriter:
         self._thread.join()
 
 
+@dataclass(frozen=True)
+class _Options:
+    """What a consolidation is asked to do, the same on every rank, whichever way it runs (one process, or
+    one rank per shard): the plan's inputs and the output's shape."""
+
+    format: str
+    rules: RuleTable | str | os.PathLike[str] | None
+    quant_format: str | None
+    max_shard_size: int | None
+    progress: bool
+    batch_bytes: int
+    layers_per_stage: Sequence[int] | None
+    iteration: int | str | None
+    swiglu: bool | None
+    names: str | None
+
+    def plan(self, input_dir: str | os.PathLike[str]) -> tuple[Checkpoint, list[MergePlanEntry]]:
+        return plan_checkpoint(
+            input_dir,
+            self.rules,
+            quant_format=self.quant_format,
+            layers_per_stage=self.layers_per_stage,
+            iteration=self.iteration,
+            swiglu=self.swiglu,
+            names=self.names,
+        )
+
+    def open_writer(self, output: str | os.PathLike[str], plan: Sequence[MergePlanEntry]) -> CheckpointWriter:
+        _check_space(output, sum(e.spec.nbytes for e in plan))
+        return open_writer(self.format, output, [e.spec for e in plan], self.max_shard_size)
+
+
 # --------------------------------------------------------------------------------------------------------
 # The distributed job.
 
@@ -514,38 +546,29 @@ class _Job:
         self,
         input_dir: str | os.PathLike[str],
         output: str | os.PathLike[str],
+        options: _Options,
         *,
-        format: str,
-        rules: RuleTable | str | os.PathLike[str] | None,
-        quant_format: str | None,
-        max_shard_size: int | None,
         workspace_path: str | os.PathLike[str] | None,
         transport: str,
         seconds: float,
-        progress: bool,
-        batch_bytes: int,
-        layers_per_stage: Sequence[int] | None,
-        iteration: int | str | None,
-        swiglu: bool | None = None,
-        names: str | None = None,
     ) -> None:
         self.start = time.perf_counter()
-        self.input_dir, self.output = input_dir, output
-        self.format, self.max_shard_size = format, max_shard_size
-        self.seconds, self.batch_bytes = seconds, batch_bytes
+        self.input_dir, self.output, self.options = input_dir, output, options
+        self.format, self.max_shard_size = options.format, options.max_shard_size
+        self.seconds, self.batch_bytes = seconds, options.batch_bytes
         self.gather_options: dict[str, Any] = {
             "workspace_path": workspace_path,
             "transport": transport,
             "timeout": seconds,
         }
         self.workspace_path, self.transport = workspace_path, transport
-        self.progress_enabled = progress
+        self.progress_enabled = options.progress
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.failure: _Failure | None = None
         self.writer: CheckpointWriter | None = None
         self.bar: Any = None
-        self._setup(rules, quant_format, layers_per_stage, iteration, swiglu, names)
+        self._setup()
 
     # -- failures ------------------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
@@ -571,26 +594,10 @@ class _Job:
             self._fail(exc)
 
     # -- setup -------------------------------------------------------------------------------------------
-    def _setup(
-        self,
-        rules: RuleTable | str | os.PathLike[str] | None,
-        quant_format: str | None,
-        layers_per_stage: Sequence[int] | None,
-        iteration: int | str | None,
-        swiglu: bool | None,
-        names: str | None,
-    ) -> None:
+    def _setup(self) -> None:
         digest = ""
         with self._guard():
-            self.layout, self.plan = plan_checkpoint(
-                self.input_dir,
-                rules,
-                quant_format=quant_format,
-                layers_per_stage=layers_per_stage,
-                iteration=iteration,
-                swiglu=swiglu,
-                names=names,
-            )
+            self.layout, self.plan = self.options.plan(self.input_dir)
             if isinstance(self.layout, DcpCheckpoint):
                 raise ValueError(
                     f"'{self.input_dir}' is {self.layout.describe_grid()}: one process streams it from its "
@@ -613,10 +620,7 @@ class _Job:
             )
             self.stage_ranks = self.layout.stage_ranks(self.pp_rank)
             if self.rank == 0:
-                _check_space(self.output, self.total_bytes)
-                self.writer = open_writer(
-                    self.format, self.output, [e.spec for e in self.plan], self.max_shard_size
-                )
+                self.writer = self.options.open_writer(self.output, self.plan)
         statuses = sync.companion(None).exchange(
             msgpack.packb([digest, self._marker()]), self.seconds, what="starting the consolidation"
         )
@@ -881,37 +885,17 @@ def _write_batch(
 
 
 def _consolidate_alone(
-    input_dir: str | os.PathLike[str],
-    output: str | os.PathLike[str],
-    *,
-    format: str,
-    rules: RuleTable | str | os.PathLike[str] | None,
-    quant_format: str | None,
-    max_shard_size: int | None,
-    progress: bool,
-    batch_bytes: int,
-    layers_per_stage: Sequence[int] | None,
-    iteration: int | str | None,
-    swiglu: bool | None,
-    names: str | None,
+    input_dir: str | os.PathLike[str], output: str | os.PathLike[str], options: _Options
 ) -> ConsolidationReport:
+    """The whole consolidation in this process: every shard read here, batch by batch."""
     start = time.perf_counter()
-    layout, plan = plan_checkpoint(
-        input_dir,
-        rules,
-        quant_format=quant_format,
-        layers_per_stage=layers_per_stage,
-        iteration=iteration,
-        swiglu=swiglu,
-        names=names,
-    )
-    batches = _make_batches(plan, layout.stages, batch_bytes)
+    layout, plan = options.plan(input_dir)
+    batches = _make_batches(plan, layout.stages, options.batch_bytes)
     total = sum(e.spec.nbytes for e in plan)
-    _check_space(output, total)
-    window = _REMAP_FACTOR * batch_bytes
+    window = _REMAP_FACTOR * options.batch_bytes
     with (
-        open_writer(format, output, [e.spec for e in plan], max_shard_size) as writer,
-        _progress(total, progress, "consolidating") as bar,
+        options.open_writer(output, plan) as writer,
+        _progress(total, options.progress, "consolidating") as bar,
     ):
         for p in range(layout.stages):
             sources = [_ShardSource(layout, t, p, window) for t in range(layout.tp)]
@@ -926,7 +910,9 @@ def _consolidate_alone(
                     s.batch_done()
     rounds = max((len(b) for b in batches), default=0)
     files = [os.fspath(p) for p in writer.paths]
-    return _report(input_dir, output, layout, plan, format, start, 1, "none", rounds, batch_bytes, files)
+    return _report(
+        input_dir, output, layout, plan, options.format, start, 1, "none", rounds, options.batch_bytes, files
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -994,38 +980,27 @@ def consolidate_checkpoint(
         raise ValueError(f"unknown output format {format!r}; valid: {', '.join(OUTPUT_FORMATS)}")
     if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 1:
         raise ValueError(f"batch_bytes must be a positive int, got {batch_bytes!r}")
-    shard_size = None if max_shard_size is None else parse_size(max_shard_size)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return _consolidate_alone(
-            input_dir,
-            output,
-            format=format,
-            rules=rules,
-            quant_format=quant_format,
-            max_shard_size=shard_size,
-            progress=progress,
-            batch_bytes=batch_bytes,
-            layers_per_stage=layers_per_stage,
-            iteration=iteration,
-            swiglu=swiglu,
-            names=names,
-        )
-    job = _Job(
-        input_dir,
-        output,
+    options = _Options(
         format=format,
         rules=rules,
         quant_format=quant_format,
-        max_shard_size=shard_size,
-        workspace_path=workspace_path,
-        transport=transport,
-        seconds=sync.resolve_timeout(timeout),
+        max_shard_size=None if max_shard_size is None else parse_size(max_shard_size),
         progress=progress,
         batch_bytes=batch_bytes,
         layers_per_stage=layers_per_stage,
         iteration=iteration,
         swiglu=swiglu,
         names=names,
+    )
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return _consolidate_alone(input_dir, output, options)
+    job = _Job(
+        input_dir,
+        output,
+        options,
+        workspace_path=workspace_path,
+        transport=transport,
+        seconds=sync.resolve_timeout(timeout),
     )
     return job.run()
 
