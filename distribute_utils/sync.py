@@ -272,6 +272,8 @@ class _Janitor:
             try:
                 client = self._clients.get(store)
                 if client is None:
+                    if self._stopped:  # at exit: never a new connection (the store's host may be gone)
+                        continue
                     client = self._clients[store] = store.clone()
                 for key in keys:
                     client.delete_key(key)
