@@ -310,3 +310,9 @@ def median_ms(times: Sequence[float]) -> float:
 def loads_text(values: Sequence[float] | None) -> str:
     """Load averages as ``1.0/0.8/0.5``, or ``-``."""
     return "/".join(f"{v:.1f}" for v in values) if values else "-"
+
+
+def cost_row(step: str, times: list[float], nbytes: int) -> dict[str, Any]:
+    """One step of a one-process cost table: median and best time, and the rate at the best."""
+    best = min(times)
+    return {"step": step, "median_ms": median_ms(times), "min_ms": best * 1e3, "gib_per_s_at_min": nbytes / 2**30 / best}

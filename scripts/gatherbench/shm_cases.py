@@ -23,11 +23,11 @@ from gatherbench.common import (
     RankContext,
     Row,
     bulk_tensor,
+    cost_row,
     dict_touch,
     exact_malloc_accounting,
     layer_config,
     measure,
-    median_ms,
     modelopt_layer,
     modelopt_touch,
     proc_status,
@@ -376,15 +376,7 @@ def write_costs(nbytes: int, repeats: int) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
 
     def record(name: str, times: list[float]) -> None:
-        best = min(times)
-        results.append(
-            {
-                "step": name,
-                "median_ms": median_ms(times),
-                "min_ms": best * 1e3,
-                "gib_per_s_at_min": nbytes / 2**30 / best,
-            }
-        )
+        results.append(cost_row(name, times, nbytes))
 
     @contextlib.contextmanager
     def segment(written: bool) -> Iterator[int]:

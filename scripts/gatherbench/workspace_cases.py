@@ -27,10 +27,10 @@ from gatherbench.common import (
     Row,
     Settings,
     bulk_tensor,
+    cost_row,
     dict_touch,
     layer_config,
     loads_text,
-    median_ms,
     same_bits,
     touch,
 )
@@ -312,15 +312,7 @@ def workspace_costs(writer_dir: str, reader_dir: str, nbytes: int, repeats: int)
     counter = iter(range(10**9))
 
     def record(name: str, times: list[float]) -> None:
-        best = min(times)
-        results.append(
-            {
-                "step": name,
-                "median_ms": median_ms(times),
-                "min_ms": best * 1e3,
-                "gib_per_s_at_min": nbytes / 2**30 / best,
-            }
-        )
+        results.append(cost_row(name, times, nbytes))
 
     def timed(fn: Callable[[], object]) -> float:
         start = time.perf_counter()
