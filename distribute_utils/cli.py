@@ -579,7 +579,10 @@ def _say_interrupted(args: argparse.Namespace, signum: int) -> None:
                 what = f"the output in '{target.directory}' was already complete"
         except Exception:
             logger.debug("could not look at the output", exc_info=True)
-    clear = "\r\x1b[2K" if sys.stderr.isatty() else "\n" if _progress_shown() else ""  # a half-drawn bar
+    # Over a half-drawn bar: this process's, or one its ranks drew on the same stderr (it cannot see
+    # theirs, so a command that shows bars starts a new line on a non-terminal).
+    bars = args.command in ("consolidate", "demo") and not getattr(args, "quiet", False)
+    clear = "\r\x1b[2K" if sys.stderr.isatty() else "\n" if bars or _progress_shown() else ""
     os.write(2, f"{clear}distribute-utils {args.command}: interrupted; {what}\n".encode())
     if getattr(args, "json", False):
         error = {
