@@ -185,8 +185,11 @@ def _run(
 ) -> list[Any]:
     for rank in range(nproc):
         parent, child = ctx.Pipe(duplex=False)
+        # Not daemonic: a rank may start processes of its own (megatron-core's checkpoint writers,
+        # data loaders). Nothing depends on the flag: every rank is reaped before run_local returns,
+        # and a rank ends with its launcher (the pidfd watch).
         proc = ctx.Process(
-            target=_rank_main, args=(fn, rank, nproc, port, child, args, level, this_process()), daemon=True
+            target=_rank_main, args=(fn, rank, nproc, port, child, args, level, this_process()), daemon=False
         )
         with interrupts.uninterruptible():  # an interrupt then sees the process and stops it
             proc.start()

@@ -33,7 +33,6 @@ import argparse
 import os
 import signal
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -215,7 +214,8 @@ def _perturb(chunks: list[Any], tp_rank: int, pp_rank: int, ep_rank: int) -> Non
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
 
 
-def _rank_main(rank: int, world: int, init: str, out: str, case_name: str, dims: tuple[int, ...]) -> None:
+def _rank_main(out: str, case_name: str, dims: tuple[int, ...]) -> None:
+    """One rank of the writing job (started by :func:`distribute_utils.launch.run_local`, in its gloo group)."""
     _cpu_only()
     import numpy as np
     import torch
@@ -227,7 +227,6 @@ def _rank_main(rank: int, world: int, init: str, out: str, case_name: str, dims:
     tp, pp, ep, vp_or_0 = dims
     vp = vp_or_0 or None
     case = CASES[case_name]
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,
@@ -290,23 +289,21 @@ def _rank_main(rank: int, world: int, init: str, out: str, case_name: str, dims:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(state, path)
         dist.barrier()
-        if rank == 0:
+        if dist.get_rank() == 0:
             (root / "legacy" / "latest_checkpointed_iteration.txt").write_text("1")
     finally:
         ps.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
-def _truth_main(rank: int, world: int, init: str, out: str, case_name: str) -> None:
+def _truth_main(out: str, case_name: str) -> None:
+    """The TP1 ground truth: megatron-core loads the torch_dist checkpoint resharded to one rank."""
     _cpu_only()
     import torch
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
 
     case = CASES[case_name]
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         ps.initialize_model_parallel(1, 1)
         (model,) = _build(_config(case, 1, 1, 1, None), case, None)
@@ -320,15 +317,6 @@ def _truth_main(rank: int, world: int, init: str, out: str, case_name: str) -> N
         save_file(sd, str(Path(out) / "truth.safetensors"))
     finally:
         ps.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def _spawn(fn: Any, world: int, *args: Any) -> None:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{tmp}/rendezvous"
-        mp.start_processes(fn, args=(world, init, *args), nprocs=world, start_method="spawn", join=True)
 
 
 def write(
@@ -345,9 +333,11 @@ def write(
         raise ValueError(f"unknown case {case!r}; valid: {', '.join(CASES)}")
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    _spawn(_rank_main, tp * pp * ep, os.fspath(root), case, (tp, pp, ep, vp))
+    from distribute_utils.launch import run_local
+
+    run_local(_rank_main, tp * pp * ep, os.fspath(root), case, (tp, pp, ep, vp))
     if truth:
-        _spawn(_truth_main, 1, os.fspath(root), case)
+        run_local(_truth_main, 1, os.fspath(root), case)
     return root
 
 

@@ -30,7 +30,7 @@ from distribute_utils.consolidate import (
 
 from harness import SCRIPTS, load_script
 
-writer = load_script("megatron_checkpoints")  # its CASES; it runs as a script (it spawns its ranks)
+writer = load_script("megatron_checkpoints")  # its CASES; it runs as a script (it starts its ranks)
 
 CASES = {
     "swiglu": dict(case="swiglu", tp=2, pp=2),
