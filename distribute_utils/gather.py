@@ -133,7 +133,9 @@ class _Claim:
     payload is, in the words of the transport that carried it) or "none"
     (its own list does not name it: it only checks in). Ranks that do not receive also post a
     :class:`_Verdict` marker under ``v/<rank>``, so that a rank that wrongly takes them for its
-    receiver hears why at once instead of waiting.
+    receiver hears why at once instead of waiting. ``notes`` are the host transport's word for other
+    senders of this gather that this rank holds (a leader let their segments go): the first rank
+    passes them on in its verdict.
     """
 
     kind: str
@@ -142,6 +144,7 @@ class _Claim:
     mode: str
     error: tuple[Any, ...] | None  # (exception type name, message)
     body: list[Any] | None = None
+    notes: list[Any] | None = None
 
     def pack(self) -> bytes:
         return msgpack.packb(
@@ -152,13 +155,14 @@ class _Claim:
                 self.mode,
                 list(self.error) if self.error else None,
                 self.body,
+                self.notes,
             ]
         )
 
     @classmethod
     def unpack(cls, data: bytes) -> _Claim:
-        kind, ranks, digest, mode, error, body = msgpack.unpackb(data)
-        return cls(kind, ranks, digest, mode, tuple(error) if error else None, body)
+        kind, ranks, digest, mode, error, body, notes = msgpack.unpackb(data)
+        return cls(kind, ranks, digest, mode, tuple(error) if error else None, body, notes)
 
 
 @dataclass(frozen=True)
@@ -307,6 +311,7 @@ class _Gather:
         self._collective: dict[str, CollectiveTransport] = {}
         self._sent: tuple[Transport, str, Any] | None = None  # a sender's (transport, token, receipt)
         self._host_in: HostTransport | None = None
+        self._relayed: list[Any] = []  # a leader: its members' notes, for the first rank's verdict
         self._deferred: tuple[str, wire.EncodedPayload] | None = None  # a collective send awaiting "go"
         self._go_posted = False
         self._cross: str | None = None
@@ -336,8 +341,14 @@ class _Gather:
             )
         return found
 
-    def claim(self, kind: str, error: tuple[Any, ...] | None = None, body: list[Any] | None = None) -> _Claim:
-        return _Claim(kind, self.shown, self.digest, self.mode, error, body)
+    def claim(
+        self,
+        kind: str,
+        error: tuple[Any, ...] | None = None,
+        body: list[Any] | None = None,
+        notes: list[Any] | None = None,
+    ) -> _Claim:
+        return _Claim(kind, self.shown, self.digest, self.mode, error, body, notes or None)
 
     def marker(self) -> bytes:
         return _Verdict(False, self.shown, self.digest).pack()
@@ -503,7 +514,9 @@ class _Gather:
             self.call.post({"c": self.claim("send", _error_of(exc)).pack(), "v": self.marker()})
             self.release(taken=False)
             raise
-        self.call.post({"c": self.claim("send", error, body).pack(), "v": self.marker()})
+        # What this rank owes the other senders (segments it let go as a leader, its members' own notes).
+        notes = HostTransport.notes([r for r in self.ranks[1:] if r != self.me]) + self._relayed
+        self.call.post({"c": self.claim("send", error, body, notes).pack(), "v": self.marker()})
         if error is not None:
             _raise_from(error, "")
         try:
@@ -536,6 +549,7 @@ class _Gather:
             return self.publish_across(plan, own)
         others = host[1:]
         claims = [_Claim.unpack(c) for c in self.call.wait_for("c", others, self.seconds, self.what)]
+        self._relayed = [note for claim in claims for note in claim.notes or ()]
         try:
             for rank, claim in zip(others, claims):
                 self.check_claim(rank, claim)
@@ -586,18 +600,23 @@ class _Gather:
                     found[rank] = value
         except BaseException as exc:
             self.tell_go(_error_of(exc), claims)
-            self.call.post({"v": _Verdict(True, self.shown, self.digest, _error_of(exc)).pack()})
+            notes = self.verdict_notes(claims)
+            self.call.post({"v": _Verdict(True, self.shown, self.digest, _error_of(exc), notes).pack()})
             for rank, claim in claims.items():
                 if rank not in taken:
                     self.discard(rank, plan, claim.body)
             self.remove_leftovers_of(getattr(exc, "missing", ()))
             raise
-        notes = HostTransport.notes(self.ranks[1:])
+        notes = self.verdict_notes(claims)
         overwrite = _Claim("taken", None, self.digest, self.mode, None).pack()
         self.call.post(
             {"v": _Verdict(True, self.shown, self.digest, None, notes).pack()}, ("c", bulky, overwrite)
         )
         return [found[r] for r in self.ranks]
+
+    def verdict_notes(self, claims: dict[int, _Claim]) -> list[Any]:
+        """The host transport's word for the senders: this rank's, and what its senders hold for others."""
+        return HostTransport.notes(self.ranks[1:]) + [note for c in claims.values() for note in c.notes or ()]
 
     def tell_go(self, error: tuple[Any, ...] | None, claims: dict[int, _Claim]) -> None:
         """Let collective senders send (or tell them why not); once, only where some may wait."""

@@ -59,6 +59,8 @@ def _run(tmp_path: Path, workspace: str, mode: str, rounds: int) -> tuple[list[d
 def _check_clean(reports: list[dict], backing: Path) -> None:
     assert all(r["wrong"] == [] for r in reports), [r["wrong"][:5] for r in reports]
     assert all(r["shm_left"] == [] for r in reports)
+    # Every pooled segment was reported back once its receiver (or its host's leader) let it go.
+    assert [r["pooled_after_release"] for r in reports] == [[0, 0]] * 4, reports
     left = sorted(str(p.relative_to(backing)) for p in backing.rglob("*"))
     assert left == [] or all(name.startswith(".du-") for name in left), left
 
@@ -73,7 +75,8 @@ def test_hierarchical_gather_over_workspace(tmp_path: Path, workspace: str) -> N
             routes[route] = routes.get(route, 0) + n
     # All four ranks: shm inside each node, one bundle per remote host over the workspace.
     # Each gather's first rank logs its route (the others never need to know it all).
-    assert routes["shm within hosts + workspace across 1 remote host(s)"] == 200
+    # 100 rounds x (tensor + config), then 6 gathers of the pooled-segment check.
+    assert routes["shm within hosts + workspace across 1 remote host(s)"] == 206
     assert routes["shm"] == 2  # the pairs inside one node
     assert routes["workspace"] == 1  # the cross-node pair: one file, no shm hop
     # shm forced across hosts for ranks [0, 2]: both raise; ranks 1 and 3, which that list does

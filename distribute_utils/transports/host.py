@@ -123,7 +123,7 @@ class HostTransport:
     @staticmethod
     def heed(rank: int, notes: list[Any]) -> None:
         """A sender, given its receiver's :meth:`notes`: its segments named there may be written again."""
-        segments_freed({ident for sender, ident in notes if sender == rank})
+        segments_freed({n[1] for n in notes if type(n) is list and len(n) == 2 and n[0] == rank})
 
     @staticmethod
     def remove_left_by(rank: int, pid: int) -> list[str]:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from distribute_utils import get_configs_parallel, get_tensors_parallel
+from distribute_utils.transports.shm import pooled_bytes, release_shared_memory
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float8_e4m3fn, torch.bool]
 
@@ -83,6 +84,19 @@ def main() -> None:
         ) as got:
             if got and [int(t) for t in got] != pair:
                 wrong.append(f"pair {pair}: {got}")
+    # Pooled segments across a hierarchical gather: rank 1 sends to rank 0 on its host, rank 3 to its host's
+    # leader (rank 2), which forwards a bundle. Every segment a receiver or a leader has let go must be
+    # reported back to its sender (a segment never reported stays busy, and allocated, for good).
+    del got
+    big = torch.full((64 * 1024,), float(rank))  # 256 KiB: pooled
+    for _ in range(5):
+        with get_tensors_parallel(big, everyone, workspace_path=workspace, transport=transport, timeout=120) as got:
+            pass
+    del got
+    with get_tensors_parallel(torch.ones(1), everyone, workspace_path=workspace, transport=transport, timeout=120):
+        pass  # carries the reports of the last round's segments
+    release_shared_memory()  # free segments go now; only busy ones stay
+    pooled = list(pooled_bytes())
     # Shared memory forced across hosts: the same clear error on every rank, nothing written.
     try:
         with get_tensors_parallel(torch.ones(4), [0, 2], transport="shm", timeout=120):
@@ -96,6 +110,7 @@ def main() -> None:
         "forced_shm": forced_shm,
         "routes": routes.seen,
         "shm_left": sorted(n for n in os.listdir("/dev/shm") if n.startswith("du_")),
+        "pooled_after_release": pooled,
     }
     with open(os.path.join(os.environ["DU_RESULTS"], f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
