@@ -253,8 +253,9 @@ class _SegmentPool:
     so nothing is ever visible there and the kernel frees them when the process exits, however
     it exits. The receiver opens one through ``/proc/<sender pid>/fd/<fd>`` (checking its
     inode), maps it privately, and the segment stays *busy* until the receiver reports that
-    its map was freed (a finalizer records it; :func:`take_freed` carries the report to the
-    sender in the next agreement on a group they share); only then is it written again. A
+    its map was freed (a finalizer records it; :func:`take_freed` hands the report to the host
+    transport, whose notes reach the sender in the verdict of the next gather they share,
+    relayed by the first rank when a host's leader let the segment go); only then is it written again. A
     segment is pooled only while ``/dev/shm`` keeps at least four times its size free.
     """
 
