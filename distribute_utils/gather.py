@@ -515,7 +515,7 @@ class _Gather:
             self.release(taken=False)
             raise
         # What this rank owes the other senders (segments it let go as a leader, its members' own notes).
-        notes = HostTransport.notes([r for r in self.ranks[1:] if r != self.me]) + self._relayed
+        notes = HostTransport.notes(self.ranks[1:]) + self._relayed  # none is ever for this rank itself
         self.call.post({"c": self.claim("send", error, body, notes).pack(), "v": self.marker()})
         if error is not None:
             _raise_from(error, "")

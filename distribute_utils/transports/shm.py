@@ -389,7 +389,10 @@ def note_payload(nbytes: int) -> None:
 
 def take_freed(ranks: Collection[int]) -> list[tuple[int, str]]:
     """Remove and return the freed-segment reports meant for ``ranks`` (to tell the senders)."""
-    found = [item for item in list(_FREED) if item[0] in ranks]
+    if not _FREED:  # the common case: nothing to look up in a list that may hold thousands of ranks
+        return []
+    wanted = set(ranks)
+    found = [item for item in list(_FREED) if item[0] in wanted]
     for item in found:
         _FREED.discard(item)
     return found
