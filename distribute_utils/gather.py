@@ -515,7 +515,9 @@ class _Gather:
             self.release(taken=False)
             raise
         # What this rank owes the other senders (segments it let go as a leader, its members' own notes).
-        notes = HostTransport.notes(self.ranks[1:]) + self._relayed  # none is ever for this rank itself
+        # Not this rank's own number: a report kept from an earlier process-group incarnation may name the
+        # rank this process had then (the same number now belongs to another process).
+        notes = HostTransport.notes([r for r in self.ranks[1:] if r != self.me]) + self._relayed
         self.call.post({"c": self.claim("send", error, body, notes).pack(), "v": self.marker()})
         if error is not None:
             _raise_from(error, "")
