@@ -93,8 +93,10 @@ def main() -> None:
         with get_tensors_parallel(big, everyone, workspace_path=workspace, transport=transport, timeout=120) as got:
             pass
     del got
-    with get_tensors_parallel(torch.ones(1), everyone, workspace_path=workspace, transport=transport, timeout=120):
-        pass  # carries the reports of the last round's segments
+    # This gather carries the reports of the last round's segments.
+    with get_tensors_parallel(torch.ones(1), everyone, workspace_path=workspace, transport=transport, timeout=120) as got:
+        if got and [float(t) for t in got] != [1.0] * world:
+            wrong.append(f"report-carrying gather: {got}")
     release_shared_memory()  # free segments go now; only busy ones stay
     pooled = list(pooled_bytes())
     # Shared memory forced across hosts: the same clear error on every rank, nothing written.
