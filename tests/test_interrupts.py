@@ -457,14 +457,16 @@ def test_clean_removes_the_temporaries_of_a_killed_consolidation(ckpt: Path, tmp
     writer made and removes it; a running consolidation's temporary is never touched."""
     out, live_out = tmp_path / "out", tmp_path / "live"
     killed = _consolidate(ckpt, out)
-    live = _consolidate(ckpt, live_out)
+    live: Command | None = None
     try:
         temp = _until("the killed one's temporary", lambda: _temp_with_data(out), killed.proc)
         killed.proc.kill()
         killed.finish()
         assert isinstance(temp, Path) and temp.exists()
-        live_temp = _until("the live one's temporary", lambda: _temp_with_data(live_out), live.proc)
-        os.kill(live.proc.pid, signal.SIGSTOP)  # still running while clean looks
+        # Started only now and stopped in the poll that sees its temporary: a fast machine finished it
+        # while the first one was still being watched.
+        live = _consolidate(ckpt, live_out)
+        live_temp = _until("the live one's temporary", lambda: _stop_once_written(live, live_out), live.proc)
         try:
             dry = subprocess.run(
                 [sys.executable, "-m", "distribute_utils", "clean", "--dry-run", "--json"],
@@ -495,7 +497,17 @@ def test_clean_removes_the_temporaries_of_a_killed_consolidation(ckpt: Path, tmp
         assert (live_out / "model.safetensors").exists()
     finally:
         killed.close()
-        live.close()
+        if live is not None:
+            live.close()
+
+
+def _stop_once_written(cmd: Command, out: Path) -> Path | None:
+    """The output temporary once it holds data, with ``cmd`` stopped (SIGSTOP) at once: still running
+    (its record names a live process) but unable to finish while the test looks."""
+    temp = _temp_with_data(out)
+    if temp is not None:
+        os.kill(cmd.proc.pid, signal.SIGSTOP)
+    return temp
 
 
 def test_ranks_end_when_the_launching_process_is_killed(ckpt: Path, tmp_path: Path) -> None:
