@@ -312,6 +312,7 @@ class _Gather:
         self._sent: tuple[Transport, str, Any] | None = None  # a sender's (transport, token, receipt)
         self._host_in: HostTransport | None = None
         self._relayed: list[Any] = []  # a leader: its members' notes, for the first rank's verdict
+        self._notes_taken: list[Any] = []  # this rank's own notes, posted in its claim or verdict
         self._deferred: tuple[str, wire.EncodedPayload] | None = None  # a collective send awaiting "go"
         self._go_posted = False
         self._cross: str | None = None
@@ -514,10 +515,9 @@ class _Gather:
             self.call.post({"c": self.claim("send", _error_of(exc)).pack(), "v": self.marker()})
             self.release(taken=False)
             raise
-        # What this rank owes the other senders (segments it let go as a leader, its members' own notes).
-        # Not this rank's own number: a report kept from an earlier process-group incarnation may name the
-        # rank this process had then (the same number now belongs to another process).
-        notes = HostTransport.notes([r for r in self.ranks[1:] if r != self.me]) + self._relayed
+        # What this rank owes the other participants (segments it let go as a receiver or leader; its
+        # members' notes). They travel on only in a successful verdict: see take_back_notes.
+        notes = self.notes_for(self.ranks) + self._relayed if error is None else []
         self.call.post({"c": self.claim("send", error, body, notes).pack(), "v": self.marker()})
         if error is not None:
             _raise_from(error, "")
@@ -526,7 +526,8 @@ class _Gather:
                 device, payload = self._deferred
                 self._deferred = None
                 go = msgpack.unpackb(self.call.wait_shared("go", self.first, 2 * self.seconds, self.what))
-                if go is not None:
+                if go is not None:  # the first rank failed: its verdict will carry no notes
+                    self.take_back_notes()
                     _raise_from(tuple(go), f"the first rank ({self.first}) failed: ")
                 assert self._sent is not None
                 self.collective(device).publish(self._sent[1], self.me, payload)
@@ -534,7 +535,11 @@ class _Gather:
         except BaseException:
             self.release(taken=False)
             raise
-        self.release(taken=True)
+        # A failed gather may never have read this payload: then nobody will report its segment free.
+        succeeded = verdict.receiver and verdict.digest == self.digest and verdict.error is None
+        self.release(taken=succeeded)
+        if not succeeded:
+            self.take_back_notes()
         if not verdict.receiver or verdict.digest != self.digest:
             raise _mismatch(self.me, self.shown, self.first, verdict.ranks)
         HostTransport.heed(self.me, verdict.notes)
@@ -602,23 +607,42 @@ class _Gather:
                     found[rank] = value
         except BaseException as exc:
             self.tell_go(_error_of(exc), claims)
-            notes = self.verdict_notes(claims)
-            self.call.post({"v": _Verdict(True, self.shown, self.digest, _error_of(exc), notes).pack()})
+            self.call.post({"v": _Verdict(True, self.shown, self.digest, _error_of(exc)).pack()})
+            self.take_back_notes()
             for rank, claim in claims.items():
                 if rank not in taken:
                     self.discard(rank, plan, claim.body)
             self.remove_leftovers_of(getattr(exc, "missing", ()))
             raise
-        notes = self.verdict_notes(claims)
+        notes = self.notes_for(self.ranks[1:]) + [note for c in claims.values() for note in c.notes or ()]
+        # A sender may have received from this rank in an earlier gather (other roles, other numbers).
+        HostTransport.heed(self.me, notes)
         overwrite = _Claim("taken", None, self.digest, self.mode, None).pack()
         self.call.post(
             {"v": _Verdict(True, self.shown, self.digest, None, notes).pack()}, ("c", bulky, overwrite)
         )
         return [found[r] for r in self.ranks]
 
-    def verdict_notes(self, claims: dict[int, _Claim]) -> list[Any]:
-        """The host transport's word for the senders: this rank's, and what its senders hold for others."""
-        return HostTransport.notes(self.ranks[1:]) + [note for c in claims.values() for note in c.notes or ()]
+    def notes_for(self, ranks: Sequence[int]) -> list[Any]:
+        """The host transport's word (this rank's) for the other processes of ``ranks`` in its pid namespace.
+        Its reports name processes; their rank numbers are looked up in the current incarnation (a number
+        may have been another process's when the report was made). Ranks that have not posted where they
+        run yet are left for a later gather."""
+        directory = self.companion.directory
+        if directory is None or not HostTransport.has_notes():
+            return []
+        found = directory.posted(ranks, self.companion.store)
+        pids = {i.pid: r for r, i in found.items() if r != self.me and directory.me.can_watch(i)}
+        self._notes_taken = HostTransport.notes(pids)
+        return self._notes_taken
+
+    def take_back_notes(self) -> None:
+        """The gather failed and said so: its verdict carried no notes, so this rank keeps the notes it
+        took for a later gather. Every note is delivered once: a second report of a segment written
+        again since would let its sender overwrite what a receiver maps. (A rank that never reads the
+        verdict keeps nothing back: the first rank may have delivered them; those segments stay busy.)"""
+        HostTransport.keep(self._notes_taken)
+        self._notes_taken = []
 
     def tell_go(self, error: tuple[Any, ...] | None, claims: dict[int, _Claim]) -> None:
         """Let collective senders send (or tell them why not); once, only where some may wait."""
@@ -626,7 +650,8 @@ class _Gather:
             return
         # Who sends by collective waits for "go": by this rank's plan, or by its own request.
         waiting = any(
-            c.body and (self._cross == "collective" or c.mode.startswith("collective:")) for c in claims.values()
+            c.body and (self._cross == "collective" or c.mode.startswith("collective:"))
+            for c in claims.values()
         )
         if waiting or (error is not None and (self.transport == "collective" or self._cross == "collective")):
             self.call.post_shared("go", msgpack.packb(list(error) if error else None))

@@ -329,6 +329,18 @@ class _PeerDirectory:
                     self._infos[r] = ProcessInfo.from_wire(msgpack.unpackb(v))
         return [self._infos[r] for r in ranks]
 
+    def posted(self, ranks: Sequence[int], store: dist.Store) -> dict[int, ProcessInfo]:
+        """Infos of those of ``ranks`` that have posted theirs, without waiting (the others are left out)."""
+        missing = [r for r in ranks if r not in self._infos]
+        if missing:
+            keys = [self._key(r) for r in missing]
+            if store.check(keys):
+                with self._lock:
+                    for r, v in zip(missing, store.multi_get(keys)):
+                        self._infos[r] = ProcessInfo.from_wire(msgpack.unpackb(v))
+        infos = self._infos
+        return {r: infos[r] for r in ranks if r in infos}
+
     def watch_client(self) -> dist.Store:
         """The watchdog thread's own client of the store, one per process group incarnation (every new
         connection costs the store server a name lookup: see docs/performance.md)."""

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import signal
 import threading
@@ -29,6 +30,7 @@ from distribute_utils import (
     get_tensors_parallel,
     sync,
 )
+from distribute_utils.transports import shm
 
 from harness import RankPool, load_script
 
@@ -311,6 +313,66 @@ def test_reinitialisation_twice_with_swapped_ranks(pools: Any, tmp_path: Any, wo
             assert by_rank[2]["after"] == [[], [2, 3], [], [2, 3]]
         first_before = [r[f"attempt{attempt}"] for r in results if r[f"attempt{attempt}"]["before_rank"] == 0]
         assert first_before[0]["before"] == [float(r) for r in range(world)]
+
+
+def _remake_group(rank: int, tag: str) -> None:
+    """Destroy the default group and make it again on the same store, this process as ``rank``."""
+    store = dist.distributed_c10d._get_default_store()
+    while not isinstance(store, dist.TCPStore):  # under the prefixes of earlier re-made groups
+        store = store.underlying_store
+    host, port, world = store.host, store.port, dist.get_world_size()
+    dist.destroy_process_group()
+    client = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore(tag, client), rank=rank, world_size=world)
+
+
+def _pool_reports(how: str, tag: str) -> dict[str, Any]:
+    """Senders publish pooled segments to rank 0, which lets them go; before a verdict carries the
+    report, either the group is made anew with ranks 1 and 2 swapped (``renumbered``), or rank 0 sends
+    the reports in its claim to a gather that fails before its first rank reads the claims
+    (``failed``). A small gather afterwards must reach the processes that sent the segments."""
+    world, old = dist.get_world_size(), dist.get_rank()
+    with get_tensors_parallel(torch.full((300_000,), float(old)), list(range(world)), timeout=30) as got:
+        values = [float(t[0]) for t in got]
+    del got
+    gc.collect()  # the first rank's views are gone: it holds one report per sender
+    busy = shm.pooled_bytes()[0]  # segments in this process's pool
+    if how == "renumbered":
+        _remake_group([0, 2, 1, 3][old], f"pool-reports/{tag}/0")
+        barrier(timeout=30)  # every rank has posted where it runs
+    else:
+        # Rank 3 receives and gives up at once (a non-tensor of its own): it never reads rank 0's claim.
+        value: Any = "not a tensor" if old == 3 else torch.zeros(4)
+        with (
+            pytest.raises(TypeError, match=r"gathers a torch\.Tensor"),
+            get_tensors_parallel(value, [3, 0, 1, 2], timeout=30),
+        ):
+            pass
+    with get_configs_parallel({"rank": dist.get_rank()}, list(range(world)), timeout=30) as got:
+        ranks = [c["rank"] for c in got]
+    held = shm.pooled_bytes()  # what was free went back with the old group; the rest when reported
+    if how == "renumbered":
+        _remake_group(old, f"pool-reports/{tag}/1")
+        barrier(timeout=30)
+    else:
+        shm.release_shared_memory()
+        held = shm.pooled_bytes()
+    return {"values": values, "busy": busy, "ranks": ranks, "held": held}
+
+
+@pytest.mark.parametrize("how", ["renumbered", "failed"])
+def test_pool_reports_reach_the_sending_process(ranks4: RankPool, how: str) -> None:
+    """Reports name processes: made under one numbering and delivered under another, they reach the
+    process that holds the segment (before: rank 1's report went to the process that now was rank 1,
+    which ignored it). Reports in a claim that a failed gather never read are kept for the next
+    gather (before: lost). Either way a sender's segment stayed allocated and busy for good."""
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    results = ranks4.run(_pool_reports, how, tag, timeout=120)
+    assert results[0]["values"] == [0.0, 1.0, 2.0, 3.0]
+    # (a segment of an earlier test may still be in a sender's pool, its report on the way)
+    assert all(r["busy"] >= 1 for r in results[1:]), "each sender published through a pooled segment"
+    assert results[0]["ranks"] == [0, 1, 2, 3]
+    assert [r["held"] for r in results] == [(0, 0)] * 4, "a sender still holds a segment nobody maps"
 
 
 def test_a_new_incarnation_on_the_same_store_never_reads_the_old_keys() -> None:

@@ -18,7 +18,7 @@ in its verdict, :meth:`HostTransport.heed` acts on it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._host import ProcessInfo
@@ -27,6 +27,8 @@ from ..wire import EncodedPayload
 from .base import Transport
 from .shm import (
     SharedMemoryTransport,
+    freed_pending,
+    keep_freed,
     note_payload,
     remove_segments_of,
     segments_freed,
@@ -111,19 +113,33 @@ class HostTransport:
 
     def _ws(self) -> Transport:
         if self._workspace is None:
-            raise PayloadError("a payload was published in the workspace, but this gather has no workspace_path")
+            raise PayloadError(
+                "a payload was published in the workspace, but this gather has no workspace_path"
+            )
         return self._workspace()
 
     # -- what the receiver tells its senders -----------------------------------------------------
     @staticmethod
-    def notes(senders: Collection[int]) -> list[list[Any]]:
-        """The receiver, when done: the pooled segments of ``senders`` it no longer maps."""
-        return [list(item) for item in take_freed(senders)]
+    def has_notes() -> bool:
+        """Whether :meth:`notes` may find anything (cheap; ask before looking up the senders)."""
+        return freed_pending()
+
+    @staticmethod
+    def notes(senders: Mapping[int, int]) -> list[list[Any]]:
+        """The receiver, when done: the pooled segments of ``senders`` (their pid -> their rank now, for
+        processes of this pid namespace) it no longer maps, as ``[rank, segment, pid]``. Each report is
+        handed out once: deliver it, or give it back with :meth:`keep`."""
+        return [[senders[pid], ident, pid] for pid, ident in take_freed(senders)]
+
+    @staticmethod
+    def keep(notes: list[list[Any]]) -> None:
+        """Take back :meth:`notes` that were not delivered (for a later gather)."""
+        keep_freed([(pid, ident) for _, ident, pid in notes])
 
     @staticmethod
     def heed(rank: int, notes: list[Any]) -> None:
         """A sender, given its receiver's :meth:`notes`: its segments named there may be written again."""
-        segments_freed({n[1] for n in notes if type(n) is list and len(n) == 2 and n[0] == rank})
+        segments_freed({n[1] for n in notes if type(n) is list and len(n) == 3 and n[0] == rank})
 
     @staticmethod
     def remove_left_by(rank: int, pid: int) -> list[str]:

@@ -38,6 +38,8 @@ from .files import reserve_space, unlink
 __all__ = [
     "SEGMENT_PREFIX",
     "SharedMemoryTransport",
+    "freed_pending",
+    "keep_freed",
     "note_payload",
     "pooled_bytes",
     "release_shared_memory",
@@ -145,7 +147,7 @@ class SharedMemoryTransport:
             if kind == "n":
                 unlink(path)
         if kind == "p":
-            weakref.finalize(buf, _FREED.add, (rank, ident))
+            weakref.finalize(buf, _FREED.add, (pid, ident))
         prefix = read_prefix(buf)
         if prefix.total_len != nbytes:
             raise PayloadError(
@@ -363,7 +365,9 @@ class _SegmentPool:
 
 
 _POOL = _SegmentPool()
-_FREED: set[tuple[int, str]] = set()  # (sender rank, segment id) whose receiver map is gone
+# (sender pid, segment id) whose receiver map is gone. By process, not by rank: a rank number may
+# belong to another process by the time the report travels (the default group was made anew).
+_FREED: set[tuple[int, str]] = set()
 
 
 def release_shared_memory() -> int:
@@ -387,22 +391,31 @@ def note_payload(nbytes: int) -> None:
     _POOL.note_payload(nbytes)
 
 
-def take_freed(ranks: Collection[int]) -> list[tuple[int, str]]:
-    """Remove and return the freed-segment reports meant for ``ranks`` (to tell the senders)."""
+def freed_pending() -> bool:
+    """Whether this process holds freed-segment reports for any sender."""
+    return bool(_FREED)
+
+
+def take_freed(pids: Collection[int]) -> list[tuple[int, str]]:
+    """Remove and return the freed-segment reports ``(pid, segment id)`` meant for the senders ``pids``
+    (processes of this pid namespace), to tell them."""
     if not _FREED:  # the common case: nothing to look up in a list that may hold thousands of ranks
         return []
-    wanted = set(ranks)
+    wanted = set(pids)
     found = [item for item in list(_FREED) if item[0] in wanted]
     for item in found:
         _FREED.discard(item)
     return found
 
 
+def keep_freed(reports: Collection[tuple[int, str]]) -> None:
+    """Put back reports taken with :func:`take_freed` that could not be delivered."""
+    _FREED.update(reports)
+
+
 def segments_freed(idents: set[str]) -> None:
     """This sender's pooled segments ``idents`` are no longer mapped by any receiver."""
     _POOL.freed(idents)
-
-
 
 
 # An interrupted process removes the named segments it published that nobody took (pooled ones have
