@@ -115,9 +115,7 @@ def find_segments(shm_dir: str = SHM_DIR) -> list[Segment]:
             continue
         m = _SEGMENT_RE.fullmatch(name)
         pid = int(m["pid"]) if m else None
-        found.append(
-            Segment(name, path, st.st_size, st.st_uid, pid, None if pid is None else pid_alive(pid))
-        )
+        found.append(Segment(name, path, st.st_size, st.st_uid, pid, None if pid is None else pid_alive(pid)))
     return found
 
 

@@ -135,9 +135,7 @@ def rank_main(settings: Settings) -> dict[str, Any]:
             ("small round trip", bench_small),
         ]
         if ctx.mo_distribute is not None:  # the largest layer ModelOpt's helper can carry
-            steps.insert(
-                2, ("layer config (ModelOpt-sized)", functools.partial(bench_layers, n_tensors=32))
-            )
+            steps.insert(2, ("layer config (ModelOpt-sized)", functools.partial(bench_layers, n_tensors=32)))
     if "workspace" in settings.groups and settings.workspace_dir is not None:
         local = WorkspaceSetup(
             f"local disk 1x{settings.nproc}",

@@ -140,7 +140,9 @@ class _Bare:
         self.rep += 1
         tag = f"bench/bare/{self.use_wire}/{self.nbytes}/{self.rep}"
         if self.rank != 0:
-            data = wire.encode(tensor, root="tensor").to_bytes() if self.use_wire else tensor.numpy().tobytes()
+            data = (
+                wire.encode(tensor, root="tensor").to_bytes() if self.use_wire else tensor.numpy().tobytes()
+            )
             self.store.multi_set([f"{tag}/c/{self.rank}"], [data])
             self.store.multi_get([f"{tag}/v"])
             return []
@@ -206,7 +208,9 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
         if nbytes <= INLINE_MAX_BYTES:
             for use_wire in (False, True):
                 bare = _Bare(nbytes, use_wire)
-                methods["bare+wire" if use_wire else "bare"] = lambda bare=bare, tensor=tensor: bare.run(tensor)
+                methods["bare+wire" if use_wire else "bare"] = lambda bare=bare, tensor=tensor: bare.run(
+                    tensor
+                )
         times: dict[str, list[float]] = {m: [] for m in methods}
         for fn in methods.values():  # warm-up: pools, connections, page cache
             _timed(fn)

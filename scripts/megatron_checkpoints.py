@@ -352,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-truth", action="store_true", help="skip Megatron's TP1 reshard")
     a = parser.parse_args(argv)
     write(a.out, a.case, a.tp, a.pp, a.ep, a.vp, truth=not a.no_truth)
-    print(f"wrote {a.out}/legacy, {a.out}/torch_dist" + ("" if a.no_truth else f", {a.out}/truth.safetensors"))
+    print(
+        f"wrote {a.out}/legacy, {a.out}/torch_dist" + ("" if a.no_truth else f", {a.out}/truth.safetensors")
+    )
     return 0
 
 

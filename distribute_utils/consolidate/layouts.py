@@ -603,5 +603,3 @@ def write_own_layout(
             atomic_torch_save({n: standalone(x) for n, x in sd.items()}, path)
     atomic_write_text(root / MESH_FILE, json.dumps(description, indent=2) + "\n")
     return layout
-
-

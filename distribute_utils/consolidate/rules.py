@@ -108,7 +108,6 @@ def _check_dtypes(
         )
 
 
-
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes."""
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_uint8(a), as_uint8(b))

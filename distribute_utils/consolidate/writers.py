@@ -91,7 +91,6 @@ DTYPE_TO_SAFETENSORS: dict[torch.dtype, str] = _build_dtype_map()
 SAFETENSORS_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_SAFETENSORS.items()}
 
 
-
 def safetensors_dtype(dtype: torch.dtype, name: str | None = None) -> str:
     """Returns the safetensors dtype string for a torch dtype.
 

@@ -32,7 +32,6 @@ __all__ = ["CollectiveTransport"]
 logger = logging.getLogger(__name__)
 
 
-
 class CollectiveTransport:
     """Moves payloads to ``first`` with point-to-point messages over ``group``.
 

@@ -315,4 +315,9 @@ def loads_text(values: Sequence[float] | None) -> str:
 def cost_row(step: str, times: list[float], nbytes: int) -> dict[str, Any]:
     """One step of a one-process cost table: median and best time, and the rate at the best."""
     best = min(times)
-    return {"step": step, "median_ms": median_ms(times), "min_ms": best * 1e3, "gib_per_s_at_min": nbytes / 2**30 / best}
+    return {
+        "step": step,
+        "median_ms": median_ms(times),
+        "min_ms": best * 1e3,
+        "gib_per_s_at_min": nbytes / 2**30 / best,
+    }

@@ -116,5 +116,3 @@ class FileEvents:
             if mask & _IN_CLOSE_WRITE:
                 entry["closed_after_write"] += 1
         return counts
-
-

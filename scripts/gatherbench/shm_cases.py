@@ -454,5 +454,3 @@ def format_write_costs(results: list[dict[str, Any]], nbytes: int, where: str = 
             f"{r['step']:<{width}} {r['median_ms']:>10.2f} {r['min_ms']:>8.2f} {r['gib_per_s_at_min']:>13.2f}"
         )
     return "\n".join(lines)
-
-

@@ -500,9 +500,7 @@ def _load_simulate_nodes() -> Any:
 
     if "simulate_nodes" in sys.modules:
         return sys.modules["simulate_nodes"]
-    spec = importlib.util.spec_from_file_location(
-        "simulate_nodes", SCRIPTS / "simulate_nodes.py"
-    )
+    spec = importlib.util.spec_from_file_location("simulate_nodes", SCRIPTS / "simulate_nodes.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["simulate_nodes"] = module
@@ -644,5 +642,3 @@ def format_workspace(report: dict[str, Any]) -> list[str]:
         if "error" in run:
             lines.append(run["error"])
     return lines
-
-

@@ -90,11 +90,15 @@ def main() -> None:
     del got
     big = torch.full((64 * 1024,), float(rank))  # 256 KiB: pooled
     for _ in range(5):
-        with get_tensors_parallel(big, everyone, workspace_path=workspace, transport=transport, timeout=120) as got:
+        with get_tensors_parallel(
+            big, everyone, workspace_path=workspace, transport=transport, timeout=120
+        ) as got:
             pass
     del got
     # This gather carries the reports of the last round's segments.
-    with get_tensors_parallel(torch.ones(1), everyone, workspace_path=workspace, transport=transport, timeout=120) as got:
+    with get_tensors_parallel(
+        torch.ones(1), everyone, workspace_path=workspace, transport=transport, timeout=120
+    ) as got:
         if got and [float(t) for t in got] != [1.0] * world:
             wrong.append(f"report-carrying gather: {got}")
     release_shared_memory()  # free segments go now; only busy ones stay
