@@ -28,6 +28,10 @@ has mapped its payload, and TP groups of different stages never wait for each ot
 batches of at most three rounds (one being written, one queued, one arriving): about ``3 * pp *
 batch_bytes`` plus the pages of its own shard (remapped every batch), never the model.
 
+One process (no process group, or a world of one) runs the same job object alone: every stage in turn, each
+batch read from all of the stage's TP shards and written in this thread (one stage's shard windows mapped at
+a time, so memory stays near one batch); plan, writer and report are the ones the ranks use.
+
 Errors: a failure on any rank (a ``same`` tensor that differs, a full disk, a bad shard) does not leave the
 others hanging: the failing rank keeps taking part in the remaining rounds with an error marker instead of
 data, the marker travels to rank 0, rank 0 aborts its writer (nothing half-written is left), and a final
@@ -536,11 +540,18 @@ class _Options:
 
 
 # --------------------------------------------------------------------------------------------------------
-# The distributed job.
+# The job.
 
 
 class _Job:
-    """One rank's part of a distributed consolidation (see the module doc for the call order)."""
+    """One consolidation as this process takes part in it: one rank's part of a TP x PP job (see the module
+    doc for the call order), or, ``alone``, the whole of it (every shard read here, stage by stage).
+
+    Both share the plan, the writer, the failure handling and the report; the roles differ only in where
+    rank 0's batches come from and in their order: a job of ``tp * pp`` ranks moves batch ``r`` of every
+    stage per round, one process reads one stage after the other (one stage's shard windows mapped at a
+    time: memory stays near one batch).
+    """
 
     def __init__(
         self,
@@ -551,8 +562,10 @@ class _Job:
         workspace_path: str | os.PathLike[str] | None,
         transport: str,
         seconds: float,
+        alone: bool,
     ) -> None:
         self.start = time.perf_counter()
+        self.alone = alone
         self.input_dir, self.output, self.options = input_dir, output, options
         self.format, self.max_shard_size = options.format, options.max_shard_size
         self.seconds, self.batch_bytes = seconds, options.batch_bytes
@@ -563,8 +576,8 @@ class _Job:
         }
         self.workspace_path, self.transport = workspace_path, transport
         self.progress_enabled = options.progress
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.rank = 0 if alone else dist.get_rank()
+        self.world = 1 if alone else dist.get_world_size()
         self.failure: _Failure | None = None
         self.writer: CheckpointWriter | None = None
         self.bar: Any = None
@@ -595,15 +608,19 @@ class _Job:
 
     # -- setup -------------------------------------------------------------------------------------------
     def _setup(self) -> None:
+        if self.alone:
+            self._plan()
+            self.writer = self.options.open_writer(self.output, self.plan)
+            self.transport_used = "none"
+            return
         digest = ""
         with self._guard():
-            self.layout, self.plan = self.options.plan(self.input_dir)
+            self._plan()
             if isinstance(self.layout, DcpCheckpoint):
                 raise ValueError(
                     f"'{self.input_dir}' is {self.layout.describe_grid()}: one process streams it from its "
                     f"files; run the consolidation on 1 rank, not {self.world}"
                 )
-            self.tp, self.pp = self.layout.tp, self.layout.stages
             if self.world != self.tp * self.pp:
                 raise ValueError(
                     f"'{self.input_dir}' is a {self.layout.describe_grid()} checkpoint and needs "
@@ -611,9 +628,6 @@ class _Job:
                     f"{self.tp * self.pp} ranks (or on 1 to consolidate in one process)"
                 )
             self.pp_rank, self.tp_rank = self.layout.rank_grid.coordinate(self.rank)
-            self.batches = _make_batches(self.plan, self.pp, self.batch_bytes)
-            self.rounds = max((len(b) for b in self.batches), default=0)
-            self.total_bytes = sum(e.spec.nbytes for e in self.plan)
             digest = _plan_digest(self.plan, self.format, self.max_shard_size, self.batch_bytes)
             self.source = _ShardSource(
                 self.layout, self.tp_rank, self.pp_rank, _REMAP_FACTOR * self.batch_bytes
@@ -656,6 +670,14 @@ class _Job:
             self.rounds,
             self.transport_used,
         )
+
+    def _plan(self) -> None:
+        """The plan and its batches (metadata only), the same on every rank."""
+        self.layout, self.plan = self.options.plan(self.input_dir)
+        self.tp, self.pp = self.layout.tp, self.layout.stages
+        self.batches = _make_batches(self.plan, self.pp, self.batch_bytes)
+        self.rounds = max((len(b) for b in self.batches), default=0)
+        self.total_bytes = sum(e.spec.nbytes for e in self.plan)
 
     # -- rounds --------------------------------------------------------------------------------------
     def _tp_round(self, batch: tuple[MergePlanEntry, ...]) -> list[list[torch.Tensor]] | None:
@@ -730,33 +752,66 @@ class _Job:
                 tasks += [(entry, item, ranks) for entry, item in zip(batch, items)]
             self.bg.submit(tasks)
 
-    def run(self) -> ConsolidationReport:
-        """Runs every round of this rank's role, then agrees on the outcome with every rank."""
-        first_tp = self.tp_rank == 0
+    def _read_alone(self) -> None:
+        """Alone: every stage in turn, each batch read from every TP shard of the stage and written."""
+        assert self.writer is not None
+        streamed = isinstance(self.layout, DcpCheckpoint) and isinstance(self.writer, SafetensorsWriter)
+        for p in range(self.pp):
+            window = _REMAP_FACTOR * self.batch_bytes
+            sources = [_ShardSource(self.layout, t, p, window) for t in range(self.tp)]
+            ranks = self.layout.stage_ranks(p)
+            for batch in self.batches[p]:
+                if streamed:
+                    self.layout.stream_into(self.writer, batch)  # chunk by chunk, no tensor built
+                    self.bar.update(sum(e.spec.nbytes for e in batch))
+                    continue
+                shards = [s.get(batch) for s in sources]
+                for i, entry in enumerate(batch):
+                    parts = [s[i] for s in shards]
+                    _write(self.writer, entry, parts if len(parts) > 1 else parts[0], ranks)
+                    self.bar.update(entry.spec.nbytes)
+                del shards
+                for s in sources:
+                    s.batch_done()
+
+    def _run_first(self) -> None:
+        """Rank 0: round by round, its own stage's batch and every later stage's, to the writer thread."""
+        assert self.writer is not None
+        mine = self.batches[0]
+        self.bg = _BackgroundWriter(self.writer, self.bar)
+        try:
+            for r in range(self.rounds):
+                if r < len(mine):
+                    self._write_own(mine[r])
+                if self.pp > 1:
+                    self._receive_stages(r)
+        except BaseException:
+            self.bg.cancel()
+            raise
+        with self._guard():
+            self.bg.finish()
+
+    def _run_sender(self) -> None:
+        """Any other rank: a stage's first TP rank sends every round to rank 0; the others their shards."""
         mine = self.batches[self.pp_rank]
+        if self.tp_rank == 0:
+            for r in range(self.rounds):
+                self._pp_send(mine[r] if r < len(mine) else None)
+        else:
+            for batch in mine:
+                self._tp_round(batch)
+                self.source.batch_done()
+
+    def run(self) -> ConsolidationReport:
+        """Runs this process's role to the end, then agrees on the outcome with every rank."""
         self.bar = _progress(self.total_bytes, self.progress_enabled and self.rank == 0, "consolidating")
         try:
-            if self.rank == 0:
-                assert self.writer is not None
-                self.bg = _BackgroundWriter(self.writer, self.bar)
-                try:
-                    for r in range(self.rounds):
-                        if r < len(mine):
-                            self._write_own(mine[r])
-                        if self.pp > 1:
-                            self._receive_stages(r)
-                except BaseException:
-                    self.bg.cancel()
-                    raise
-                with self._guard():
-                    self.bg.finish()
-            elif first_tp:
-                for r in range(self.rounds):
-                    self._pp_send(mine[r] if r < len(mine) else None)
+            if self.alone:
+                self._read_alone()
+            elif self.rank == 0:
+                self._run_first()
             else:
-                for batch in mine:
-                    self._tp_round(batch)
-                    self.source.batch_done()
+                self._run_sender()
         except BaseException:
             if self.writer is not None:
                 self.writer.abort()
@@ -766,6 +821,14 @@ class _Job:
         return self._finish()
 
     def _finish(self) -> ConsolidationReport:
+        if self.alone:
+            assert self.writer is not None
+            try:
+                files = [os.fspath(p) for p in self.writer.close()]
+            except BaseException:
+                self.writer.abort()
+                raise
+            return self._report(files)
         world = sync.companion(None)
         statuses = [
             msgpack.unpackb(s)
@@ -809,53 +872,25 @@ class _Job:
         return failure.error(self.rank)
 
     def _report(self, files: list[str]) -> ConsolidationReport:
-        return _report(
-            self.input_dir,
-            self.output,
-            self.layout,
-            self.plan,
-            self.format,
-            self.start,
-            self.world,
-            self.transport_used,
-            self.rounds,
-            self.batch_bytes,
-            files,
+        """The report of the finished consolidation (rank 0's)."""
+        return ConsolidationReport(
+            input_dir=os.fspath(self.input_dir),
+            output=os.fspath(self.output),
+            layout=self.layout.kind,
+            tp=self.layout.tp,
+            pp=self.layout.pp,
+            world_size=self.world,
+            format=self.format,
+            tensors=len(self.plan),
+            bytes=self.total_bytes,
+            seconds=time.perf_counter() - self.start,
+            transport=self.transport_used,
+            rounds=self.rounds,
+            batch_bytes=self.batch_bytes,
+            peak_rss_bytes=peak_rss_bytes(),
+            files=files,
+            rank=0,
         )
-
-
-def _report(
-    input_dir: str | os.PathLike[str],
-    output: str | os.PathLike[str],
-    layout: Checkpoint,
-    plan: Sequence[MergePlanEntry],
-    format: str,
-    start: float,
-    world_size: int,
-    transport: str,
-    rounds: int,
-    batch_bytes: int,
-    files: list[str],
-) -> ConsolidationReport:
-    """The report of a finished consolidation (rank 0's, in one process or on N ranks)."""
-    return ConsolidationReport(
-        input_dir=os.fspath(input_dir),
-        output=os.fspath(output),
-        layout=layout.kind,
-        tp=layout.tp,
-        pp=layout.pp,
-        world_size=world_size,
-        format=format,
-        tensors=len(plan),
-        bytes=sum(e.spec.nbytes for e in plan),
-        seconds=time.perf_counter() - start,
-        transport=transport,
-        rounds=rounds,
-        batch_bytes=batch_bytes,
-        peak_rss_bytes=peak_rss_bytes(),
-        files=files,
-        rank=0,
-    )
 
 
 def _describe_transport(domains: set[str], requested: str, has_workspace: bool) -> str:
@@ -864,55 +899,6 @@ def _describe_transport(domains: set[str], requested: str, has_workspace: bool) 
     if len(domains) <= 1:
         return "shm"
     return f"shm within hosts + {'workspace' if has_workspace else 'collective'} across {len(domains)} hosts"
-
-
-# --------------------------------------------------------------------------------------------------------
-# One process.
-
-
-def _write_batch(
-    writer: CheckpointWriter,
-    batch: Sequence[MergePlanEntry],
-    shards: Sequence[Sequence[torch.Tensor]],
-    ranks: Sequence[int],
-    bar: Any,
-) -> None:
-    """Writes one batch from every TP rank's shards (``shards[t][i]``: TP rank t, entry i)."""
-    for i, entry in enumerate(batch):
-        parts = [s[i] for s in shards]
-        _write(writer, entry, parts if len(parts) > 1 else parts[0], ranks)
-        bar.update(entry.spec.nbytes)
-
-
-def _consolidate_alone(
-    input_dir: str | os.PathLike[str], output: str | os.PathLike[str], options: _Options
-) -> ConsolidationReport:
-    """The whole consolidation in this process: every shard read here, batch by batch."""
-    start = time.perf_counter()
-    layout, plan = options.plan(input_dir)
-    batches = _make_batches(plan, layout.stages, options.batch_bytes)
-    total = sum(e.spec.nbytes for e in plan)
-    window = _REMAP_FACTOR * options.batch_bytes
-    with (
-        options.open_writer(output, plan) as writer,
-        _progress(total, options.progress, "consolidating") as bar,
-    ):
-        for p in range(layout.stages):
-            sources = [_ShardSource(layout, t, p, window) for t in range(layout.tp)]
-            ranks = layout.stage_ranks(p)
-            for batch in batches[p]:
-                if isinstance(layout, DcpCheckpoint) and isinstance(writer, SafetensorsWriter):
-                    layout.stream_into(writer, batch)  # chunk by chunk, no tensor built
-                    bar.update(sum(e.spec.nbytes for e in batch))
-                    continue
-                _write_batch(writer, batch, [s.get(batch) for s in sources], ranks, bar)
-                for s in sources:
-                    s.batch_done()
-    rounds = max((len(b) for b in batches), default=0)
-    files = [os.fspath(p) for p in writer.paths]
-    return _report(
-        input_dir, output, layout, plan, options.format, start, 1, "none", rounds, options.batch_bytes, files
-    )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -992,8 +978,6 @@ def consolidate_checkpoint(
         swiglu=swiglu,
         names=names,
     )
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return _consolidate_alone(input_dir, output, options)
     job = _Job(
         input_dir,
         output,
@@ -1001,6 +985,7 @@ def consolidate_checkpoint(
         workspace_path=workspace_path,
         transport=transport,
         seconds=sync.resolve_timeout(timeout),
+        alone=not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1,
     )
     return job.run()
 
