@@ -140,7 +140,7 @@ def rank_main(settings: Settings) -> dict[str, Any]:
         local = WorkspaceSetup(
             f"local disk 1x{settings.nproc}",
             settings.workspace_dir,
-            ("ours", "ours_nofsync", "save_load", "save_load_mmap"),
+            ("ours", "save_load", "save_load_mmap"),
             read_every_byte=False,
         )
         steps.append(("workspace (local disk)", functools.partial(bench_workspace, setup=local)))

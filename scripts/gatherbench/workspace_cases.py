@@ -42,7 +42,6 @@ WS_BASELINE_DIR = "bench-baseline"
 """Subdirectory of the workspace for the torch.save files (and the case markers)."""
 WS_METHODS = {
     "ours": 'ours, transport="workspace" (flat)',
-    "ours_nofsync": 'ours, transport="workspace", fsync off (patched)',
     "ours_auto": 'ours, transport="auto" (hierarchical)',
     "save_load": "torch.save -> torch.load",
     "save_load_mmap": "torch.save -> torch.load(mmap=True)",
@@ -98,25 +97,6 @@ def _config_tensors(configs: Sequence[Any]) -> list[torch.Tensor]:
     return [v for c in configs for v in c.values() if isinstance(v, torch.Tensor)]
 
 
-@contextlib.contextmanager
-def _workspace_fsync_off() -> Iterator[None]:
-    """Make every ``WorkspaceTransport`` of this process skip ``fsync`` (a what-if, not an API)."""
-    from distribute_utils.transports import workspace as ws
-
-    cls = ws.WorkspaceTransport
-    original = cls.__init__
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs["fsync"] = False
-        original(self, *args, **kwargs)
-
-    cls.__init__ = init  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        cls.__init__ = original  # type: ignore[method-assign]
-
-
 def _ws_runner(
     ctx: RankContext, setup: WorkspaceSetup, key: str, values: Sequence[Any], names: Iterator[int]
 ) -> Callable[[Callable[[list[Any], int], None]], None]:
@@ -130,19 +110,16 @@ def _ws_runner(
         transport = "auto" if key == "ours_auto" else "workspace"
 
         def ours(consume: Callable[[list[Any], int], None]) -> None:
-            with _workspace_fsync_off() if key == "ours_nofsync" else contextlib.nullcontext():
-                for i, value in enumerate(values):
-                    if isinstance(value, torch.Tensor):
-                        gather = get_tensors_parallel(
-                            value, ranks, workspace_path=setup.workspace, transport=transport
-                        )
-                    else:
-                        gather = get_configs_parallel(
-                            value, ranks, None, setup.workspace, transport=transport
-                        )
-                    with gather as got:
-                        if got:
-                            consume(got, i)
+            for i, value in enumerate(values):
+                if isinstance(value, torch.Tensor):
+                    gather = get_tensors_parallel(
+                        value, ranks, workspace_path=setup.workspace, transport=transport
+                    )
+                else:
+                    gather = get_configs_parallel(value, ranks, None, setup.workspace, transport=transport)
+                with gather as got:
+                    if got:
+                        consume(got, i)
 
         return ours
 
