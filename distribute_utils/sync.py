@@ -323,23 +323,26 @@ class _PeerDirectory:
         """Infos of ``ranks`` (one wait for all of those not cached yet)."""
         missing = [r for r in ranks if r not in self._infos]
         if missing:
-            values = _wait_values(store, [self._key(r) for r in missing], missing, timeout, what, None)
-            with self._lock:
-                for r, v in zip(missing, values):
-                    self._infos[r] = ProcessInfo.from_wire(msgpack.unpackb(v))
+            self._remember(
+                missing, _wait_values(store, [self._key(r) for r in missing], missing, timeout, what, None)
+            )
         return [self._infos[r] for r in ranks]
 
     def posted(self, ranks: Sequence[int], store: dist.Store) -> dict[int, ProcessInfo]:
-        """Infos of those of ``ranks`` that have posted theirs, without waiting (the others are left out)."""
+        """Infos of ``ranks`` without waiting: those not cached are read when all of them have posted
+        (one check), else left out for now."""
         missing = [r for r in ranks if r not in self._infos]
         if missing:
             keys = [self._key(r) for r in missing]
             if store.check(keys):
-                with self._lock:
-                    for r, v in zip(missing, store.multi_get(keys)):
-                        self._infos[r] = ProcessInfo.from_wire(msgpack.unpackb(v))
+                self._remember(missing, store.multi_get(keys))
         infos = self._infos
         return {r: infos[r] for r in ranks if r in infos}
+
+    def _remember(self, ranks: Sequence[int], values: Sequence[bytes]) -> None:
+        with self._lock:
+            for r, v in zip(ranks, values):
+                self._infos[r] = ProcessInfo.from_wire(msgpack.unpackb(v))
 
     def watch_client(self) -> dist.Store:
         """The watchdog thread's own client of the store, one per process group incarnation (every new

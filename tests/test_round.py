@@ -330,7 +330,8 @@ def _pool_reports(how: str, tag: str) -> dict[str, Any]:
     """Senders publish pooled segments to rank 0, which lets them go; before a verdict carries the
     report, either the group is made anew with ranks 1 and 2 swapped (``renumbered``), or rank 0 sends
     the reports in its claim to a gather that fails before its first rank reads the claims
-    (``failed``). A small gather afterwards must reach the processes that sent the segments."""
+    (``failed``; ``failed-collective``: the senders hear it from the first rank's "go", not from a
+    verdict). A small gather afterwards must reach the processes that sent the segments."""
     world, old = dist.get_world_size(), dist.get_rank()
     with get_tensors_parallel(torch.full((300_000,), float(old)), list(range(world)), timeout=30) as got:
         values = [float(t[0]) for t in got]
@@ -345,7 +346,12 @@ def _pool_reports(how: str, tag: str) -> dict[str, Any]:
         value: Any = "not a tensor" if old == 3 else torch.zeros(4)
         with (
             pytest.raises(TypeError, match=r"gathers a torch\.Tensor"),
-            get_tensors_parallel(value, [3, 0, 1, 2], timeout=30),
+            get_tensors_parallel(
+                value,
+                [3, 0, 1, 2],
+                transport="collective" if how == "failed-collective" else "auto",
+                timeout=30,
+            ),
         ):
             pass
     with get_configs_parallel({"rank": dist.get_rank()}, list(range(world)), timeout=30) as got:
@@ -360,7 +366,7 @@ def _pool_reports(how: str, tag: str) -> dict[str, Any]:
     return {"values": values, "busy": busy, "ranks": ranks, "held": held}
 
 
-@pytest.mark.parametrize("how", ["renumbered", "failed"])
+@pytest.mark.parametrize("how", ["renumbered", "failed", "failed-collective"])
 def test_pool_reports_reach_the_sending_process(ranks4: RankPool, how: str) -> None:
     """Reports name processes: made under one numbering and delivered under another, they reach the
     process that holds the segment (before: rank 1's report went to the process that now was rank 1,

@@ -756,8 +756,8 @@ class _Job:
         """Alone: every stage in turn, each batch read from every TP shard of the stage and written."""
         assert self.writer is not None
         streamed = isinstance(self.layout, DcpCheckpoint) and isinstance(self.writer, SafetensorsWriter)
+        window = _REMAP_FACTOR * self.batch_bytes
         for p in range(self.pp):
-            window = _REMAP_FACTOR * self.batch_bytes
             sources = [_ShardSource(self.layout, t, p, window) for t in range(self.tp)]
             ranks = self.layout.stage_ranks(p)
             for batch in self.batches[p]:
