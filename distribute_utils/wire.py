@@ -243,6 +243,35 @@ def pwrite_all(fd: int, bufs: Iterable[memoryview], offset: int) -> None:
             segs[i] = segs[i][written:]
 
 
+class _Recent:
+    """A bounded map of recent results of a pure function (least recently used dropped first).
+
+    Gathers repeat the same shapes round after round; the encoder's layouts and the decoder's
+    checked headers are such pure functions of their bytes, kept here rather than redone.
+    """
+
+    __slots__ = ("_items", "_max")
+
+    def __init__(self, max_items: int) -> None:
+        self._items: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self._max = max_items
+
+    def get(self, key: Any) -> Any:
+        found = self._items.get(key)
+        if found is not None:
+            self._items.move_to_end(key)
+        return found
+
+    def put(self, key: Any, value: Any) -> None:
+        self._items[key] = value
+        if len(self._items) > self._max:
+            self._items.popitem(last=False)
+
+
+_RECENT_MAX = 256  # layouts and headers kept
+_RECENT_BYTES_MAX = 1 << 16  # larger keys are worked out every time rather than kept
+
+
 def _crc(segments: Iterable[memoryview], value: int = 0) -> int:
     for seg in segments:
         value = zlib.crc32(seg, value)
@@ -642,8 +671,33 @@ def encode(
     except UnicodeEncodeError as e:
         raise TypeError(f"{root}: contains a str that is not valid UTF-8 ({e})") from None
     tensors = enc.tensors
-    header_base = b"\x82\xa1v" + v_bytes + b"\xa1t"
+    shapes = tuple((t.dtype, t.shape) for t in tensors)
+    small = len(v_bytes) <= _RECENT_BYTES_MAX
+    layout = _LAYOUTS.get((v_bytes, shapes)) if small else None
+    if layout is None:
+        layout = _layout(v_bytes, tensors, root)
+        if small:
+            _LAYOUTS.put((v_bytes, shapes), layout)
+    header_len, offsets, total, body = layout
+    chunks = tuple((o, t) for o, t in zip(offsets, tensors, strict=True) if t.nbytes)
+    head_end = chunks[0][0] if chunks else total
+    crc = 0
+    flags = 0
+    if checksum:
+        flags |= FLAG_CHECKSUM
+        crc = _crc(_segments_after(head_end, chunks, total), zlib.crc32(body))
+    head = _PREFIX.pack(MAGIC, VERSION, flags, header_len, total, crc) + body
+    return EncodedPayload(total, head, chunks)
 
+
+_LAYOUTS = _Recent(_RECENT_MAX)
+
+
+def _layout(v_bytes: bytes, tensors: list[torch.Tensor], root: str) -> tuple[int, list[int], int, bytes]:
+    """Where everything of a payload goes: header length, each tensor's offset, the total length and
+    the bytes after the prefix up to the first tensor (header and padding). A pure function of the
+    encoded tree and the tensors' dtypes and shapes (:func:`encode` keeps recent ones)."""
+    header_base = b"\x82\xa1v" + v_bytes + b"\xa1t"
     # Offsets are absolute, and their msgpack size feeds back into where the data starts:
     # iterate to the fixed point. start(B) never decreases as B grows, so this converges in a
     # few steps from the lower bound.
@@ -663,7 +717,6 @@ def encode(
         if new_start == start:
             break
         start = new_start
-
     if len(header) > DEFAULT_MAX_HEADER_BYTES:
         raise ValueError(
             f"{root}: its non-tensor part (strings, bytes, numbers, structure) takes {len(header):,} bytes "
@@ -671,16 +724,8 @@ def encode(
             "data in tensors (e.g. torch.frombuffer(bytearray(data), dtype=torch.uint8))"
         )
     total = end if tensors else header_end
-    chunks = tuple((e[2], t) for e, t in zip(entries, tensors, strict=True) if e[3])
-    head_end = chunks[0][0] if chunks else total
-    body = header + bytes(head_end - header_end)
-    crc = 0
-    flags = 0
-    if checksum:
-        flags |= FLAG_CHECKSUM
-        crc = _crc(_segments_after(head_end, chunks, total), zlib.crc32(body))
-    head = _PREFIX.pack(MAGIC, VERSION, flags, len(header), total, crc) + body
-    return EncodedPayload(total, head, chunks)
+    head_end = next((e[2] for e in entries if e[3]), total)
+    return len(header), [e[2] for e in entries], total, header + bytes(head_end - header_end)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -824,10 +869,25 @@ def _decode(
             )
     header_end = PREFIX_SIZE + header_len
     header = mv[PREFIX_SIZE:header_end]
-    v_span, t_span = _parse_header(header, header_len)
-    table = _tensor_table(header[t_span[0] : t_span[1]], header_end, total_len)
+    # A header checked before under the same total length is taken as it was (its bytes are the key).
+    key = (header.tobytes(), total_len) if header_len <= _RECENT_BYTES_MAX else None
+    known = _HEADERS.get(key) if key is not None else None
+    if known is None:
+        v_span, t_span = _parse_header(header, header_len)
+        table = _tensor_table(header[t_span[0] : t_span[1]], header_end, total_len)
+        lone = len(table) == 1 and header[v_span[0] : v_span[1]] == _LONE_TREE
+        known = (v_span, table, lone)
+        if key is not None:
+            _HEADERS.put(key, known)
+    v_span, table, lone = known
     tensors = _build_tensors(mv, table, total_len, device, data)
+    if lone:  # the tree is the one tensor (``get_tensors_parallel``): nothing else to decode
+        return tensors[0]
     return _decode_tree(header[v_span[0] : v_span[1]], tensors)
+
+
+_HEADERS = _Recent(_RECENT_MAX)
+_LONE_TREE = msgpack.packb(msgpack.ExtType(EXT_TENSOR, msgpack.packb(0)))
 
 
 def _no_ext(code: int, data: bytes) -> Any:
@@ -890,9 +950,7 @@ class _Slot(NamedTuple):
     strides: list[int]
 
 
-_TABLES: collections.OrderedDict[tuple[bytes, int, int], tuple[_Slot, ...]] = collections.OrderedDict()
-_TABLES_MAX = 256  # checked tensor tables kept; gathers repeat the same shapes round after round
-_TABLE_BYTES_MAX = 1 << 16  # larger tables are checked every time rather than kept
+_TABLES = _Recent(_RECENT_MAX)  # checked tensor tables: configs differ in values more often than in shapes
 
 
 def _tensor_table(raw: memoryview, header_end: int, total_len: int) -> tuple[_Slot, ...]:
@@ -905,7 +963,6 @@ def _tensor_table(raw: memoryview, header_end: int, total_len: int) -> tuple[_Sl
     key = (raw.tobytes(), header_end, total_len)
     table = _TABLES.get(key)
     if table is not None:
-        _TABLES.move_to_end(key)
         return table
     try:
         entries = msgpack.unpackb(
@@ -914,10 +971,8 @@ def _tensor_table(raw: memoryview, header_end: int, total_len: int) -> tuple[_Sl
     except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as e:
         raise PayloadError(f"malformed header: {type(e).__name__}: {e}") from None
     table = _check_table(entries, header_end, total_len)
-    if len(key[0]) <= _TABLE_BYTES_MAX:
-        _TABLES[key] = table
-        if len(_TABLES) > _TABLES_MAX:
-            _TABLES.popitem(last=False)
+    if len(key[0]) <= _RECENT_BYTES_MAX:
+        _TABLES.put(key, table)
     return table
 
 
@@ -1035,7 +1090,9 @@ def _build_tensors(
                 else:
                     size = dtype.itemsize
                     if few:
-                        t = torch.frombuffer(mv, dtype=dtype, count=nbytes // size, offset=offset).view(shape)
+                        t = torch.frombuffer(mv, dtype=dtype, count=nbytes // size, offset=offset)
+                        if len(shape) != 1:
+                            t = t.view(shape)
                     else:
                         assert base is not None
                         whole = typed.get(dtype)
