@@ -35,12 +35,12 @@ import copy
 import dataclasses
 import logging
 import secrets
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from datetime import timedelta
 from os import PathLike
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import msgpack
 import torch
@@ -81,20 +81,19 @@ def _check_ranks(ranks: Sequence[int], members: tuple[int, ...]) -> list[int]:
 
     The same lists come back call after call: a list checked once is remembered (by value).
     """
-    world = dist.get_world_size()
     if (type(ranks) is list or type(ranks) is tuple) and set(map(type, ranks)) == {int}:
-        key = (tuple(ranks), members, world)
+        key = (tuple(ranks), members)  # members are ranks of the world: a list of members is in it
         if key in _CHECKED:
             return list(key[0])
-        checked = _check_ranks_now(ranks, members, world)
+        checked = _check_ranks_now(ranks, members, dist.get_world_size())
         if len(_CHECKED) >= 256:
             _CHECKED.clear()
         _CHECKED.add(key)
         return checked
-    return _check_ranks_now(ranks, members, world)
+    return _check_ranks_now(ranks, members, dist.get_world_size())
 
 
-_CHECKED: set[tuple[tuple[Any, ...], tuple[int, ...], int]] = set()
+_CHECKED: set[tuple[tuple[Any, ...], tuple[int, ...]]] = set()
 
 
 def _check_ranks_now(ranks: Sequence[int], members: tuple[int, ...], world: int) -> list[int]:
@@ -125,8 +124,7 @@ def _short(ranks: Sequence[int]) -> str:
 
 
 # -- what ranks post -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Claim:
+class _Claim(NamedTuple):
     """What one rank posts at the start of a gather call (key ``c/<rank>``).
 
     ``kind`` is "first" (it receives), "send" (``body`` is ``[token, receipt]``: where its
@@ -147,17 +145,7 @@ class _Claim:
     notes: list[Any] | None = None
 
     def pack(self) -> bytes:
-        return msgpack.packb(
-            [
-                self.kind,
-                self.ranks,
-                self.digest,
-                self.mode,
-                list(self.error) if self.error else None,
-                self.body,
-                self.notes,
-            ]
-        )
+        return msgpack.packb(self)  # an array of the fields, in order
 
     @classmethod
     def unpack(cls, data: bytes) -> _Claim:
@@ -165,20 +153,17 @@ class _Claim:
         return cls(kind, ranks, digest, mode, tuple(error) if error else None, body, notes)
 
 
-@dataclass(frozen=True)
-class _Verdict:
+class _Verdict(NamedTuple):
     """What a rank posts under ``v/<rank>``: a receiver's verdict, or a non-receiver's marker."""
 
     receiver: bool
     ranks: list[int] | None
     digest: str
     error: tuple[Any, ...] | None = None  # the receiver failed: (type name, message)
-    notes: list[Any] = field(default_factory=list)  # the host transport's word to its senders
+    notes: Sequence[Any] = ()  # the host transport's word to its senders
 
     def pack(self) -> bytes:
-        return msgpack.packb(
-            [self.receiver, self.ranks, self.digest, list(self.error) if self.error else None, self.notes]
-        )
+        return msgpack.packb(self)  # an array of the fields, in order
 
     @classmethod
     def unpack(cls, data: bytes) -> _Verdict:
@@ -283,6 +268,9 @@ def _plan(requested: str, ranks: list[int], domains: dict[int, str], has_workspa
     return _Plan(order, "workspace" if has_workspace else "collective", {h[0]: h for h in by_domain.values()})
 
 
+_MARKERS: dict[str, bytes] = {}  # a non-receiver's marker, by list digest (the same lists come back)
+
+
 # -- one gather call on one rank ------------------------------------------------------------------------
 class _Gather:
     """One rank's part in one gather call (see the module doc for the protocol)."""
@@ -352,7 +340,12 @@ class _Gather:
         return _Claim(kind, self.shown, self.digest, self.mode, error, body, notes or None)
 
     def marker(self) -> bytes:
-        return _Verdict(False, self.shown, self.digest).pack()
+        found = _MARKERS.get(self.digest)
+        if found is None:
+            if len(_MARKERS) >= 256:
+                _MARKERS.clear()
+            found = _MARKERS[self.digest] = _Verdict(False, self.shown, self.digest).pack()
+        return found
 
     def check_claim(self, rank: int, claim: _Claim) -> None:
         """Raise when ``rank`` is not a sender of this very gather, or brings an error."""
@@ -723,7 +716,21 @@ def _place(value: Any, target: torch.device) -> Any:
     return value
 
 
-@contextmanager
+class _Entered(AbstractContextManager):  # type: ignore[type-arg]
+    """A gather that runs when entered and yields its result (nothing to undo on exit)."""
+
+    __slots__ = ("_args", "_options")
+
+    def __init__(self, args: tuple[Any, ...], options: dict[str, Any]) -> None:
+        self._args, self._options = args, options
+
+    def __enter__(self) -> list[Any]:
+        return _gather(*self._args, **self._options)
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 def gather_to_first(
     value: Any,
     ranks: Sequence[int],
@@ -735,14 +742,39 @@ def gather_to_first(
     device: str | torch.device | None,
     root: str,
     place_own: bool = True,
-) -> Iterator[list[Any]]:
+) -> AbstractContextManager[list[Any]]:
     """The one gather under the public functions (and :mod:`distribute_utils.modelopt`): ``value`` of every
     rank in ``ranks`` to ``ranks[0]``, synchronised over ``group``; yields the list there, ``[]`` elsewhere.
 
     ``root`` says which public call this is (``"tensor"`` or ``"config"``, for checks and messages);
     ``place_own=False`` keeps the first rank's own value as passed (ModelOpt's behaviour). Every rank of
-    ``group`` must enter it (see ``docs/design.md``: ``group`` synchronises, ``ranks`` routes).
+    ``group`` must enter it (see ``docs/design.md``: ``group`` synchronises, ``ranks`` routes); the gather
+    runs when it is entered.
     """
+    options = {
+        "transport": transport,
+        "workspace_path": workspace_path,
+        "timeout": timeout,
+        "device": device,
+        "root": root,
+        "place_own": place_own,
+    }
+    return _Entered((value, ranks, group), options)
+
+
+def _gather(
+    value: Any,
+    ranks: Sequence[int],
+    group: dist.ProcessGroup | Sequence[int] | None,
+    *,
+    transport: str,
+    workspace_path: str | PathLike[str] | None,
+    timeout: float | timedelta | None,
+    device: str | torch.device | None,
+    root: str,
+    place_own: bool,
+) -> list[Any]:
+    """What :func:`gather_to_first` does when entered: the list on the first rank, ``[]`` elsewhere."""
     # A local mistake is posted in this rank's claim: its gather partners raise it too, none waits.
     error: tuple[Any, ...] | None = None
     try:
@@ -800,7 +832,7 @@ def gather_to_first(
         else:
             this.send(value, error)
             result = []
-    yield result
+    return result
 
 
 def _check_device(device: str | torch.device | None) -> None:

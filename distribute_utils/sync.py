@@ -417,8 +417,11 @@ def _run_reset_hooks() -> None:
 def _incarnation() -> _Incarnation:
     """The state of the current default process group, made anew after re-initialisation."""
     global _CURRENT
-    require_initialized()
-    pg = dist.distributed_c10d._get_default_group()
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+    except (ValueError, RuntimeError, AttributeError):
+        require_initialized()  # says what to call
+        raise
     current = _CURRENT
     if current is not None and current.pg() is pg:
         return current
@@ -506,10 +509,16 @@ class Call:
     :mod:`distribute_utils.gather` for the protocol.
     """
 
+    __slots__ = ("number", "sync")
+
     def __init__(self, sync: GroupSync, number: int) -> None:
         self.sync = sync
         self.number = number
-        self.token = f"{sync.token_base}{number:x}"
+
+    @property
+    def token(self) -> str:
+        """Names the call in log messages (unique within the job)."""
+        return f"{self.sync.token_base}{self.number:x}"
 
     def key(self, tag: str, rank: int | None = None) -> str:
         base = f"{self.sync.namespace}/{self.number}/{tag}"

@@ -31,7 +31,7 @@ import struct
 import sys
 import warnings
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -308,7 +308,7 @@ class EncodedPayload:
         """Byte views covering the whole payload (needs every chunk on the CPU)."""
         found = self._cache.get("segments")
         if found is None:
-            found = self._cache["segments"] = tuple(_layout_segments(self.head, self.chunks, self.nbytes))
+            found = self._cache["segments"] = (memoryview(self.head), *_segments_after(len(self.head), self.chunks, self.nbytes))
         return found
 
     @property
@@ -387,32 +387,26 @@ class EncodedPayload:
         return EncodedPayload(self.nbytes, head, self.chunks)
 
 
-def _layout_segments(
-    head: bytes, chunks: tuple[tuple[int, torch.Tensor], ...], nbytes: int
-) -> Iterator[memoryview]:
-    """Yield byte views covering ``[0, nbytes)``: head, then padding and chunk bytes in order."""
-    yield memoryview(head)
-    yield from _segments_after(len(head), chunks, nbytes)
-
-
 def _segments_after(
     pos: int, chunks: tuple[tuple[int, torch.Tensor], ...], nbytes: int
-) -> Iterator[memoryview]:
-    """Yield byte views covering ``[pos, nbytes)``: zero padding and chunk bytes in order."""
+) -> list[memoryview]:
+    """Byte views covering ``[pos, nbytes)``: zero padding and chunk bytes in order."""
+    out = []
     for offset, tensor in chunks:
         if not (tensor.is_cpu and tensor.is_contiguous()):
             raise ValueError(f"chunk at offset {offset} must be a contiguous CPU tensor")
         if offset < pos:
             raise ValueError(f"chunk at offset {offset} overlaps the previous bytes ending at {pos}")
         if offset > pos:
-            yield _zeros(offset - pos)
+            out.append(_zeros(offset - pos))
         view = _tensor_bytes(tensor)
-        yield view
+        out.append(view)
         pos = offset + view.nbytes
     if pos > nbytes:
         raise ValueError(f"payload content ends at byte {pos}, past its stated length {nbytes}")
     if pos < nbytes:
-        yield _zeros(nbytes - pos)
+        out.append(_zeros(nbytes - pos))
+    return out
 
 
 def _zeros(n: int) -> memoryview:
@@ -502,7 +496,7 @@ class _Encoder:
             del self._active[id(obj)]
             return out
         if isinstance(obj, torch.Tensor):
-            return msgpack.ExtType(EXT_TENSOR, _pack(self._tensor(obj)))
+            return _tensor_ref(self._tensor(obj))
         if dataclasses.is_dataclass(tp):
             return self._dataclass(obj, tp)
         typed = self._typed(obj, tp)
@@ -528,7 +522,7 @@ class _Encoder:
                 return [_TYPED_EXT, "np", obj.dtype.str, obj.tobytes()]
             if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc" and obj.dtype.byteorder in "=|<":
                 tensor = torch.from_numpy(np.ascontiguousarray(obj))
-                return [_TYPED_EXT, "ndarray", msgpack.ExtType(EXT_TENSOR, _pack(self._tensor(tensor)))]
+                return [_TYPED_EXT, "ndarray", _tensor_ref(self._tensor(tensor))]
         return None
 
     def _dataclass(self, obj: object, tp: type) -> list[Any]:
@@ -604,6 +598,15 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+_TENSOR_REFS = [msgpack.ExtType(EXT_TENSOR, _pack(i)) for i in range(256)]
+_LONE_TREE = _pack(_TENSOR_REFS[0])  # a payload that is one tensor (``get_tensors_parallel``)
+
+
+def _tensor_ref(index: int) -> msgpack.ExtType:
+    """The tree's reference to tensor ``index`` (the first ones made once)."""
+    return _TENSOR_REFS[index] if index < 256 else msgpack.ExtType(EXT_TENSOR, _pack(index))
+
+
 def _contiguous(t: torch.Tensor, keep_device: bool) -> torch.Tensor:
     """A contiguous tensor outside autograd with only ``t``'s elements (never its base storage).
 
@@ -667,7 +670,7 @@ def encode(
     enc = _Encoder(root, keep_device)
     tree = enc.walk(obj)
     try:
-        v_bytes = _pack(tree)
+        v_bytes = _LONE_TREE if tree is _TENSOR_REFS[0] else _pack(tree)
     except UnicodeEncodeError as e:
         raise TypeError(f"{root}: contains a str that is not valid UTF-8 ({e})") from None
     tensors = enc.tensors
@@ -887,7 +890,6 @@ def _decode(
 
 
 _HEADERS = _Recent(_RECENT_MAX)
-_LONE_TREE = msgpack.packb(msgpack.ExtType(EXT_TENSOR, msgpack.packb(0)))
 
 
 def _no_ext(code: int, data: bytes) -> Any:

@@ -275,6 +275,8 @@ class _SegmentPool:
         sent are given back (a 1 GiB gather followed by small ones does not pin 1 GiB)."""
         with self._lock:
             self._recent = [*self._recent[-(self.RECENT - 1) :], nbytes]
+            if not self._segments:
+                return
             bound = 2 * max(self._recent)
             dropped = [
                 s
