@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import secrets
 from collections.abc import Sequence
@@ -229,6 +230,17 @@ class _Plan:
     def leader_of(self, rank: int) -> int:
         return next(leader for leader, host in self.hosts.items() if rank in host)
 
+    @functools.cached_property
+    def direct(self) -> list[int]:
+        """Who sends straight to the first rank: its own host's senders and every remote host's
+        leader, in ``ranks`` order."""
+        senders = {r for r in self.hosts if r != self.first} | set(self.hosts[self.first][1:])
+        return [r for r in self.ranks if r in senders]
+
+    @functools.cached_property
+    def description(self) -> str:
+        return self.describe()
+
     def describe(self) -> str:
         if self.cross is None:
             return "shm"
@@ -268,6 +280,7 @@ def _plan(requested: str, ranks: list[int], domains: dict[int, str], has_workspa
     return _Plan(order, "workspace" if has_workspace else "collective", {h[0]: h for h in by_domain.values()})
 
 
+_CPU = torch.device("cpu")
 _MARKERS: dict[str, bytes] = {}  # a non-receiver's marker, by list digest (the same lists come back)
 
 
@@ -362,7 +375,19 @@ class _Gather:
             )
 
     def plan(self) -> _Plan:
-        """The route of this gather, worked out by the first rank from where ranks run."""
+        """The route of this gather, worked out by the first rank from where ranks run (the same lists
+        come back call after call: a route is kept for the incarnation, as are the infos it comes from)."""
+        routes = self.companion.routes
+        key = (tuple(self.ranks), self.transport, self.workspace_path is not None)
+        found = routes.get(key)
+        if found is None:
+            found = self._plan_now()
+            if len(routes) >= 256:
+                routes.clear()
+            routes[key] = found
+        return found
+
+    def _plan_now(self) -> _Plan:
         if self.transport in ("workspace", "collective"):
             return _plan(self.transport, self.ranks, {}, self.workspace_path is not None)
         directory = self.companion.directory
@@ -577,11 +602,9 @@ class _Gather:
         try:
             if error is not None:
                 _raise_from(error, "")
-            target = torch.device(device) if device is not None else torch.device("cpu")
+            target = torch.device(device) if device is not None else _CPU
             plan = self.plan_and_tell()
-            # The first's local senders and every remote host's leader, in ``ranks`` order.
-            senders = {r for r in plan.hosts if r != self.first} | set(plan.hosts[self.first][1:])
-            direct = [r for r in self.ranks if r in senders]
+            direct = plan.direct
             values = self.call.wait_for("c", direct, self.seconds, self.what)
             claims = {r: _Claim.unpack(v) for r, v in zip(direct, values)}
             bulky = [r for r, v in zip(direct, values) if len(v) > _SMALL_CLAIM_BYTES]
@@ -610,7 +633,7 @@ class _Gather:
         notes = self.notes_for(self.ranks[1:]) + [note for c in claims.values() for note in c.notes or ()]
         # A sender may have received from this rank in an earlier gather (other roles, other numbers).
         HostTransport.heed(self.me, notes)
-        overwrite = _Claim("taken", None, self.digest, self.mode, None).pack()
+        overwrite = _Claim("taken", None, self.digest, self.mode, None).pack() if bulky else b""
         self.call.post(
             {"v": _Verdict(True, self.shown, self.digest, None, notes).pack()}, ("c", bulky, overwrite)
         )
@@ -639,8 +662,8 @@ class _Gather:
 
     def tell_go(self, error: tuple[Any, ...] | None, claims: dict[int, _Claim]) -> None:
         """Let collective senders send (or tell them why not); once, only where some may wait."""
-        if self._go_posted:
-            return
+        if self._go_posted or (error is None and "collective" not in (self._cross, self.transport)):
+            return  # every claim was checked: they all asked for this rank's transport
         # Who sends by collective waits for "go": by this rank's plan, or by its own request.
         waiting = any(
             c.body and (self._cross == "collective" or c.mode.startswith("collective:"))
@@ -661,8 +684,9 @@ class _Gather:
         self._cross = plan.cross
         if plan.remote:
             self.call.post_shared("plan", msgpack.packb([self.digest, None, plan.pack()]))
-        self.what = f"gather to rank {self.first} over {plan.describe()}"
-        logger.debug("round %s: %s", self.call.token, self.what)
+        self.what = f"gather to rank {self.first} over {plan.description}"
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("round %s: %s", self.call.token, self.what)
         return plan
 
 

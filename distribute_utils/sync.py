@@ -44,6 +44,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import msgpack
 import torch.distributed as dist
@@ -155,12 +156,16 @@ class _Watchdog:
     """One daemon thread per process that tombstones what dead local peers never posted."""
 
     def __init__(self) -> None:
+        self._forked()
+        self._closed = False
+        atexit.register(self.close)
+        os.register_at_fork(after_in_child=self._forked)  # a child starts without the thread
+
+    def _forked(self) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._watches: dict[int, _Watch] = {}
         self._thread: threading.Thread | None = None
-        self._closed = False
-        atexit.register(self.close)
 
     def close(self) -> None:
         """End the thread (at exit: never leave it inside a store call, see :class:`_Janitor`)."""
@@ -177,7 +182,7 @@ class _Watchdog:
                 return 0
             ident = id(watch)
             self._watches[ident] = watch
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:
                 # Stop it at exit before anything registered earlier runs (torch registers its
                 # own handlers at init_process_group): LIFO, so register when the thread starts.
                 atexit.register(self.close)
@@ -185,7 +190,8 @@ class _Watchdog:
                     target=self._run, name="distribute-utils-watchdog", daemon=True
                 )
                 self._thread.start()
-        self._wake.set()
+        if not self._wake.is_set():  # the thread waits for it only when it found nothing to watch
+            self._wake.set()
         return ident
 
     def remove(self, ident: int) -> None:
@@ -608,6 +614,9 @@ class GroupSync:
         self.own_keys: list[str] = []
         self._busy = threading.Lock()
         self._digests: dict[tuple[int, ...], str] = {}
+        self.routes: dict[
+            Any, Any
+        ] = {}  # the gather layer's routes over this group (see gather._Gather.plan)
 
     def digest(self, ranks: Sequence[int]) -> str:
         """A short digest of a ranks list (cached: the same lists come back call after call)."""

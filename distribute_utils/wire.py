@@ -308,7 +308,10 @@ class EncodedPayload:
         """Byte views covering the whole payload (needs every chunk on the CPU)."""
         found = self._cache.get("segments")
         if found is None:
-            found = self._cache["segments"] = (memoryview(self.head), *_segments_after(len(self.head), self.chunks, self.nbytes))
+            found = self._cache["segments"] = (
+                memoryview(self.head),
+                *_segments_after(len(self.head), self.chunks, self.nbytes),
+            )
         return found
 
     @property
@@ -387,9 +390,7 @@ class EncodedPayload:
         return EncodedPayload(self.nbytes, head, self.chunks)
 
 
-def _segments_after(
-    pos: int, chunks: tuple[tuple[int, torch.Tensor], ...], nbytes: int
-) -> list[memoryview]:
+def _segments_after(pos: int, chunks: tuple[tuple[int, torch.Tensor], ...], nbytes: int) -> list[memoryview]:
     """Byte views covering ``[pos, nbytes)``: zero padding and chunk bytes in order."""
     out = []
     for offset, tensor in chunks:

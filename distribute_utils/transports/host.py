@@ -139,7 +139,8 @@ class HostTransport:
     @staticmethod
     def heed(rank: int, notes: list[Any]) -> None:
         """A sender, given its receiver's :meth:`notes`: its segments named there may be written again."""
-        segments_freed({n[1] for n in notes if type(n) is list and len(n) == 3 and n[0] == rank})
+        if notes:
+            segments_freed({n[1] for n in notes if type(n) is list and len(n) == 3 and n[0] == rank})
 
     @staticmethod
     def remove_left_by(rank: int, pid: int) -> list[str]:
