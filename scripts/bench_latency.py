@@ -30,6 +30,12 @@ so both are also timed at 32).
     python scripts/bench_latency.py --json out.json
 
 Prints one row per size with medians and the ratios ours/limit, gloo/ours, modelopt/ours.
+
+``--cpu`` measures instead what each method costs the machine, which wall times on a small shared
+machine hide in noise: back-to-back rounds (no barrier between them), the CPU time per round of
+each rank's process (all its threads) and of its main thread, and their sum over the ranks::
+
+    python scripts/bench_latency.py --cpu --sizes 4K 64K
 """
 
 from __future__ import annotations
@@ -226,6 +232,56 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
     return report if rank == 0 else {}
 
 
+def _cpu_rank(sizes: list[str], rounds: int) -> dict[str, Any]:
+    """CPU time per round of each method, back to back: (process, main thread) in seconds."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = list(range(world))
+    report: dict[str, Any] = {}
+    for name in sizes:
+        nbytes = SIZES[name]
+        tensor = torch.full((nbytes // 4,), float(rank))
+        outputs = [torch.empty_like(tensor) for _ in ranks] if rank == 0 else None
+        limit = _Limit(nbytes, reuse=True)
+
+        def ours(tensor: torch.Tensor = tensor) -> None:
+            with get_tensors_parallel(tensor, ranks):
+                pass
+
+        methods: dict[str, Callable[[], Any]] = {
+            "ours": ours,
+            "limit": lambda limit=limit, tensor=tensor: limit.run(tensor),
+            "gloo": lambda tensor=tensor, outputs=outputs: dist.gather(tensor, outputs, dst=0),
+        }
+        if nbytes <= INLINE_MAX_BYTES:
+            for use_wire in (False, True):
+                bare = _Bare(nbytes, use_wire)
+                methods["bare+wire" if use_wire else "bare"] = lambda bare=bare, tensor=tensor: bare.run(
+                    tensor
+                )
+        row = {}
+        for method, fn in methods.items():
+            for _ in range(20):
+                fn()
+            dist.barrier()
+            cpu, main = time.process_time(), time.thread_time()
+            for _ in range(rounds):
+                fn()
+            row[method] = ((time.process_time() - cpu) / rounds, (time.thread_time() - main) / rounds)
+            dist.barrier()
+        limit.close()
+        report[name] = row
+    return report
+
+
+def _print_cpu(reports: list[dict[str, Any]], sizes: list[str]) -> None:
+    print(f"CPU time per round, back to back, {len(reports)} ranks (us): process (main thread) per rank; sum")
+    for name in sizes:
+        for method in reports[0][name]:
+            per_rank = [r[name][method] for r in reports]
+            cells = " ".join(f"{p * 1e6:5.0f} ({m * 1e6:4.0f})" for p, m in per_rank)
+            print(f"{name:>5} {method:>10}  {cells}  sum {sum(p for p, _ in per_rank) * 1e6:6.0f}")
+
+
 def _small_rank(reps: int | None) -> dict[str, float]:
     ranks = list(range(dist.get_world_size()))
 
@@ -301,7 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--reps", type=int, default=None, help="repetitions per size (default: by size)")
     parser.add_argument("--json", help="write the medians here")
+    parser.add_argument("--cpu", action="store_true", help="CPU time per round instead (see above)")
+    parser.add_argument("--rounds", type=int, default=1000, help="rounds per method with --cpu")
     args = parser.parse_args(argv)
+    if args.cpu:
+        _print_cpu(run_local(_cpu_rank, args.nproc, args.sizes, args.rounds), args.sizes)
+        return 0
     report = run_local(_sweep_rank, args.nproc, args.sizes, args.reps)[0]
     has_mo = any("modelopt" in v for k, v in report.items() if k in SIZES)
     print(
