@@ -238,11 +238,13 @@ def test_a_segment_whose_receiver_died_is_given_back() -> None:
         assert seg is not None
         pool.fit(seg, 2**20, 1)
         seg.receiver = receiver
+        seg.looked -= pool.LOOK_EVERY_S  # due to be looked up (at most once a second: a /proc read)
         pool.note_payload(2**20)
         assert pool.held() == (1, 2**20), "busy under a live receiver: kept"
     finally:
         child.kill()
         child.wait()
+    seg.looked -= pool.LOOK_EVERY_S
     pool.note_payload(2**20)
     assert pool.held() == (0, 0), "its receiver died: it will never be freed, so it goes"
 

@@ -25,6 +25,7 @@ import os
 import secrets
 import stat
 import threading
+import time
 import weakref
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -244,6 +245,7 @@ class _Segment:
     busy: bool = True
     drop_when_freed: bool = False
     receiver: ProcessInfo | None = None  # who maps it while busy (a dead one never frees it)
+    looked: float = 0.0  # when it was last taken, or its receiver last found alive (time.monotonic)
 
 
 class _SegmentPool:
@@ -264,6 +266,7 @@ class _SegmentPool:
     LIMIT = 2
     MIN_BYTES = 64 * 2**10
     RECENT = 8  # a free segment larger than twice the largest of the last 8 payloads is released
+    LOOK_EVERY_S = 1.0  # a busy segment's receiver is looked up at most this often (a /proc read)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -272,22 +275,29 @@ class _SegmentPool:
 
     def note_payload(self, nbytes: int) -> None:
         """A sender's payload size, pooled or not: segments much larger than what recent rounds
-        sent are given back (a 1 GiB gather followed by small ones does not pin 1 GiB)."""
+        sent are given back (a 1 GiB gather followed by small ones does not pin 1 GiB), and so are
+        busy ones whose receiver died (it never reports them freed; looked up once a second)."""
         with self._lock:
             self._recent = [*self._recent[-(self.RECENT - 1) :], nbytes]
             if not self._segments:
                 return
             bound = 2 * max(self._recent)
+            now = time.monotonic()
             dropped = [
                 s
                 for s in self._segments.values()
-                if (not s.busy and s.size > bound)
-                or (s.busy and s.receiver is not None and not process_alive(s.receiver))
+                if (s.size > bound if not s.busy else self._receiver_gone(s, now))
             ]
             for seg in dropped:
                 del self._segments[seg.ident]
         for seg in dropped:
             os.close(seg.fd)
+
+    def _receiver_gone(self, seg: _Segment, now: float) -> bool:
+        if seg.receiver is None or now - seg.looked < self.LOOK_EVERY_S:
+            return False
+        seg.looked = now
+        return not process_alive(seg.receiver)
 
     def release(self) -> int:
         """Give back every free segment; busy ones go when their receiver frees them.
@@ -319,17 +329,15 @@ class _SegmentPool:
             fitting = [seg for seg in free if seg.size >= nbytes]
             if fitting:  # the best fit: the smallest that holds it, its pages already touched
                 seg = min(fitting, key=lambda s: s.size)
-                seg.busy = True
-                return seg
-            if len(self._segments) >= self.LIMIT or shm_space()[1] < 4 * nbytes:
+            elif len(self._segments) >= self.LIMIT or shm_space()[1] < 4 * nbytes:
                 if not free:
                     return None
                 seg = max(free, key=lambda s: s.size)  # grown in place
-                seg.busy = True
-                return seg
-            fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
-            seg = _Segment(secrets.token_hex(8), fd)
-            self._segments[seg.ident] = seg
+            else:
+                fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+                seg = _Segment(secrets.token_hex(8), fd)
+                self._segments[seg.ident] = seg
+            seg.busy, seg.looked = True, time.monotonic()
             return seg
 
     def fit(self, seg: _Segment, nbytes: int, rank: int) -> None:
