@@ -141,7 +141,7 @@ class _Claim(NamedTuple):
     ranks: list[int] | None  # shown in messages (None when too long)
     digest: str
     mode: str
-    error: tuple[Any, ...] | None  # (exception type name, message)
+    error: Sequence[Any] | None  # (exception type name, message[, missing ranks]); a list once it travelled
     body: list[Any] | None = None
     notes: list[Any] | None = None
 
@@ -150,8 +150,7 @@ class _Claim(NamedTuple):
 
     @classmethod
     def unpack(cls, data: bytes) -> _Claim:
-        kind, ranks, digest, mode, error, body, notes = msgpack.unpackb(data)
-        return cls(kind, ranks, digest, mode, tuple(error) if error else None, body, notes)
+        return cls._make(msgpack.unpackb(data))  # raises TypeError when the fields do not match
 
 
 class _Verdict(NamedTuple):
@@ -160,7 +159,7 @@ class _Verdict(NamedTuple):
     receiver: bool
     ranks: list[int] | None
     digest: str
-    error: tuple[Any, ...] | None = None  # the receiver failed: (type name, message)
+    error: Sequence[Any] | None = None  # the receiver failed: as in a claim
     notes: Sequence[Any] = ()  # the host transport's word to its senders
 
     def pack(self) -> bytes:
@@ -168,8 +167,7 @@ class _Verdict(NamedTuple):
 
     @classmethod
     def unpack(cls, data: bytes) -> _Verdict:
-        receiver, ranks, digest, error, notes = msgpack.unpackb(data)
-        return cls(receiver, ranks, digest, tuple(error) if error else None, notes)
+        return cls._make(msgpack.unpackb(data))  # raises TypeError when the fields do not match
 
 
 def _error_of(exc: BaseException) -> tuple[Any, ...]:
@@ -180,7 +178,7 @@ def _error_of(exc: BaseException) -> tuple[Any, ...]:
     )
 
 
-def _raise_from(error: tuple[Any, ...], prefix: str) -> NoReturn:
+def _raise_from(error: Sequence[Any], prefix: str) -> NoReturn:
     """Raise an error another rank posted: as its own type when it is one of ours to raise,
     else as :class:`GatherError` naming the type."""
     kind, message = error[0], error[1]
@@ -410,7 +408,7 @@ class _Gather:
         if digest != self.digest:
             raise _mismatch(self.me, self.shown, self.first, None)
         if error is not None:
-            _raise_from(tuple(error), "")
+            _raise_from(error, "")
         return _Plan.unpack(plan)
 
     # -- publishing ------------------------------------------------------------------------------
@@ -546,7 +544,7 @@ class _Gather:
                 go = msgpack.unpackb(self.call.wait_shared("go", self.first, 2 * self.seconds, self.what))
                 if go is not None:  # the first rank failed: its verdict will carry no notes
                     self.take_back_notes()
-                    _raise_from(tuple(go), f"the first rank ({self.first}) failed: ")
+                    _raise_from(go, f"the first rank ({self.first}) failed: ")
                 assert self._sent is not None
                 self.collective(device).publish(self._sent[1], self.me, payload)
             verdict = _Verdict.unpack(self.call.wait_verdict(self.first, self.seconds, self.what))
@@ -711,6 +709,8 @@ def _place(value: Any, target: torch.device) -> Any:
     (ModelOpt's ``tensor.cpu()``). Containers and dataclasses are copied only along the paths
     to tensors that move; a value with nothing to move comes back as the same object."""
     if isinstance(value, torch.Tensor):
+        if target is _CPU and value.is_cpu:
+            return value
         return value.detach().to(target) if value.device != target else value
     if isinstance(value, (list, tuple)):
         items = [_place(v, target) for v in value]
