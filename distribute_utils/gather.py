@@ -36,12 +36,12 @@ import dataclasses
 import functools
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from os import PathLike
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, ParamSpec, TypeVar
 
 import msgpack
 import torch
@@ -740,21 +740,36 @@ def _place(value: Any, target: torch.device) -> Any:
     return value
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
 class _Entered(AbstractContextManager):  # type: ignore[type-arg]
-    """A gather that runs when entered and yields its result (nothing to undo on exit)."""
+    """A call that runs when entered and yields its result (nothing to undo on exit)."""
 
-    __slots__ = ("_args", "_options")
+    __slots__ = ("_call",)
 
-    def __init__(self, args: tuple[Any, ...], options: dict[str, Any]) -> None:
-        self._args, self._options = args, options
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self._call = call
 
-    def __enter__(self) -> list[Any]:
-        return _gather(*self._args, **self._options)
+    def __enter__(self) -> Any:
+        return self._call()
 
     def __exit__(self, *exc: object) -> None:
         return None
 
 
+def _runs_when_entered(fn: Callable[_P, _R]) -> Callable[_P, AbstractContextManager[_R]]:
+    """``contextlib.contextmanager`` for a function with nothing to undo: no generator to drive."""
+
+    @functools.wraps(fn)
+    def entered(*args: _P.args, **kwargs: _P.kwargs) -> AbstractContextManager[_R]:
+        return _Entered(functools.partial(fn, *args, **kwargs))
+
+    return entered
+
+
+@_runs_when_entered
 def gather_to_first(
     value: Any,
     ranks: Sequence[int],
@@ -766,7 +781,7 @@ def gather_to_first(
     device: str | torch.device | None,
     root: str,
     place_own: bool = True,
-) -> AbstractContextManager[list[Any]]:
+) -> list[Any]:
     """The one gather under the public functions (and :mod:`distribute_utils.modelopt`): ``value`` of every
     rank in ``ranks`` to ``ranks[0]``, synchronised over ``group``; yields the list there, ``[]`` elsewhere.
 
@@ -775,30 +790,6 @@ def gather_to_first(
     ``group`` must enter it (see ``docs/design.md``: ``group`` synchronises, ``ranks`` routes); the gather
     runs when it is entered.
     """
-    options = {
-        "transport": transport,
-        "workspace_path": workspace_path,
-        "timeout": timeout,
-        "device": device,
-        "root": root,
-        "place_own": place_own,
-    }
-    return _Entered((value, ranks, group), options)
-
-
-def _gather(
-    value: Any,
-    ranks: Sequence[int],
-    group: dist.ProcessGroup | Sequence[int] | None,
-    *,
-    transport: str,
-    workspace_path: str | PathLike[str] | None,
-    timeout: float | timedelta | None,
-    device: str | torch.device | None,
-    root: str,
-    place_own: bool,
-) -> list[Any]:
-    """What :func:`gather_to_first` does when entered: the list on the first rank, ``[]`` elsewhere."""
     # A local mistake is posted in this rank's claim: its gather partners raise it too, none waits.
     error: tuple[Any, ...] | None = None
     try:
