@@ -237,9 +237,7 @@ class _Plan:
 
     @functools.cached_property
     def description(self) -> str:
-        return self.describe()
-
-    def describe(self) -> str:
+        """The route in words, for messages ("shm", "workspace", ...)."""
         if self.cross is None:
             return "shm"
         remote = [h for leader, h in self.hosts.items() if leader != self.first]

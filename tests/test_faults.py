@@ -54,6 +54,24 @@ needs_root = pytest.mark.skipif(
 )
 
 
+def test_a_forked_child_runs_its_own_watchdog() -> None:
+    """A fork copies the watchdog's state but not its thread: the child must start one of its own,
+    or no dead peer of the child's would ever be tombstoned (its waits would last the whole timeout)."""
+    dog = sync._Watchdog()
+    watch = sync._Watch(None, None, {}, None)  # type: ignore[arg-type]  # nothing to check: no grace passes
+    dog.remove(dog.add(watch))
+    assert dog._thread is not None and dog._thread.is_alive()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        ok = dog._thread is None
+        dog.add(watch)
+        ok = ok and dog._thread is not None and dog._thread.is_alive()
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    dog.close()
+    assert os.waitstatus_to_exitcode(status) == 0, "the child found the parent's thread, or started none"
+
+
 # -- the summary ------------------------------------------------------------------------------
 @dataclass
 class Row:
