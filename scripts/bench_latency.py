@@ -36,6 +36,11 @@ machine hide in noise: back-to-back rounds (no barrier between them), the CPU ti
 each rank's process (all its threads) and of its main thread, and their sum over the ranks::
 
     python scripts/bench_latency.py --cpu --sizes 4K 64K
+
+``--busy N`` runs N spinning processes beside the ranks for the whole run: a machine shared with
+other jobs (the load average then reaches about N plus the ranks' own share)::
+
+    python scripts/bench_latency.py --busy 6 --sizes 4K --reps 40
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import json
 import mmap
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -349,6 +355,19 @@ def _layer_rank(mo: Any | None, reps: int | None) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def _busy(n: int) -> Any:
+    """``n`` processes that spin on a CPU each until the block ends (a shared machine's load)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in spinners:
+            proc.kill()
+        for proc in spinners:
+            proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -359,14 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the medians here")
     parser.add_argument("--cpu", action="store_true", help="CPU time per round instead (see above)")
     parser.add_argument("--rounds", type=int, default=1000, help="rounds per method with --cpu")
+    parser.add_argument("--busy", type=int, default=0, help="spinning processes beside the ranks (see above)")
     args = parser.parse_args(argv)
-    if args.cpu:
-        _print_cpu(run_local(_cpu_rank, args.nproc, args.sizes, args.rounds), args.sizes)
-        return 0
-    report = run_local(_sweep_rank, args.nproc, args.sizes, args.reps)[0]
+    with _busy(args.busy):
+        if args.cpu:
+            _print_cpu(run_local(_cpu_rank, args.nproc, args.sizes, args.rounds), args.sizes)
+            return 0
+        report = run_local(_sweep_rank, args.nproc, args.sizes, args.reps)[0]
     has_mo = any("modelopt" in v for k, v in report.items() if k in SIZES)
     print(
         f"gather of one float32 tensor per rank to rank 0, {args.nproc} ranks, medians (ms), load {os.getloadavg()[0]:.1f}"
+        + (f", {args.busy} spinning processes beside them" if args.busy else "")
     )
     head = f"{'size':>6} {'ours':>8} {'limit':>8} {'fresh':>8} {'gloo':>8}" + (
         f" {'modelopt':>9}" if has_mo else ""
