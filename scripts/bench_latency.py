@@ -37,6 +37,12 @@ each rank's process (all its threads) and of its main thread, and their sum over
 
     python scripts/bench_latency.py --cpu --sizes 4K 64K
 
+``--store-ops`` times single requests of one client (rank 1) to the job's store (served by the
+launching process, as torchrun's agent serves it), one at a time, nothing else running: what each store hop of a round costs at the least.
+A read that waits (``get``, ``multi_get``) is two requests, a ``wait`` for the key and then the read::
+
+    python scripts/bench_latency.py --store-ops --nproc 2
+
 ``--busy N`` runs N spinning processes beside the ranks for the whole run: a machine shared with
 other jobs (the load average then reaches about N plus the ranks' own share)::
 
@@ -279,6 +285,31 @@ def _cpu_rank(sizes: list[str], rounds: int) -> dict[str, Any]:
     return report
 
 
+def _store_ops_rank(reps: int) -> dict[str, float]:
+    """Median seconds of single store requests from rank 1 (rank 0 only waits at the barrier)."""
+    store = dist.distributed_c10d._get_default_store().clone()
+    report: dict[str, float] = {}
+    if dist.get_rank() == 1:
+        store.set("bench/store-ops/k", b"x" * 64)
+        ops: dict[str, Callable[[], Any]] = {
+            "set (no reply)": lambda: store.set("bench/store-ops/s", b"y" * 64),
+            "check": lambda: store.check(["bench/store-ops/k"]),
+            "add": lambda: store.add("bench/store-ops/n", 1),
+            "wait (key there)": lambda: store.wait(["bench/store-ops/k"]),
+            "get (key there)": lambda: store.get("bench/store-ops/k"),
+            "multi_get (key there)": lambda: store.multi_get(["bench/store-ops/k"]),
+        }
+        times: dict[str, list[float]] = {op: [] for op in ops}
+        for _ in range(reps):
+            for op, fn in ops.items():
+                t0 = time.perf_counter()
+                fn()
+                times[op].append(time.perf_counter() - t0)
+        report = {op: statistics.median(v) for op, v in times.items()}
+    dist.barrier()
+    return report
+
+
 def _print_cpu(reports: list[dict[str, Any]], sizes: list[str]) -> None:
     print(f"CPU time per round, back to back, {len(reports)} ranks (us): process (main thread) per rank; sum")
     for name in sizes:
@@ -378,9 +409,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the medians here")
     parser.add_argument("--cpu", action="store_true", help="CPU time per round instead (see above)")
     parser.add_argument("--rounds", type=int, default=1000, help="rounds per method with --cpu")
+    parser.add_argument("--store-ops", action="store_true", help="time single store requests (see above)")
     parser.add_argument("--busy", type=int, default=0, help="spinning processes beside the ranks (see above)")
     args = parser.parse_args(argv)
     with _busy(args.busy):
+        if args.store_ops:
+            ops = run_local(_store_ops_rank, max(args.nproc, 2), args.reps or 5000)[1]
+            print(f"one store request from rank 1, median us (load {os.getloadavg()[0]:.1f})")
+            for op, seconds in ops.items():
+                print(f"{op:>22} {seconds * 1e6:7.1f}")
+            return 0
         if args.cpu:
             _print_cpu(run_local(_cpu_rank, args.nproc, args.sizes, args.rounds), args.sizes)
             return 0
