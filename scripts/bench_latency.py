@@ -38,8 +38,9 @@ each rank's process (all its threads) and of its main thread, and their sum over
     python scripts/bench_latency.py --cpu --sizes 4K 64K
 
 ``--store-ops`` times single requests of one client (rank 1) to the job's store (served by the
-launching process, as torchrun's agent serves it), one at a time, nothing else running: what each store hop of a round costs at the least.
-A read that waits (``get``, ``multi_get``) is two requests, a ``wait`` for the key and then the read::
+launching process, as torchrun's agent serves it), one at a time, nothing else running: what each
+store hop of a round costs at the least. A read that waits (``get``, ``multi_get``) is two
+requests, a ``wait`` for the key and then the read::
 
     python scripts/bench_latency.py --store-ops --nproc 2
 
@@ -60,7 +61,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -387,7 +388,7 @@ def _layer_rank(mo: Any | None, reps: int | None) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _busy(n: int) -> Any:
+def _busy(n: int) -> Iterator[None]:
     """``n`` processes that spin on a CPU each until the block ends (a shared machine's load)."""
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
     try:
