@@ -259,7 +259,10 @@ class _Recent:
     def get(self, key: Any) -> Any:
         found = self._items.get(key)
         if found is not None:
-            self._items.move_to_end(key)
+            try:  # noqa: SIM105 (a plain try costs nothing here; suppress() is a call per lookup)
+                self._items.move_to_end(key)
+            except KeyError:  # another thread's put() evicted it since: still a valid result
+                pass
         return found
 
     def put(self, key: Any, value: Any) -> None:

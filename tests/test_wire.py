@@ -1074,3 +1074,21 @@ def test_the_header_limit_is_checked_when_encoding() -> None:
     """One limit, before anything is written: a sender learns it, not the reader after a write."""
     with pytest.raises(ValueError, match="over the limit of 67,108,864 that every reader applies"):
         encode({"s": "x" * (64 * 2**20 + 1)})
+
+
+def test_the_kept_layouts_survive_an_eviction_by_another_thread() -> None:
+    """Gathers on different groups may run in different threads and share the encoder's and decoder's
+    kept results: a key another thread evicts between finding it and marking it recent is still
+    served (it raised KeyError out of encode or decode)."""
+
+    class EvictedOnLookup(collections.OrderedDict):
+        def get(self, key: Any, default: Any = None) -> Any:
+            found = super().get(key, default)
+            self.pop(key, None)  # another thread's put() evicted it just now
+            return found
+
+    recent = wire._Recent(2)
+    recent._items = EvictedOnLookup()
+    recent.put("layout", 1)
+    assert recent.get("layout") == 1
+    assert recent.get("layout") is None  # gone: worked out again by the caller
