@@ -44,6 +44,14 @@ requests, a ``wait`` for the key and then the read::
 
     python scripts/bench_latency.py --store-ops --nproc 2
 
+``--steps`` splits one call's CPU on rank 0 and on a sender (thread time, median of back-to-back
+rounds) into the store requests (``Call.post``, ``Call.wait_for``), the wire format (``encode``,
+``decode``), the transports' ``publish`` and ``fetch``, and the rest: our own Python around them. On
+rank 0, ``drop`` is what letting go of the last round's tensors costs (unmapping, finalizers). The
+steps are timed by wrapping those methods for this run (about 1 µs each)::
+
+    python scripts/bench_latency.py --steps --sizes 4K 1M --rounds 2000
+
 ``--busy N`` runs N spinning processes beside the ranks for the whole run: a machine shared with
 other jobs (the load average then reaches about N plus the ranks' own share)::
 
@@ -54,6 +62,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import itertools
 import json
 import mmap
 import os
@@ -76,6 +86,7 @@ from distribute_utils.gather import INLINE_MAX_BYTES
 from distribute_utils.launch import run_local
 
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
+CHOICES = {**SIZES, "16K": 16 << 10, "32K": 32 << 10}  # the default sweep, and sizes to ask for
 LAYER_SHAPES = [(4096,), (128, 128), (), (128,)]
 LAYER_DTYPES = [torch.float32, torch.float16, torch.float32, torch.bfloat16]
 
@@ -198,7 +209,7 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
     mo = _modelopt()
     report: dict[str, Any] = {}
     for name in sizes:
-        nbytes = SIZES[name]
+        nbytes = CHOICES[name]
         tensor = torch.full((nbytes // 4,), float(rank))
         outputs = [torch.empty_like(tensor) for _ in ranks] if rank == 0 else None
         limit, fresh = _Limit(nbytes, reuse=True), _Limit(nbytes, reuse=False)
@@ -251,7 +262,7 @@ def _cpu_rank(sizes: list[str], rounds: int) -> dict[str, Any]:
     ranks = list(range(world))
     report: dict[str, Any] = {}
     for name in sizes:
-        nbytes = SIZES[name]
+        nbytes = CHOICES[name]
         tensor = torch.full((nbytes // 4,), float(rank))
         outputs = [torch.empty_like(tensor) for _ in ranks] if rank == 0 else None
         limit = _Limit(nbytes, reuse=True)
@@ -309,6 +320,90 @@ def _store_ops_rank(reps: int) -> dict[str, float]:
         report = {op: statistics.median(v) for op, v in times.items()}
     dist.barrier()
     return report
+
+
+_STEPS = {
+    "post": "store",
+    "wait_for": "store",
+    "encode": "wire",
+    "decode": "wire",
+    "publish": "publish",
+    "fetch": "fetch",
+}
+
+
+@contextlib.contextmanager
+def _steps_timed(events: list[tuple[str, int]]) -> Iterator[None]:
+    """Wrap the methods of :data:`_STEPS` so that each call records its start and end (thread time)."""
+    from distribute_utils import gather, sync
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            events.append((name, time.thread_time_ns()))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                events.append(("", time.thread_time_ns()))
+
+        return wrapper
+
+    owners = {"post": sync.Call, "wait_for": sync.Call}
+    originals = {name: owners.get(name, gather._Gather).__dict__[name] for name in _STEPS}
+    try:
+        for name, original in originals.items():
+            if isinstance(original, staticmethod):
+                setattr(gather._Gather, name, staticmethod(timed(name, original.__func__)))
+            else:
+                setattr(owners.get(name, gather._Gather), name, timed(name, original))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(owners.get(name, gather._Gather), name, original)
+
+
+def _steps_rank(sizes: list[str], rounds: int) -> dict[str, Any]:
+    """Median thread CPU (s) per call of each kind of step, on this rank, for each size."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = list(range(world))
+    events: list[tuple[str, int]] = []
+    report: dict[str, Any] = {}
+    with _steps_timed(events):
+        for name in sizes:
+            tensor = torch.full((CHOICES[name] // 4,), float(rank))
+            per_round: dict[str, list[float]] = {}
+            for i in range(rounds + 50):
+                events.clear()
+                start = time.thread_time_ns()
+                with get_tensors_parallel(tensor, ranks) as got:
+                    pass
+                end = time.thread_time_ns()
+                del got
+                dropped = time.thread_time_ns()
+                if i < 50:
+                    continue
+                spent = dict.fromkeys(["python", *dict.fromkeys(_STEPS.values()), "drop"], 0)
+                marks = [("", start), *events, ("", end)]
+                for (step, t0), (_, t1) in itertools.pairwise(marks):
+                    spent[_STEPS[step] if step else "python"] += t1 - t0
+                spent["drop"] = dropped - end
+                spent["call"] = end - start
+                for step, ns in spent.items():
+                    per_round.setdefault(step, []).append(ns / 1e9)
+            report[name] = {step: statistics.median(v) for step, v in per_round.items()}
+    return report if rank in (0, 1) else {}
+
+
+def _print_steps(reports: list[dict[str, Any]], sizes: list[str]) -> None:
+    steps = list(reports[0][sizes[0]])
+    print(
+        f"thread CPU per call, back to back, {len(reports)} ranks, medians (us; steps as in the module doc)"
+    )
+    print(f"{'size':>5} {'rank':>6} " + " ".join(f"{s:>8}" for s in steps))
+    for name in sizes:
+        for rank in (0, 1):
+            row = reports[rank][name]
+            print(f"{name:>5} {rank:>6} " + " ".join(f"{row[s] * 1e6:8.1f}" for s in steps))
 
 
 def _print_cpu(reports: list[dict[str, Any]], sizes: list[str]) -> None:
@@ -405,11 +500,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(CHOICES))
     parser.add_argument("--reps", type=int, default=None, help="repetitions per size (default: by size)")
     parser.add_argument("--json", help="write the medians here")
     parser.add_argument("--cpu", action="store_true", help="CPU time per round instead (see above)")
-    parser.add_argument("--rounds", type=int, default=1000, help="rounds per method with --cpu")
+    parser.add_argument("--rounds", type=int, default=1000, help="rounds per method with --cpu and --steps")
+    parser.add_argument("--steps", action="store_true", help="one call's CPU split into steps (see above)")
     parser.add_argument("--store-ops", action="store_true", help="time single store requests (see above)")
     parser.add_argument("--busy", type=int, default=0, help="spinning processes beside the ranks (see above)")
     args = parser.parse_args(argv)
@@ -420,11 +516,14 @@ def main(argv: list[str] | None = None) -> int:
             for op, seconds in ops.items():
                 print(f"{op:>22} {seconds * 1e6:7.1f}")
             return 0
+        if args.steps:
+            _print_steps(run_local(_steps_rank, args.nproc, args.sizes, args.rounds), args.sizes)
+            return 0
         if args.cpu:
             _print_cpu(run_local(_cpu_rank, args.nproc, args.sizes, args.rounds), args.sizes)
             return 0
         report = run_local(_sweep_rank, args.nproc, args.sizes, args.reps)[0]
-    has_mo = any("modelopt" in v for k, v in report.items() if k in SIZES)
+    has_mo = any("modelopt" in v for k, v in report.items() if k in CHOICES)
     print(
         f"gather of one float32 tensor per rank to rank 0, {args.nproc} ranks, medians (ms), load {os.getloadavg()[0]:.1f}"
         + (f", {args.busy} spinning processes beside them" if args.busy else "")
