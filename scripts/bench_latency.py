@@ -37,6 +37,12 @@ each rank's process (all its threads) and of its main thread, and their sum over
 
     python scripts/bench_latency.py --cpu --sizes 4K 64K
 
+``--inline-threshold`` checks :data:`~distribute_utils.gather.INLINE_MAX_BYTES`: back-to-back rounds
+with every payload inside the claim against every payload through a pooled segment (the threshold
+and the pool's minimum overridden in the measuring processes only), interleaved in blocks::
+
+    python scripts/bench_latency.py --inline-threshold --sizes 32K 64K 1M
+
 ``--store-ops`` times single requests of one client (rank 1) to the job's store (served by the
 launching process, as torchrun's agent serves it), one at a time, nothing else running: what each
 store hop of a round costs at the least. A read that waits (``get``, ``multi_get``) is two
@@ -394,6 +400,37 @@ def _steps_rank(sizes: list[str], rounds: int) -> dict[str, Any]:
     return report if rank in (0, 1) else {}
 
 
+def _inline_rank(sizes: list[str], rounds: int, blocks: int = 3) -> dict[str, Any]:
+    """Wall seconds per back-to-back round (rank 0), per size and way: ``{size: {way: [block, ...]}}``."""
+    from distribute_utils.transports import host, shm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = list(range(world))
+    kept = host.INLINE_MAX_BYTES, shm._SegmentPool.MIN_BYTES
+    report: dict[str, Any] = {}
+    try:
+        shm._SegmentPool.MIN_BYTES = 1 << 10
+        for name in sizes:
+            tensor = torch.full((CHOICES[name] // 4,), float(rank))
+            for _ in range(blocks):
+                for way, threshold in (("in the claim", 1 << 30), ("pooled segment", 1 << 10)):
+                    host.INLINE_MAX_BYTES = threshold
+                    for _ in range(20):
+                        with get_tensors_parallel(tensor, ranks):
+                            pass
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(rounds):
+                        with get_tensors_parallel(tensor, ranks):
+                            pass
+                    report.setdefault(name, {}).setdefault(way, []).append(
+                        (time.perf_counter() - t0) / rounds
+                    )
+    finally:
+        host.INLINE_MAX_BYTES, shm._SegmentPool.MIN_BYTES = kept
+    return report
+
+
 def _print_steps(reports: list[dict[str, Any]], sizes: list[str]) -> None:
     steps = list(reports[0][sizes[0]])
     print(
@@ -506,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="CPU time per round instead (see above)")
     parser.add_argument("--rounds", type=int, default=1000, help="rounds per method with --cpu and --steps")
     parser.add_argument("--steps", action="store_true", help="one call's CPU split into steps (see above)")
+    parser.add_argument("--inline-threshold", action="store_true", help="payloads in the claim vs pooled")
     parser.add_argument("--store-ops", action="store_true", help="time single store requests (see above)")
     parser.add_argument("--busy", type=int, default=0, help="spinning processes beside the ranks (see above)")
     args = parser.parse_args(argv)
@@ -515,6 +553,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"one store request from rank 1, median us (load {os.getloadavg()[0]:.1f})")
             for op, seconds in ops.items():
                 print(f"{op:>22} {seconds * 1e6:7.1f}")
+            return 0
+        if args.inline_threshold:
+            report = run_local(_inline_rank, args.nproc, args.sizes, min(args.rounds, 300))[0]
+            print(f"ms per back-to-back round, {args.nproc} ranks, per block (load {os.getloadavg()[0]:.1f})")
+            for name, ways in report.items():
+                for way, blocks in ways.items():
+                    print(f"{name:>5} {way:>15} " + " ".join(f"{b * 1e3:6.2f}" for b in blocks))
             return 0
         if args.steps:
             _print_steps(run_local(_steps_rank, args.nproc, args.sizes, args.rounds), args.sizes)
