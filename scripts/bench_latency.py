@@ -14,7 +14,8 @@ Methods, per size (one float32 tensor per rank to rank 0):
   map, unlink), what a first gather of that size costs;
 - ``gloo``: ``dist.gather`` into preallocated outputs;
 - ``modelopt``: ModelOpt's ``get_tensors_parallel`` (when ``nvidia-modelopt`` is installed);
-- up to 64 KiB (payloads that travel inside the store), ``bare`` and ``bare+wire``: our round's
+- up to 64 KiB (raw bytes that could travel inside the store; at 64 KiB ours does not: the
+  payload, a little larger, goes through a pooled segment), ``bare`` and ``bare+wire``: our round's
   store protocol and nothing else (each sender posts its bytes in one key and waits for rank 0's
   verdict key; rank 0 posts its own key, reads the senders' in one ``multi_get``, views each
   payload, posts the verdict), with raw bytes, then with ``distribute_utils.wire`` encoding and
