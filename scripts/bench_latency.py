@@ -210,6 +210,36 @@ def _timed(fn: Callable[[], Any]) -> float:
     return elapsed
 
 
+def _bare_methods(nbytes: int, tensor: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """``bare`` and ``bare+wire`` (see the module doc), for sizes whose bytes could travel in the store."""
+    if nbytes > INLINE_MAX_BYTES:
+        return {}
+    plain, with_wire = _Bare(nbytes, use_wire=False), _Bare(nbytes, use_wire=True)
+    return {"bare": lambda: plain.run(tensor), "bare+wire": lambda: with_wire.run(tensor)}
+
+
+def _gather_once(tensor: torch.Tensor, ranks: list[int]) -> None:
+    """One call of ours whose results are let go at once (back-to-back rounds)."""
+    with get_tensors_parallel(tensor, ranks):
+        pass
+
+
+def _back_to_back(fn: Callable[[], Any], rounds: int) -> tuple[float, float, float]:
+    """20 warm-up calls, a barrier, then ``rounds`` calls of ``fn`` in a row: seconds per call of wall
+    time, of this process's CPU (all its threads) and of this thread's CPU."""
+    for _ in range(20):
+        fn()
+    dist.barrier()
+    wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
+    for _ in range(rounds):
+        fn()
+    return (
+        (time.perf_counter() - wall) / rounds,
+        (time.process_time() - cpu) / rounds,
+        (time.thread_time() - main) / rounds,
+    )
+
+
 def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = list(range(world))
@@ -242,12 +272,7 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
                     return list(got)
 
             methods["modelopt"] = modelopt
-        if nbytes <= INLINE_MAX_BYTES:
-            for use_wire in (False, True):
-                bare = _Bare(nbytes, use_wire)
-                methods["bare+wire" if use_wire else "bare"] = lambda bare=bare, tensor=tensor: bare.run(
-                    tensor
-                )
+        methods.update(_bare_methods(nbytes, tensor))
         times: dict[str, list[float]] = {m: [] for m in methods}
         for fn in methods.values():  # warm-up: pools, connections, page cache
             _timed(fn)
@@ -273,31 +298,15 @@ def _cpu_rank(sizes: list[str], rounds: int) -> dict[str, Any]:
         tensor = torch.full((nbytes // 4,), float(rank))
         outputs = [torch.empty_like(tensor) for _ in ranks] if rank == 0 else None
         limit = _Limit(nbytes, reuse=True)
-
-        def ours(tensor: torch.Tensor = tensor) -> None:
-            with get_tensors_parallel(tensor, ranks):
-                pass
-
         methods: dict[str, Callable[[], Any]] = {
-            "ours": ours,
+            "ours": lambda tensor=tensor: _gather_once(tensor, ranks),
             "limit": lambda limit=limit, tensor=tensor: limit.run(tensor),
             "gloo": lambda tensor=tensor, outputs=outputs: dist.gather(tensor, outputs, dst=0),
+            **_bare_methods(nbytes, tensor),
         }
-        if nbytes <= INLINE_MAX_BYTES:
-            for use_wire in (False, True):
-                bare = _Bare(nbytes, use_wire)
-                methods["bare+wire" if use_wire else "bare"] = lambda bare=bare, tensor=tensor: bare.run(
-                    tensor
-                )
         row = {}
         for method, fn in methods.items():
-            for _ in range(20):
-                fn()
-            dist.barrier()
-            cpu, main = time.process_time(), time.thread_time()
-            for _ in range(rounds):
-                fn()
-            row[method] = ((time.process_time() - cpu) / rounds, (time.thread_time() - main) / rounds)
+            row[method] = _back_to_back(fn, rounds)[1:]
             dist.barrier()
         limit.close()
         report[name] = row
@@ -416,17 +425,8 @@ def _inline_rank(sizes: list[str], rounds: int, blocks: int = 3) -> dict[str, An
             for _ in range(blocks):
                 for way, threshold in (("in the claim", 1 << 30), ("pooled segment", 1 << 10)):
                     host.INLINE_MAX_BYTES = threshold
-                    for _ in range(20):
-                        with get_tensors_parallel(tensor, ranks):
-                            pass
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    for _ in range(rounds):
-                        with get_tensors_parallel(tensor, ranks):
-                            pass
-                    report.setdefault(name, {}).setdefault(way, []).append(
-                        (time.perf_counter() - t0) / rounds
-                    )
+                    wall = _back_to_back(lambda tensor=tensor: _gather_once(tensor, ranks), rounds)[0]
+                    report.setdefault(name, {}).setdefault(way, []).append(wall)
     finally:
         host.INLINE_MAX_BYTES, shm._SegmentPool.MIN_BYTES = kept
     return report
