@@ -494,3 +494,16 @@ def test_cuda_tensors_travel_through_host_shared_memory(ranks4: RankPool, device
     assert [values for _, values in results[0]] == expected
     senders = {kind for kind, _ in results[0][1:]}
     assert senders == ({"cpu"} if device is None else {"cuda"})
+
+
+def test_without_distributed_every_entry_says_what_to_call() -> None:
+    """No default process group: a gather or a barrier raises at once, naming what to call (the
+    group is looked up before anything else, so that is where the message comes from)."""
+    assert not dist.is_initialized()
+    says = r"call torch.distributed.init_process_group\(\)"
+    with pytest.raises(RuntimeError, match=says), get_tensors_parallel(torch.ones(1), [0]):
+        pass
+    with pytest.raises(RuntimeError, match=says), get_configs_parallel({"a": 1}, [0]):
+        pass
+    with pytest.raises(RuntimeError, match=says):
+        sync.barrier()
