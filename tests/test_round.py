@@ -94,6 +94,8 @@ def _overlapping(case: str) -> dict[str, Any]:
         "crossed": {0: [0, 1], 1: [1, 0], 2: [2, 3], 3: [2, 3]},
         # a sender names as first a rank that only sends elsewhere
         "first_is_sender": {0: [0, 1], 1: [0, 1], 2: [1, 2], 3: [3]},
+        # a first names as its sender the first of another list, which ends at once
+        "sender_is_a_first": {0: [0, 1], 1: [0, 1], 2: [2, 0], 3: [3]},
     }[case]
     start = time.monotonic()
     try:
@@ -105,7 +107,7 @@ def _overlapping(case: str) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.parametrize("case", ["superset", "crossed", "first_is_sender"])
+@pytest.mark.parametrize("case", ["superset", "crossed", "first_is_sender", "sender_is_a_first"])
 def test_overlapping_lists_raise_on_the_ranks_concerned_without_hanging(ranks4: RankPool, case: str) -> None:
     results = ranks4.run(_overlapping, case)
     for rank, r in enumerate(results):
@@ -118,7 +120,7 @@ def test_overlapping_lists_raise_on_the_ranks_concerned_without_hanging(ranks4: 
         assert set(errors) == {0, 1}, results
         assert all(e["error"] == "ValueError" and "[1, 0]" in e["message"] for e in errors.values()), errors
         assert results[2]["got"] == [[2.0] * 3, [3.0] * 3]  # the disjoint gather is untouched
-    if case == "first_is_sender":
+    if case in ("first_is_sender", "sender_is_a_first"):
         assert errors[2]["error"] == "ValueError" and "[0, 1]" in errors[2]["message"], errors[2]
         assert results[0]["got"] == [[0.0] * 3, [1.0] * 3]
     for r in errors.values():
@@ -229,6 +231,41 @@ def test_a_late_rank_at_the_first_meeting_does_not_break_the_group(ranks4: RankP
     assert results[0]["first"] == "PeerLostError"
     assert results[2]["first"] in ("PeerLostError", "GatherError"), results[2]
     assert results[0]["later"] == [[0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0], [2.0, 3.0, 4.0, 5.0]]
+
+
+def _wait_for_key(group: sync.GroupSync, key: str) -> bool:
+    deadline = time.monotonic() + 30
+    while not group.has(key) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return group.has(key)
+
+
+def _sender_outwaits_its_timeout() -> dict[str, Any]:
+    """Rank 1 (timeout 2 s) waits for rank 0, which is there but waits for rank 2 (3 s late)."""
+    rank, group = dist.get_rank(), sync.companion(None)
+    barrier(timeout=60)
+    sender_claim = sync.Call(group, group._calls).key("c", 1)
+    if rank in (0, 2):
+        _wait_for_key(group, sender_claim)
+    if rank == 2:
+        time.sleep(3.0)  # past rank 1's timeout, well within a second one
+    start = time.monotonic()
+    try:
+        timeout = 2 if rank == 1 else 60
+        with get_tensors_parallel(torch.full((4,), float(rank)), [0, 1, 2], timeout=timeout) as got:
+            outcome: dict[str, Any] = {"got": [float(t[0]) for t in got]}
+    except Exception as exc:
+        outcome = {"error": f"{type(exc).__name__}: {exc}"}
+    outcome["seconds"] = time.monotonic() - start
+    return outcome
+
+
+def test_a_sender_past_its_timeout_waits_again_for_a_first_rank_that_is_there(ranks4: RankPool) -> None:
+    results = ranks4.run(_sender_outwaits_its_timeout)
+    # Rank 0's claim says it has arrived, so rank 1 takes a second timeout instead of failing.
+    assert "error" not in results[1] and results[1]["seconds"] > 2, results[1]
+    assert results[0]["got"] == [0.0, 1.0, 2.0], results[0]
+    assert results[3] == {"got": [], "seconds": results[3]["seconds"]}
 
 
 def _sender_after_first_gave_up() -> dict[str, Any]:
