@@ -63,13 +63,24 @@ steps are timed by wrapping those methods for this run (about 1 µs each)::
 other jobs (the load average then reaches about N plus the ranks' own share)::
 
     python scripts/bench_latency.py --busy 6 --sizes 4K --reps 40
+
+``--against REV`` compares ours (this checkout) with the package as it was at git revision ``REV``,
+both loaded in the same rank processes (the old one renamed ``du_against``, its own state and
+threads) and called in turn within every repetition, the order alternating, barrier to barrier after
+a ``dist.gather`` as in the sweep. It prints rank 0's wall time and the call's thread CPU summed over
+the ranks. This machine's speed drifts by 10-20% between runs, which hides a change of a few percent
+when two runs are compared; within one run both versions see the same machine::
+
+    python scripts/bench_latency.py --against HEAD~3 --sizes 4K 64K 1M
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import functools
+import io
 import itertools
 import json
 import mmap
@@ -77,6 +88,8 @@ import os
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -432,6 +445,89 @@ def _inline_rank(sizes: list[str], rounds: int, blocks: int = 3) -> dict[str, An
     return report
 
 
+def _copy_at(rev: str, into: Path) -> None:
+    """Extract the package at git revision ``rev`` as module ``du_against`` under ``into`` (raises
+    SystemExit when it imports itself by its absolute name: two copies would then mix)."""
+    repo = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        ["git", "-C", str(repo), "archive", rev, "distribute_utils"], capture_output=True, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"--against {rev}: git archive failed: {done.stderr.decode().strip()}")
+    with tarfile.open(fileobj=io.BytesIO(done.stdout)) as archive:
+        archive.extractall(into, filter="data")
+    (into / "distribute_utils").rename(into / "du_against")
+    selfish = [p for p in (into / "du_against").rglob("*.py") if _imports_itself(p)]
+    if selfish:
+        raise SystemExit(
+            f"--against {rev}: {selfish[0].name} imports distribute_utils by name; cannot load it twice"
+        )
+
+
+def _imports_itself(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").startswith("distribute_utils")
+        ):
+            return True
+        if isinstance(node, ast.Import) and any(a.name.startswith("distribute_utils") for a in node.names):
+            return True
+    return False
+
+
+def _against_rank(sizes: list[str], reps: int | None, path: str) -> dict[str, Any]:
+    """Per size and version (``ours``, ``then``): median wall (rank 0) and thread CPU of this rank's call."""
+    sys.path.insert(0, path)
+    import du_against  # type: ignore[import-not-found]
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = list(range(world))
+    versions = {"ours": get_tensors_parallel, "then": du_against.get_tensors_parallel}
+    report: dict[str, Any] = {}
+    for name in sizes:
+        nbytes = CHOICES[name]
+        tensor = torch.full((nbytes // 4,), float(rank))
+        outputs = [torch.empty_like(tensor) for _ in ranks] if rank == 0 else None
+        times: dict[str, tuple[list[float], list[float]]] = {v: ([], []) for v in versions}
+        count = (
+            reps
+            if reps is not None
+            else max(200, _reps_for(nbytes, None))
+            if nbytes <= 1 << 20
+            else _reps_for(nbytes, None)
+        )
+        for i in range(count + 10):
+            order = list(versions.items())
+            for version, gather in order if i % 2 else order[::-1]:
+                dist.gather(tensor, outputs, dst=0)  # as in the sweep: something else ran in between
+                dist.barrier()
+                wall, cpu = time.perf_counter(), time.thread_time()
+                with gather(tensor, ranks):
+                    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+                if i >= 10:
+                    times[version][0].append(wall)
+                    times[version][1].append(cpu)
+        report[name] = {v: (statistics.median(w), statistics.median(c)) for v, (w, c) in times.items()}
+    return report
+
+
+def _print_against(reports: list[dict[str, Any]], sizes: list[str], rev: str) -> None:
+    print(
+        f"ours (this checkout) against {rev}, {len(reports)} ranks, interleaved, barrier to barrier: "
+        "rank 0's wall (median ms), the call's thread CPU summed over ranks (medians, us)"
+    )
+    print(f"{'size':>5} {'ours':>8} {'then':>8} {'ratio':>6}   {'cpu ours':>9} {'cpu then':>9} {'ratio':>6}")
+    for name in sizes:
+        wall = {v: reports[0][name][v][0] for v in ("ours", "then")}
+        cpu = {v: sum(r[name][v][1] for r in reports) for v in ("ours", "then")}
+        print(
+            f"{name:>5} {wall['ours'] * 1e3:8.3f} {wall['then'] * 1e3:8.3f} {wall['ours'] / wall['then']:6.2f}"
+            f"   {cpu['ours'] * 1e6:9.0f} {cpu['then'] * 1e6:9.0f} {cpu['ours'] / cpu['then']:6.2f}"
+        )
+
+
 def _print_steps(reports: list[dict[str, Any]], sizes: list[str]) -> None:
     steps = list(reports[0][sizes[0]])
     print(
@@ -547,8 +643,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inline-threshold", action="store_true", help="payloads in the claim vs pooled")
     parser.add_argument("--store-ops", action="store_true", help="time single store requests (see above)")
     parser.add_argument("--busy", type=int, default=0, help="spinning processes beside the ranks (see above)")
+    parser.add_argument("--against", metavar="REV", help="compare with the package at git revision REV")
     args = parser.parse_args(argv)
     with _busy(args.busy):
+        if args.against:
+            with tempfile.TemporaryDirectory(prefix="du-against-") as tmp:
+                _copy_at(args.against, Path(tmp))
+                reports = run_local(_against_rank, args.nproc, args.sizes, args.reps, tmp)
+            _print_against(reports, args.sizes, args.against)
+            return 0
         if args.store_ops:
             ops = run_local(_store_ops_rank, max(args.nproc, 2), args.reps or 5000)[1]
             print(f"one store request from rank 1, median us (load {os.getloadavg()[0]:.1f})")
