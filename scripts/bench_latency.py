@@ -20,7 +20,10 @@ Methods, per size (one float32 tensor per rank to rank 0):
   verdict key; rank 0 posts its own key, reads the senders' in one ``multi_get``, views each
   payload, posts the verdict), with raw bytes, then with ``distribute_utils.wire`` encoding and
   decoding them. ``ours`` minus ``bare+wire`` is what the library adds around the protocol
-  (checks, routing, the watchdog, key collection); ``bare+wire`` minus ``bare`` is the format.
+  (checks, routing, the watchdog, key collection); ``bare+wire`` minus ``bare`` is the format;
+- at the same sizes, ``direct``: the same round without the store, over Unix datagram sockets (each
+  sender sends its bytes to rank 0's socket and waits for a one-byte verdict): what no store hop at
+  all would cost, with no failure handling (a floor for any protocol, like ``limit``).
 
 Then the tiny round trip (``{"a": 1}`` through ``get_configs_parallel``) and a decoder layer's
 config of 64 small tensors (ours; ModelOpt's helper carries at most ~32 tensors in one config,
@@ -85,6 +88,7 @@ import itertools
 import json
 import mmap
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -206,6 +210,38 @@ class _Bare:
         return [tensor, *got]
 
 
+class _Direct:
+    """The same round without the store: each rank's Unix datagram socket (abstract name), a sender sends
+    its bytes to rank 0's and waits for a one-byte verdict; rank 0 receives one datagram per sender,
+    views each, and sends the verdicts. No failure handling at all: what a direct channel would buy."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * nbytes + (1 << 16))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * nbytes + (1 << 16))
+        self.sock.bind(f"\0du-bench-direct-{os.getpid()}-{nbytes}")
+        self.peers = [f"\0du-bench-direct-{p}-{nbytes}" for p in _all_gather_str(str(os.getpid()))]
+        self.nbytes = nbytes
+
+    def run(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        if self.rank != 0:
+            self.sock.sendto(memoryview(tensor.numpy()).cast("B"), self.peers[0])
+            self.sock.recv(1)
+            return []
+        got = [tensor]
+        for _ in range(1, self.world):
+            buf = bytearray(self.nbytes)
+            self.sock.recv_into(buf)
+            got.append(torch.frombuffer(buf, dtype=tensor.dtype))
+        for peer in self.peers[1:]:
+            self.sock.sendto(b"1", peer)
+        return got
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def _all_gather_str(value: str) -> list[str]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
@@ -227,8 +263,12 @@ def _bare_methods(nbytes: int, tensor: torch.Tensor) -> dict[str, Callable[[], A
     """``bare`` and ``bare+wire`` (see the module doc), for sizes whose bytes could travel in the store."""
     if nbytes > INLINE_MAX_BYTES:
         return {}
-    plain, with_wire = _Bare(nbytes, use_wire=False), _Bare(nbytes, use_wire=True)
-    return {"bare": lambda: plain.run(tensor), "bare+wire": lambda: with_wire.run(tensor)}
+    plain, with_wire, direct = _Bare(nbytes, use_wire=False), _Bare(nbytes, use_wire=True), _Direct(nbytes)
+    return {
+        "bare": lambda: plain.run(tensor),
+        "bare+wire": lambda: with_wire.run(tensor),
+        "direct": lambda: direct.run(tensor),
+    }
 
 
 def _gather_once(tensor: torch.Tensor, ranks: list[int]) -> None:
@@ -696,11 +736,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     bare = [name for name in args.sizes if "bare" in report[name]]
     if bare:
-        print("where the time goes below 64 KiB (ms): the store protocol alone, + the wire format, ours")
-        print(f"{'size':>6} {'bare':>8} {'+wire':>8} {'ours':>8}")
+        print(
+            "where the time goes up to 64 KiB (ms): the store protocol alone, + the wire format, ours; no store"
+        )
+        print(f"{'size':>6} {'bare':>8} {'+wire':>8} {'ours':>8} {'direct':>8}")
         for name in bare:
             row = report[name]
-            print(f"{name:>6} " + " ".join(f"{row[m] * 1e3:8.2f}" for m in ("bare", "bare+wire", "ours")))
+            print(
+                f"{name:>6} "
+                + " ".join(f"{row[m] * 1e3:8.2f}" for m in ("bare", "bare+wire", "ours", "direct"))
+            )
     for n, row in report["layer"].items():
         text = f"layer config of {n} tensors, per layer: ours {row['ours'] * 1e3:.2f} ms"
         if "modelopt" in row:
