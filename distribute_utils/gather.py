@@ -515,7 +515,6 @@ class _Gather:
 
     def send(self, value: Any, error: tuple[Any, ...] | None) -> None:
         """A participant that does not receive: publish, claim, wait for the verdict, release."""
-        body: list[Any] | None = None
         try:
             if error is None:
                 plan = self.my_plan()
@@ -525,14 +524,18 @@ class _Gather:
                     body = self.forward(plan, value)
                 else:
                     body = self.publish(self.host(plan.leader_of(self.me)), self.encode(value, False, False))
-        except BaseException as exc:
+                # What this rank owes the other participants (segments it let go as a receiver or leader;
+                # its members' notes). They travel on only in a successful verdict: see take_back_notes.
+                notes = self.notes_for(self.ranks) + self._relayed
+                claim = self.claim("send", None, body, notes).pack()
+            else:
+                claim = self.claim("send", error).pack()
+        except BaseException as exc:  # the first rank hears it at once instead of waiting for a claim
+            self.take_back_notes()
             self.call.post({"c": self.claim("send", _error_of(exc)).pack(), "v": self.marker()})
             self.release(taken=False)
             raise
-        # What this rank owes the other participants (segments it let go as a receiver or leader; its
-        # members' notes). They travel on only in a successful verdict: see take_back_notes.
-        notes = self.notes_for(self.ranks) + self._relayed if error is None else []
-        self.call.post({"c": self.claim("send", error, body, notes).pack(), "v": self.marker()})
+        self.call.post({"c": claim, "v": self.marker()})
         if error is not None:
             _raise_from(error, "")
         try:

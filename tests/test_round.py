@@ -233,6 +233,43 @@ def test_a_late_rank_at_the_first_meeting_does_not_break_the_group(ranks4: RankP
     assert results[0]["later"] == [[0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0], [2.0, 3.0, 4.0, 5.0]]
 
 
+def _claim_fails_on_rank_2() -> dict[str, Any]:
+    """Building rank 2's claim raises (after it published its payload): everybody hears it at once."""
+    from distribute_utils import gather
+
+    rank = dist.get_rank()
+    kept = gather._Gather.notes_for
+    if rank == 2:
+
+        def broken(self: Any, ranks: Any) -> list[Any]:
+            raise RuntimeError("no notes today")
+
+        gather._Gather.notes_for = broken  # type: ignore[method-assign]
+    start = time.monotonic()
+    try:
+        with get_tensors_parallel(torch.full((300_000,), float(rank)), [0, 1, 2, 3], timeout=60):
+            outcome: dict[str, Any] = {"error": None}
+    except Exception as exc:
+        outcome = {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        gather._Gather.notes_for = kept  # type: ignore[method-assign]
+    outcome["seconds"] = time.monotonic() - start
+    with get_tensors_parallel(torch.full((300_000,), float(rank)), [0, 1, 2, 3], timeout=60) as got:
+        outcome["after"] = [float(t[0]) for t in got]
+    outcome["left"] = sorted(n for n in os.listdir("/dev/shm") if n.startswith(shm.SEGMENT_PREFIX))
+    return outcome
+
+
+def test_a_sender_whose_claim_cannot_be_built_tells_everyone_at_once(ranks4: RankPool) -> None:
+    results = ranks4.run(_claim_fails_on_rank_2)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and "no notes today" in r["error"], (rank, r)
+        assert r["seconds"] < 30, (rank, r)  # the first rank did not wait for a claim that never came
+    assert "rank 2" in results[0]["error"], results[0]
+    assert results[0]["after"] == [0.0, 1.0, 2.0, 3.0]
+    assert results[0]["left"] == [], results[0]
+
+
 def _wait_for_key(group: sync.GroupSync, key: str) -> bool:
     deadline = time.monotonic() + 30
     while not group.has(key) and time.monotonic() < deadline:
