@@ -1,0 +1,66 @@
+"""Smoke runs of ``scripts/bench_latency.py``'s measuring modes (not timed: they must run and report).
+
+The latency targets live in the benchmark and ``docs/performance.md``; these tests only keep its
+modes working: ``--against`` (this checkout and an older revision in the same ranks) and ``--cpu``
+(every method back to back, the store-free ``direct`` one included).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from harness import SCRIPTS, load_script
+
+
+def _bench(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_latency.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_against_a_revision_runs_both_versions_in_the_same_ranks() -> None:
+    out = _bench("--against", "HEAD", "--sizes", "4K", "--reps", "3")
+    row = next(line for line in out.splitlines() if line.strip().startswith("4K"))
+    wall_ours, wall_then, wall_ratio, cpu_ours, cpu_then, cpu_ratio = map(float, row.split()[1:])
+    assert wall_ours > 0 and wall_then > 0 and cpu_ours > 0 and cpu_then > 0, row
+    assert abs(wall_ratio - wall_ours / wall_then) < 0.01 and abs(cpu_ratio - cpu_ours / cpu_then) < 0.01, row
+
+
+def test_against_an_unknown_revision_says_so() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_latency.py"), "--against", "no-such-revision", "--sizes", "4K"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode != 0 and "--against no-such-revision: git archive failed" in done.stderr, (
+        done.stderr
+    )
+
+
+def test_a_copy_that_imports_itself_by_name_is_refused(tmp_path: Path) -> None:
+    bench = load_script("bench_latency")
+    by_name = tmp_path / "a.py"
+    by_name.write_text(
+        '"""from distribute_utils import gather (in a docstring)"""\nfrom distribute_utils.wire import encode\n'
+    )
+    relative = tmp_path / "b.py"
+    relative.write_text('"""import distribute_utils"""\nfrom .wire import encode\nimport os\n')
+    assert bench._imports_itself(by_name)
+    assert not bench._imports_itself(relative)
+
+
+def test_cpu_mode_measures_every_method_including_the_store_free_round() -> None:
+    out = _bench("--cpu", "--sizes", "4K", "--rounds", "30")
+    methods = {m.group(1) for m in re.finditer(r"^\s+4K\s+(\S+)\s", out, re.MULTILINE)}
+    assert methods >= {"ours", "limit", "gloo", "bare", "bare+wire", "direct"}, out
