@@ -238,9 +238,6 @@ class _Direct:
             self.sock.sendto(b"1", peer)
         return got
 
-    def close(self) -> None:
-        self.sock.close()
-
 
 def _all_gather_str(value: str) -> list[str]:
     out: list[Any] = [None] * dist.get_world_size()
@@ -531,13 +528,9 @@ def _against_rank(sizes: list[str], reps: int | None, path: str) -> dict[str, An
         tensor = torch.full((nbytes // 4,), float(rank))
         outputs = [torch.empty_like(tensor) for _ in ranks] if rank == 0 else None
         times: dict[str, tuple[list[float], list[float]]] = {v: ([], []) for v in versions}
-        count = (
-            reps
-            if reps is not None
-            else max(200, _reps_for(nbytes, None))
-            if nbytes <= 1 << 20
-            else _reps_for(nbytes, None)
-        )
+        count = reps if reps is not None else _reps_for(nbytes, None)
+        if reps is None and nbytes <= 1 << 20:
+            count = 200  # a ratio of small rounds needs more than the sweep's 40
         for i in range(count + 10):
             order = list(versions.items())
             for version, gather in order if i % 2 else order[::-1]:
