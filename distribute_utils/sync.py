@@ -614,9 +614,8 @@ class GroupSync:
         self.own_keys: list[str] = []
         self._busy = threading.Lock()
         self._digests: dict[tuple[int, ...], str] = {}
-        self.routes: dict[
-            Any, Any
-        ] = {}  # the gather layer's routes over this group (see gather._Gather.plan)
+        # The gather layer's routes over this group, kept for the incarnation (see gather._Gather.plan).
+        self.routes: dict[Any, Any] = {}
 
     def digest(self, ranks: Sequence[int]) -> str:
         """A short digest of a ranks list (cached: the same lists come back call after call)."""
