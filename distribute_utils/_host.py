@@ -3,12 +3,12 @@
 Two processes can share POSIX shared memory when they run on the same kernel (boot id) and
 see the same ``/dev/shm`` mount (its device number); the hostname alone is not enough
 (containers and simulated nodes share hostnames or boot ids). They can check each other's
-liveness by pid when they also share a pid namespace.
+liveness by pid when they also share a pid namespace, and reach each other's abstract Unix
+sockets (:mod:`distribute_utils.mailbox`) when they also share a network namespace.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 from dataclasses import dataclass
@@ -28,6 +28,7 @@ class ProcessInfo:
     pid_namespace: int
     pid: int
     start_time: int
+    net_namespace: int = -1  # -1: unknown
 
     @property
     def shm_domain(self) -> str:
@@ -38,13 +39,31 @@ class ProcessInfo:
         """Whether this process can tell by pid if ``other`` is alive."""
         return (self.boot_id, self.pid_namespace) == (other.boot_id, other.pid_namespace)
 
+    @property
+    def direct_domain(self) -> tuple[str, int, int, int] | None:
+        """Equal for processes that share memory, see each other's pids and can send each other
+        datagrams with the kernel naming the sender; None when unknown."""
+        if self.net_namespace == -1 or self.pid_namespace == -1:
+            return None
+        return (self.boot_id, self.shm_device, self.pid_namespace, self.net_namespace)
+
     def to_wire(self) -> list[object]:
-        return [self.hostname, self.boot_id, self.shm_device, self.pid_namespace, self.pid, self.start_time]
+        return [
+            self.hostname,
+            self.boot_id,
+            self.shm_device,
+            self.pid_namespace,
+            self.pid,
+            self.start_time,
+            self.net_namespace,
+        ]
 
     @classmethod
     def from_wire(cls, items: list[object]) -> ProcessInfo:
-        hostname, boot_id, shm_device, pid_ns, pid, start = items
-        return cls(str(hostname), str(boot_id), int(shm_device), int(pid_ns), int(pid), int(start))
+        """Read :meth:`to_wire`'s list (also one of 6 items, written before the network namespace was)."""
+        hostname, boot_id, shm_device, pid_ns, pid, start, *rest = items
+        net_ns = int(rest[0]) if rest else -1  # type: ignore[call-overload]
+        return cls(str(hostname), str(boot_id), int(shm_device), int(pid_ns), int(pid), int(start), net_ns)
 
 
 def _read(path: str, default: str = "") -> str:
@@ -84,21 +103,21 @@ def _shm_device() -> int:
         return -1
 
 
-@functools.lru_cache(maxsize=1)
-def _static_facts() -> tuple[str, str, int]:
-    boot_id = _read("/proc/sys/kernel/random/boot_id", default=f"no-boot-id:{socket.gethostname()}")
+def _namespace(kind: str) -> int:
     try:
-        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
     except OSError:
-        pid_ns = -1
-    return socket.gethostname(), boot_id, pid_ns
+        return -1
 
 
 def this_process() -> ProcessInfo:
-    """Facts about the calling process (the ``/dev/shm`` device is read afresh each call)."""
-    hostname, boot_id, pid_ns = _static_facts()
+    """Facts about the calling process (read afresh each call: a process may move to other namespaces)."""
+    hostname = socket.gethostname()
+    boot_id = _read("/proc/sys/kernel/random/boot_id", default=f"no-boot-id:{hostname}")
     pid = os.getpid()
-    return ProcessInfo(hostname, boot_id, _shm_device(), pid_ns, pid, _start_time(pid))
+    return ProcessInfo(
+        hostname, boot_id, _shm_device(), _namespace("pid"), pid, _start_time(pid), _namespace("net")
+    )
 
 
 def process_alive(info: ProcessInfo) -> bool:

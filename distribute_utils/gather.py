@@ -70,6 +70,7 @@ sync.on_new_incarnation(release_shared_memory)  # nothing kept warm past a proce
 
 TRANSPORTS = ("auto", "shm", "workspace", "collective")
 _SMALL_CLAIM_BYTES = 4096  # larger claims (inline payloads) are overwritten once taken, not kept
+_CLAIM, _VERDICT = 0, 1  # kinds of direct messages (distribute_utils.mailbox)
 
 
 _RAISABLE: dict[str, type[Exception]] = {
@@ -199,6 +200,21 @@ def _mismatch(me: int, mine: list[int] | None, other: int, theirs: list[int] | N
     )
 
 
+def _modes_differ(me: int, mine: str, other: int, theirs: str) -> ValueError:
+    return ValueError(
+        f"ranks asked for different transports: rank {me} {mine!r}, rank {other} "
+        f"{theirs!r} (transport:has-workspace); pass the same everywhere"
+    )
+
+
+def _not_direct(me: int, other: int) -> ValueError:
+    return ValueError(
+        f"rank {other} takes part in this gather through the store while rank {me} sends through "
+        "this host's sockets (distribute_utils.mailbox): it could not listen for direct messages "
+        "(see its log), or the ranks asked for different transports; pass the same everywhere"
+    )
+
+
 @dataclass(frozen=True)
 class _Plan:
     """Who sends to whom in one gather; the first rank works it out and tells remote senders.
@@ -314,6 +330,7 @@ class _Gather:
         self._go_posted = False
         self._cross: str | None = None
         self.place_own = True  # the first rank's own value goes to the target device like the rest
+        self.direct = False  # claims and verdicts through the ranks' mailboxes, not the store (see decide)
 
     # -- shared helpers ------------------------------------------------------------------------
     @property
@@ -356,6 +373,47 @@ class _Gather:
             found = _MARKERS[self.digest] = _Verdict(False, self.shown, self.digest).pack()
         return found
 
+    def decide(self) -> None:
+        """A participant: take the direct round when every rank of the list runs on this host, in this
+        pid and network namespace, and the transport is this host's. Every participant decides alike
+        (from the same facts); ranks that asked for another transport are told by the records."""
+        if self.transport in ("auto", "shm"):
+            self.direct = self.companion.direct(self.ranks, self.seconds, self.what)
+
+    def record(self, kind: str, error: tuple[Any, ...] | None = None) -> None:
+        """Post this rank's part in this call (and its error), read by partners of a direct round past
+        the grace (a claim without its body, and the round it takes)."""
+        path = "direct" if self.direct else "store"
+        self.call.record([kind, self.shown, self.digest, self.mode, error, path])
+
+    def judge_sender(self, rank: int, entry: list[Any] | str | None) -> bool:
+        """The first rank of a direct round, on a sender whose claim has not come: is it in this
+        call (True), not yet (False), or doing something else (raises)?"""
+        if entry is None:
+            return False
+        if entry == "past":
+            raise _mismatch(self.me, self.shown, rank, None)
+        kind, ranks, digest, mode, error, path = entry
+        self.check_claim(rank, _Claim(kind, ranks, digest, mode, error))
+        if path != "direct":
+            raise _not_direct(self.me, rank)
+        return True
+
+    def judge_first(self, rank: int, entry: list[Any] | str | None) -> bool:
+        """A sender of a direct round, on its first rank whose verdict has not come (see judge_sender)."""
+        if entry is None:
+            return False
+        if entry == "past" or entry[0] != "first" or entry[2] != self.digest:
+            raise _mismatch(self.me, self.shown, rank, None if entry == "past" else entry[1])
+        mode, error, path = entry[3:]
+        if error is not None:
+            _raise_from(error, f"the first rank ({rank}) failed: ")
+        if mode != self.mode:
+            raise _modes_differ(self.me, self.mode, rank, mode)
+        if path != "direct":
+            raise _not_direct(self.me, rank)
+        return True
+
     def check_claim(self, rank: int, claim: _Claim) -> None:
         """Raise when ``rank`` is not a sender of this very gather, or brings an error."""
         if claim.digest != self.digest:
@@ -365,10 +423,7 @@ class _Gather:
         if claim.error is not None:
             _raise_from(claim.error, f"rank {rank} cannot take part in the gather: ")
         if claim.mode != self.mode:
-            raise ValueError(
-                f"ranks asked for different transports: rank {self.me} {self.mode!r}, rank {rank} "
-                f"{claim.mode!r} (transport:has-workspace); pass the same everywhere"
-            )
+            raise _modes_differ(self.me, self.mode, rank, claim.mode)
 
     def plan(self) -> _Plan:
         """The route of this gather, worked out by the first rank from where ranks run (the same lists
@@ -510,14 +565,15 @@ class _Gather:
 
     # -- the roles ---------------------------------------------------------------------------------
     def check_in(self, error: tuple[Any, ...] | None) -> None:
-        """A rank its own list does not name: post a claim and a marker, nothing else."""
+        """A rank its own list does not name: post a claim and a marker, and its record."""
         self.call.post({"c": self.claim("none", error).pack(), "v": self.marker()})
+        self.record("none", error)
 
     def send(self, value: Any, error: tuple[Any, ...] | None) -> None:
         """A participant that does not receive: publish, claim, wait for the verdict, release."""
         try:
             if error is None:
-                plan = self.my_plan()
+                plan = None if self.direct else self.my_plan()
                 if plan is None:
                     body = self.publish(self.host(self.first), self.encode(value, False, False))
                 elif plan.leader_of(self.me) == self.me:
@@ -532,10 +588,69 @@ class _Gather:
                 claim = self.claim("send", error).pack()
         except BaseException as exc:  # the first rank hears it at once instead of waiting for a claim
             self.take_back_notes()
-            self.call.post({"c": self.claim("send", _error_of(exc)).pack(), "v": self.marker()})
+            failed = self.claim("send", _error_of(exc)).pack()
+            if self.direct:
+                self.call.send_direct(self.first, _CLAIM, failed)
+            self.call.post({"c": failed, "v": self.marker()})
+            self.record("send", _error_of(exc))
             self.release(taken=False)
             raise
-        self.call.post({"c": claim, "v": self.marker()})
+        if self.direct:
+            verdict = self.claim_directly(claim, error)
+        else:
+            self.call.post({"c": claim, "v": self.marker()})
+            self.record("send", error)
+            verdict = self.claim_in_store(error)
+        # A failed gather may never have read this payload: then nobody will report its segment free.
+        succeeded = verdict.receiver and verdict.digest == self.digest and verdict.error is None
+        self.release(taken=succeeded)
+        if not succeeded:
+            self.take_back_notes()
+        if not verdict.receiver or verdict.digest != self.digest:
+            raise _mismatch(self.me, self.shown, self.first, verdict.ranks)
+        HostTransport.heed(self.me, verdict.notes)
+        if verdict.error is not None:
+            _raise_from(verdict.error, f"the first rank ({self.first}) failed: ")
+
+    def claim_directly(self, claim: bytes, error: tuple[Any, ...] | None) -> _Verdict:
+        """A sender of a direct round: send the claim to the first rank's mailbox, wait for its verdict
+        there. On any failure the store gets what the store round would hold (its claim and marker)."""
+        call = self.call
+        delivered = False
+        try:
+            delivered = call.send_direct(self.first, _CLAIM, claim, sync.GRACE_S)
+            self.record("send", error)
+            if error is not None:
+                _raise_from(error, "")
+
+            def undelivered() -> bool:  # the first rank did not listen yet, or its queue was full
+                nonlocal delivered
+                delivered = delivered or call.send_direct(self.first, _CLAIM, claim, sync.RETRY_S)
+                return not delivered
+
+            found: list[bytes] = []
+            call.receive_direct(
+                _VERDICT,
+                [self.first],
+                self.seconds,
+                self.what,
+                self.judge_first,
+                lambda _, data: found.append(data),
+                None if delivered else undelivered,
+                second_chance=True,
+            )
+            return _Verdict.unpack(found[0])
+        except BaseException as exc:
+            if not delivered:  # the first rank never had the notes in this claim
+                self.take_back_notes()
+            error = error or _error_of(exc)
+            self.record("send", error)
+            call.post({"c": self.claim("send", error).pack(), "v": self.marker()})
+            self.release(taken=False)
+            raise
+
+    def claim_in_store(self, error: tuple[Any, ...] | None) -> _Verdict:
+        """A sender of a store round, its claim posted: wait for the verdict (or the "go" to send first)."""
         if error is not None:
             _raise_from(error, "")
         try:
@@ -548,20 +663,10 @@ class _Gather:
                     _raise_from(go, f"the first rank ({self.first}) failed: ")
                 assert self._sent is not None
                 self.collective(device).publish(self._sent[1], self.me, payload)
-            verdict = _Verdict.unpack(self.call.wait_verdict(self.first, self.seconds, self.what))
+            return _Verdict.unpack(self.call.wait_verdict(self.first, self.seconds, self.what))
         except BaseException:
             self.release(taken=False)
             raise
-        # A failed gather may never have read this payload: then nobody will report its segment free.
-        succeeded = verdict.receiver and verdict.digest == self.digest and verdict.error is None
-        self.release(taken=succeeded)
-        if not succeeded:
-            self.take_back_notes()
-        if not verdict.receiver or verdict.digest != self.digest:
-            raise _mismatch(self.me, self.shown, self.first, verdict.ranks)
-        HostTransport.heed(self.me, verdict.notes)
-        if verdict.error is not None:
-            _raise_from(verdict.error, f"the first rank ({self.first}) failed: ")
 
     def forward(self, plan: _Plan, value: Any) -> list[Any]:
         """A remote host's leader: collect its host's payloads and send one bundle across."""
@@ -594,8 +699,11 @@ class _Gather:
         self, own: Any, device: str | torch.device | None, error: tuple[Any, ...] | None
     ) -> list[Any]:
         """The first rank: read its senders' claims, fetch and decode, post the verdict."""
-        self.call.post({"c": self.claim("first", error).pack()})
+        if not self.direct:
+            self.call.post({"c": self.claim("first", error).pack()})
+        self.record("first")  # in a direct round, before waiting: a sender past the grace looks for it
         claims: dict[int, _Claim] = {}
+        bulky: list[int] = []
         taken: set[int] = set()  # whose payloads were fetched: nothing of theirs is left to discard
         plan: _Plan | None = None
         try:
@@ -604,11 +712,14 @@ class _Gather:
             target = torch.device(device) if device is not None else _CPU
             plan = self.plan_and_tell()
             direct = plan.direct
-            values = self.call.wait_for("c", direct, self.seconds, self.what)
-            claims = {r: _Claim.unpack(v) for r, v in zip(direct, values)}
-            bulky = [r for r, v in zip(direct, values) if len(v) > _SMALL_CLAIM_BYTES]
-            for rank in direct:
-                self.check_claim(rank, claims[rank])
+            if self.direct:
+                self.claims_directly(direct, claims)
+            else:
+                values = self.call.wait_for("c", direct, self.seconds, self.what)
+                claims.update((r, _Claim.unpack(v)) for r, v in zip(direct, values))
+                bulky = [r for r, v in zip(direct, values) if len(v) > _SMALL_CLAIM_BYTES]
+                for rank in direct:
+                    self.check_claim(rank, claims[rank])
             self.tell_go(None, claims)
             found: dict[int, Any] = {self.first: _place(own, target) if self.place_own else own}
             decode_to = None if target.type == "cpu" else target
@@ -622,7 +733,14 @@ class _Gather:
                     found[rank] = value
         except BaseException as exc:
             self.tell_go(_error_of(exc), claims)
-            self.call.post({"v": _Verdict(True, self.shown, self.digest, _error_of(exc)).pack()})
+            failed = _Verdict(True, self.shown, self.digest, _error_of(exc)).pack()
+            if self.direct:  # its senders hear it at once (or from its record); the store has it too
+                for rank in self.ranks[1:]:
+                    self.call.send_direct(rank, _VERDICT, failed)
+                self.record("first", _error_of(exc))
+                self.call.post({"c": self.claim("first", _error_of(exc)).pack(), "v": failed})
+            else:
+                self.call.post({"v": failed})
             self.take_back_notes()
             for rank, claim in claims.items():
                 if rank not in taken:
@@ -632,11 +750,24 @@ class _Gather:
         notes = self.notes_for(self.ranks[1:]) + [note for c in claims.values() for note in c.notes or ()]
         # A sender may have received from this rank in an earlier gather (other roles, other numbers).
         HostTransport.heed(self.me, notes)
-        overwrite = _Claim("taken", None, self.digest, self.mode, None).pack() if bulky else b""
-        self.call.post(
-            {"v": _Verdict(True, self.shown, self.digest, None, notes).pack()}, ("c", bulky, overwrite)
-        )
+        verdict = _Verdict(True, self.shown, self.digest, None, notes).pack()
+        if self.direct:
+            for rank in direct:  # each waits in its mailbox, so there is room; one that left is not told
+                self.call.send_direct(rank, _VERDICT, verdict, sync.GRACE_S)
+        else:
+            overwrite = _Claim("taken", None, self.digest, self.mode, None).pack() if bulky else b""
+            self.call.post({"v": verdict}, ("c", bulky, overwrite))
         return [found[r] for r in self.ranks]
+
+    def claims_directly(self, senders: list[int], claims: dict[int, _Claim]) -> None:
+        """The first rank of a direct round: its senders' claims, from its mailbox, each checked as it
+        comes (into ``claims``, so that a failure can discard what came)."""
+
+        def arrived(rank: int, data: bytes) -> None:
+            claim = claims[rank] = _Claim.unpack(data)
+            self.check_claim(rank, claim)
+
+        self.call.receive_direct(_CLAIM, senders, self.seconds, self.what, self.judge_sender, arrived)
 
     def notes_for(self, ranks: Sequence[int]) -> list[Any]:
         """The host transport's word (this rank's) for the other processes of ``ranks`` in its pid namespace.
@@ -668,7 +799,8 @@ class _Gather:
             c.body and (self._cross == "collective" or c.mode.startswith("collective:"))
             for c in claims.values()
         )
-        if waiting or (error is not None and (self.transport == "collective" or self._cross == "collective")):
+        # A failed direct round cannot tell who waits: a sender that asked for the collective may.
+        if waiting or (error is not None and (self.direct or "collective" in (self.transport, self._cross))):
             self.call.post_shared("go", msgpack.packb(list(error) if error else None))
             self._go_posted = True
 
@@ -832,6 +964,11 @@ def gather_to_first(
             root=root,
         )
         me = companion.rank
+        if me in checked:
+            try:
+                this.decide()
+            except PeerLostError as exc:
+                error = error or _error_of(exc)
         if me not in checked:
             this.check_in(error)
             if error is not None:

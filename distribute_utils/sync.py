@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from ._host import ProcessInfo, process_alive, this_process
 from .errors import PeerLostError
+from .mailbox import ANSWER, Mailbox, answer_inquiries
 
 __all__ = [
     "COLLECT_EVERY",
@@ -74,6 +75,9 @@ COLLECT_EVERY = 64  # calls between the group-wide barriers after which keys are
 TOMBSTONE = b"\x00dead"
 _WATCH_INTERVAL_S = 0.1
 _WATCH_GRACE_S = 0.05  # waits shorter than this never cost the watchdog (or the CPU) anything
+GRACE_S = _WATCH_GRACE_S  # a direct round only listens this long before it looks at records and pids
+RETRY_S = 0.002  # how soon an undelivered direct message is sent again within the grace
+_RECORDS_KEPT = 16  # calls a rank remembers for inquiries (its latest first)
 _ROOT = "distribute_utils"
 
 
@@ -389,6 +393,7 @@ class _Incarnation:
         self.prefix = f"{_ROOT}/g{self.generation}"
         self.peers = _PeerDirectory(self.store, self.prefix, self.rank, this_process())
         self.companions: dict[tuple[int, ...], GroupSync] = {}
+        self.by_namespace: dict[str, GroupSync] = {}  # the same, for the answering thread
         self.world: GroupSync | None = None
         self.lock = threading.Lock()
 
@@ -435,6 +440,8 @@ def _incarnation() -> _Incarnation:
         if _CURRENT is None or _CURRENT.pg() is not pg:
             if _CURRENT is not None:
                 _run_reset_hooks()
+                for old in _CURRENT.companions.values():
+                    old.close()
             _CURRENT = _Incarnation(pg)
         return _CURRENT
 
@@ -580,6 +587,103 @@ class Call:
                 raise
         return self.wait_for("v", [first], timeout, what)[0]
 
+    # -- direct rounds: one host, no store hop (see distribute_utils.mailbox) --------------------
+    def record(self, entry: list[Any]) -> None:
+        """Remember what this rank does in this call (``entry``, e.g. its kind and list): a partner of
+        a direct round that waits past the grace asks for it (:meth:`receive_direct`). Kept in memory
+        for this rank's last :data:`_RECORDS_KEPT` calls of the group; a later entry for the same call
+        (a failure) replaces the earlier one."""
+        sync = self.sync
+        sync.records = [[self.number, *entry], *sync.records[: _RECORDS_KEPT - 1]]
+
+    def send_direct(self, rank: int, kind: int, data: bytes, timeout: float = 0.0) -> bool:
+        """Send ``data`` to ``rank``'s mailbox of this group; False when it does not listen (yet) or
+        its queue stayed full for ``timeout`` seconds."""
+        sync = self.sync
+        return sync.mailbox().send(sync.infos[rank], self.number, sync.rank, kind, data, timeout)
+
+    def receive_direct(
+        self,
+        kind: int,
+        ranks: Sequence[int],
+        timeout: float,
+        what: str,
+        judge: Callable[[int, list[Any] | str | None], bool],
+        arrived: Callable[[int, bytes], None],
+        undelivered: Callable[[], bool] | None = None,
+        second_chance: bool = False,
+    ) -> None:
+        """Wait for one message of ``kind`` of this call from each of ``ranks``, handing each to
+        ``arrived(rank, data)`` as it comes (which may raise to end the wait).
+
+        Within the grace this only listens. Past it, every :data:`_WATCH_INTERVAL_S`: ``undelivered()``
+        (when given) retries this rank's own message and says whether it is still undelivered; a
+        missing rank that exited raises; each missing rank is asked what it does in this call
+        (:meth:`~distribute_utils.mailbox.Mailbox.inquire`), and ``judge(rank, entry)`` reads its
+        answer (its :meth:`record` entry, None when it has not come this far, ``"past"`` when it went
+        past this call): it raises when that rank does something else, and returns whether it is in
+        this call. At ``timeout`` the missing ranks are reported (late); with ``second_chance`` a
+        missing rank that answered that it is in this call is given one more ``timeout``.
+
+        Raises:
+            PeerLostError: a rank exited or did not come within the timeout.
+        """
+        sync = self.sync
+        mailbox = sync.mailbox()
+        missing = {r: sync.infos[r] for r in ranks}
+        there: dict[int, bool] = {}
+        start = time.monotonic()
+        deadline = start + timeout
+        tick = start + min(GRACE_S, timeout)
+        retry = start + RETRY_S if undelivered is not None else float("inf")
+        chance = second_chance
+        while missing:
+            now = time.monotonic()
+            if now >= retry:
+                assert undelivered is not None
+                retry = (
+                    now + (RETRY_S if now < tick else _WATCH_INTERVAL_S) if undelivered() else float("inf")
+                )
+            if now >= tick:
+                # A peer's message comes before its exit, and before its answer that it went past.
+                dead = [r for r, info in missing.items() if not process_alive(info)]
+                self._take(mailbox.receive(self.number, missing, 0.0), kind, missing, there, judge, arrived)
+                dead = [r for r in dead if r in missing]
+                if dead:
+                    raise PeerLostError(
+                        f"{what}: rank(s) {dead} exited while this rank was waiting for them", dead
+                    )
+                if not missing:
+                    break
+                if now >= deadline:
+                    if not (chance and all(there.get(r, False) for r in missing)):
+                        generation, lookup = sync.generation if sync.generation is not None else (None, None)
+                        raise _late(what, list(missing), timeout, lookup, generation)
+                    chance, deadline = False, now + timeout
+                for info in missing.values():
+                    mailbox.inquire(info, self.number, sync.rank)
+                tick = now + _WATCH_INTERVAL_S
+            wait = max(0.0, min(tick, deadline, retry) - time.monotonic())
+            self._take(mailbox.receive(self.number, missing, wait), kind, missing, there, judge, arrived)
+
+    @staticmethod
+    def _take(
+        messages: list[tuple[int, int, bytes]],
+        kind: int,
+        missing: dict[int, ProcessInfo],
+        there: dict[int, bool],
+        judge: Callable[[int, list[Any] | str | None], bool],
+        arrived: Callable[[int, bytes], None],
+    ) -> None:
+        for rank, their_kind, data in messages:
+            if rank not in missing:
+                continue
+            if their_kind == kind:
+                del missing[rank]
+                arrived(rank, data)
+            elif their_kind == ANSWER:
+                there[rank] = judge(rank, msgpack.unpackb(data)[0])
+
 
 class GroupSync:
     """The CPU companion of one set of ranks; obtain it with :func:`companion`.
@@ -608,7 +712,7 @@ class GroupSync:
         self.namespace = namespace
         self.token_base = _digest((namespace, ranks))[:8]
         self.directory = peers
-        self._generation = generation
+        self.generation = generation
         self._calls = 0
         self._collected = 0  # calls before this number have been collected
         self.own_keys: list[str] = []
@@ -616,6 +720,58 @@ class GroupSync:
         self._digests: dict[tuple[int, ...], str] = {}
         # The gather layer's routes over this group, kept for the incarnation (see gather._Gather.plan).
         self.routes: dict[Any, Any] = {}
+        self.records: list[list[Any]] = []  # this rank's latest entries (see Call.record)
+        self.infos: dict[int, ProcessInfo] = {}  # ranks of direct rounds (see direct())
+        self._direct: dict[tuple[int, ...], bool] = {}
+        self._mailbox: Mailbox | None = None
+        if peers is not None:  # partners of a direct round may ask this rank what it does
+            answer_inquiries(peers.me, _answer)
+
+    def entry(self, number: int) -> list[Any] | str | None:
+        """What this rank remembers of call ``number`` (see :meth:`Call.record`; read by the answering
+        thread): its entry, ``"past"`` when it is no longer kept, None when not made yet."""
+        records = self.records  # one read: the calling thread replaces the list, never changes it
+        for record in records:
+            if record[0] == number:
+                return record[1:]
+        if records and number < records[0][0]:
+            return "past"  # it has gone on, and took no part in that call as a gather
+        return None
+
+    def direct(self, ranks: Sequence[int], timeout: float, what: str) -> bool:
+        """Whether ``ranks`` (this rank among them) run on one host in one pid and network namespace,
+        so that a round among them can go through their mailboxes; the same answer on each of them."""
+        key = tuple(ranks)
+        found = self._direct.get(key)
+        if found is None:
+            found = False
+            if self.directory is not None:
+                infos = self.directory.infos(key, self.store, timeout, what)
+                domain = self.directory.me.direct_domain
+                found = domain is not None and all(i.direct_domain == domain for i in infos)
+                if found:
+                    self.infos.update(zip(key, infos))
+            if len(self._direct) > 4096:
+                self._direct.clear()
+            self._direct[key] = found
+        return found
+
+    def mailbox(self) -> Mailbox:
+        """This rank's mailbox of this group, listening from its first direct round on.
+
+        Raises:
+            MailboxError: it cannot listen (see :class:`~distribute_utils.mailbox.Mailbox`).
+        """
+        found = self._mailbox
+        if found is None:
+            assert self.directory is not None
+            found = self._mailbox = Mailbox(self.namespace, self.directory.me)
+        return found
+
+    def close(self) -> None:
+        """Stop listening (the incarnation ends)."""
+        if self._mailbox is not None:
+            self._mailbox.close()
 
     def digest(self, ranks: Sequence[int]) -> str:
         """A short digest of a ranks list (cached: the same lists come back call after call)."""
@@ -657,7 +813,7 @@ class GroupSync:
         watch = None
         if self.directory is not None and awaited:
             watch = _Watch(self.directory, self._watch_store(), awaited, None)
-        generation, lookup = self._generation if self._generation is not None else (None, None)
+        generation, lookup = self.generation if self.generation is not None else (None, None)
         return _wait_values(self.store, keys, ranks, timeout, what, watch, lookup, generation)
 
     def _watch_store(self) -> dist.Store:
@@ -702,7 +858,7 @@ class GroupSync:
                 missing = [r for r in others if not self.has(call.key("in", r))]
                 if not missing:
                     raise
-                generation, lookup = self._generation if self._generation is not None else (None, None)
+                generation, lookup = self.generation if self.generation is not None else (None, None)
                 raise _late(what, missing, timeout, lookup, generation) from None
             if value.startswith(TOMBSTONE):
                 dead = int(value[len(TOMBSTONE) :])
@@ -788,6 +944,14 @@ class _Exclusive:
         self.sync._busy.release()
 
 
+def _answer(namespace: str, number: int) -> tuple[int, Any] | None:
+    """The answering thread's lookup (:func:`~distribute_utils.mailbox.answer_inquiries`): this rank and
+    its entry for call ``number`` of the group whose namespace is ``namespace``."""
+    current = _CURRENT
+    sync = current.by_namespace.get(namespace) if current is not None else None
+    return None if sync is None else (sync.rank, sync.entry(number))
+
+
 def companion(ranks: Sequence[int] | dist.ProcessGroup | None) -> GroupSync:
     """The cached :class:`GroupSync` of ``ranks`` (a rank list, a group, or None for the world).
 
@@ -818,6 +982,7 @@ def companion(ranks: Sequence[int] | dist.ProcessGroup | None) -> GroupSync:
                     inc.peers,
                     (inc.generation, inc.generation_of),
                 )
+                inc.by_namespace[sync.namespace] = sync
     if world:
         inc.world = sync
     return sync

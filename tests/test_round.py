@@ -277,19 +277,28 @@ def _wait_for_key(group: sync.GroupSync, key: str) -> bool:
     return group.has(key)
 
 
-def _sender_outwaits_its_timeout() -> dict[str, Any]:
+def _sender_outwaits_its_timeout(workspace: str | None) -> dict[str, Any]:
     """Rank 1 (timeout 2 s) waits for rank 0, which is there but waits for rank 2 (3 s late)."""
     rank, group = dist.get_rank(), sync.companion(None)
     barrier(timeout=60)
-    sender_claim = sync.Call(group, group._calls).key("c", 1)
+    entering = f"{group.namespace}/test/{group._calls}/rank-1-enters"
+    if rank == 1:
+        group.store.set(entering, b"1")
     if rank in (0, 2):
-        _wait_for_key(group, sender_claim)
+        _wait_for_key(group, entering)
     if rank == 2:
         time.sleep(3.0)  # past rank 1's timeout, well within a second one
     start = time.monotonic()
+    transport = "auto" if workspace is None else "workspace"
     try:
         timeout = 2 if rank == 1 else 60
-        with get_tensors_parallel(torch.full((4,), float(rank)), [0, 1, 2], timeout=timeout) as got:
+        with get_tensors_parallel(
+            torch.full((4,), float(rank)),
+            [0, 1, 2],
+            timeout=timeout,
+            transport=transport,
+            workspace_path=workspace,
+        ) as got:
             outcome: dict[str, Any] = {"got": [float(t[0]) for t in got]}
     except Exception as exc:
         outcome = {"error": f"{type(exc).__name__}: {exc}"}
@@ -297,9 +306,13 @@ def _sender_outwaits_its_timeout() -> dict[str, Any]:
     return outcome
 
 
-def test_a_sender_past_its_timeout_waits_again_for_a_first_rank_that_is_there(ranks4: RankPool) -> None:
-    results = ranks4.run(_sender_outwaits_its_timeout)
-    # Rank 0's claim says it has arrived, so rank 1 takes a second timeout instead of failing.
+@pytest.mark.parametrize("path", ["direct", "store"])
+def test_a_sender_past_its_timeout_waits_again_for_a_first_rank_that_is_there(
+    ranks4: RankPool, tmp_path: Any, path: str
+) -> None:
+    """Direct: rank 0 answers rank 1's inquiry that it is in the call; store: its claim says so. Either
+    way rank 1 takes a second timeout instead of failing."""
+    results = ranks4.run(_sender_outwaits_its_timeout, None if path == "direct" else str(tmp_path / "ws"))
     assert "error" not in results[1] and results[1]["seconds"] > 2, results[1]
     assert results[0]["got"] == [0.0, 1.0, 2.0], results[0]
     assert results[3] == {"got": [], "seconds": results[3]["seconds"]}

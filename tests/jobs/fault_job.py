@@ -237,8 +237,9 @@ def run_case(case: str, report: dict[str, Any]) -> None:
                 return fetch(self, token, r, receipt)
 
             shm.SharedMemoryTransport.fetch = fetch_after_death  # type: ignore[method-assign]
-        if rank == victim:  # dies once its claim is posted, waiting for the verdict
+        if rank == victim:  # dies once its claim is posted, waiting for the verdict (store or direct round)
             sync.Call.wait_verdict = lambda *args, **kwargs: _die()  # type: ignore[method-assign]
+            sync.Call.receive_direct = lambda *args, **kwargs: _die()  # type: ignore[method-assign]
         _gather(report, ranks, timeout=TIMEOUT)
         _next_sync(report)
     elif case == "first_rank_dies_before_gather":

@@ -1,0 +1,311 @@
+"""Direct messages between the processes of one host: Unix datagram sockets, no store hop.
+
+A gather whose ranks all run on one host (same kernel, ``/dev/shm``, pid and network namespace)
+sends its claims and verdicts through these sockets instead of the job's store: a datagram goes
+from one process to the other, where a store request goes through the process that serves the
+store and leaves a key to delete later (``docs/performance.md``, "The round without the store").
+
+- A :class:`Mailbox` is one process's socket for one group, bound to an abstract address made of
+  the process's pid and start time and the group's namespace: nothing on disk, gone with the
+  socket. A sender knows the address from the peer's :class:`~distribute_utils._host.ProcessInfo`.
+- A message is taken only when the kernel says (``SCM_CREDENTIALS``) that it comes from this user
+  and from the process the named rank runs as; anything else is dropped.
+- A message is ``(call number, sender's rank, kind)`` and bytes. Messages of a later call are kept
+  for it (a bounded number); those of an earlier call are dropped (a call that failed).
+- A waiter that waits long can :meth:`~Mailbox.inquire` what a peer does in its call: each process
+  answers from a thread of its own (:func:`answer_inquiries`), from what it remembers of its latest
+  calls, even while it is busy elsewhere. Nothing is sent or stored for that while all goes well.
+
+Call order: one thread at a time per mailbox (a group's calls are; see :mod:`distribute_utils.sync`).
+:meth:`Mailbox.send` and :meth:`Mailbox.receive` never wait longer than they are told to.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import struct
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from ._host import ProcessInfo
+
+__all__ = ["ANSWER", "MAX_MESSAGE_BYTES", "Mailbox", "MailboxError", "answer_inquiries"]
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 160 * 2**10
+"""Largest message (an inline claim is at most ~65 KiB); larger ones must travel another way."""
+ANSWER = 255
+"""The kind of an answer to :meth:`Mailbox.inquire`: ``[entry]``, ``[None]`` or ``["past"]``."""
+_INQUIRY = 254
+_HEADER = struct.Struct("<qiB")  # call number, sender's rank, kind
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_KEEP = 256  # messages kept for later calls at most
+_INQUIRIES = "inquiries"  # the namespace of each process's answering socket
+
+
+class MailboxError(OSError):
+    """This process cannot listen for a group's messages (its address is taken or not allowed)."""
+
+
+def _address(process: ProcessInfo, namespace: str) -> bytes:
+    """A process's address for one namespace: unique on the host, since the pid namespace is part of
+    it (simulated nodes or containers share a network namespace but number their pids alike)."""
+    digest = hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
+    return f"\0distribute_utils/{process.pid_namespace}-{process.pid}-{process.start_time}/{digest}".encode()
+
+
+def _socket(address: bytes, what: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise MailboxError(f"cannot listen for {what}: {exc}") from None
+    return sock
+
+
+def _sender_pid(ancillary: list[tuple[int, int, bytes]], uid: int) -> int | None:
+    """The sending process's pid, as the kernel names it, when it runs as ``uid``; else None."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CREDENTIALS.size:
+            pid, their_uid, _ = _CREDENTIALS.unpack_from(data)
+            return pid if their_uid == uid else None
+    return None
+
+
+class Mailbox:
+    """This process's socket for one group's messages (``namespace``: the group's store namespace).
+
+    Raises:
+        MailboxError: the address is taken (by a process of another pid namespace with the same
+            pid and start time) or sockets are not allowed.
+    """
+
+    def __init__(self, namespace: str, me: ProcessInfo) -> None:
+        self.namespace, self.me = namespace, me
+        self._kept: list[tuple[int, int, int, int, bytes]] = []  # later calls' (call, rank, kind, pid, data)
+        self._buffer = bytearray(MAX_MESSAGE_BYTES)
+        self._uid = os.geteuid()
+        self._addresses: dict[tuple[ProcessInfo, str], bytes] = {}
+        self._sock: socket.socket | None = _socket(
+            _address(me, namespace), f"direct messages of group {namespace}"
+        )
+        _MAILBOXES.add(self)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _open(self) -> socket.socket:
+        if self._sock is None:
+            raise MailboxError("this mailbox is closed")
+        return self._sock
+
+    def _to(self, peer: ProcessInfo, namespace: str) -> bytes:
+        key = (peer, namespace)
+        found = self._addresses.get(key)
+        if found is None:
+            if len(self._addresses) > 4096:
+                self._addresses.clear()
+            found = self._addresses[key] = _address(peer, namespace)
+        return found
+
+    def send(
+        self, peer: ProcessInfo, call: int, rank: int, kind: int, data: bytes, timeout: float = 0.0
+    ) -> bool:
+        """Send ``data`` to ``peer``'s mailbox of this group, waiting at most ``timeout`` seconds for
+        room in its queue.
+
+        Returns:
+            False when ``peer`` does not listen (yet), or its queue stayed full; True when sent.
+
+        Raises:
+            MailboxError: this mailbox is closed, or the message is larger than :data:`MAX_MESSAGE_BYTES`.
+        """
+        sock = self._open()
+        if len(data) + _HEADER.size > MAX_MESSAGE_BYTES:
+            raise MailboxError(f"a message of {len(data)} bytes is larger than {MAX_MESSAGE_BYTES}")
+        sock.settimeout(timeout if timeout > 0 else 0.0)
+        try:
+            sock.sendto(_HEADER.pack(call, rank, kind) + data, self._to(peer, self.namespace))
+        except (FileNotFoundError, ConnectionRefusedError, TimeoutError, BlockingIOError):
+            return False
+        return True
+
+    def inquire(self, peer: ProcessInfo, call: int, rank: int) -> bool:
+        """Ask ``peer`` (from its answering thread) what it does in call ``call`` of this group; the
+        answer comes to this mailbox as a message of kind :data:`ANSWER`. False when not sent."""
+        question = msgpack.packb([self.namespace, self.me.to_wire()])
+        sock = self._open()
+        sock.settimeout(0.0)
+        try:
+            sock.sendto(_HEADER.pack(call, rank, _INQUIRY) + question, self._to(peer, _INQUIRIES))
+        except (FileNotFoundError, ConnectionRefusedError, TimeoutError, BlockingIOError):
+            return False
+        return True
+
+    def receive(
+        self, call: int, senders: dict[int, ProcessInfo], timeout: float
+    ) -> list[tuple[int, int, bytes]]:
+        """Messages ``(rank, kind, data)`` of call ``call`` from ``senders`` (rank -> process), in the
+        order they came, that are here or arrive within ``timeout`` seconds: as soon as there is one,
+        with whatever else is queued then; empty at the time."""
+        found: list[tuple[int, int, bytes]] = []
+        if self._kept:
+            self._take_kept(call, senders, found)
+            if found:
+                return found
+        sock = self._open()
+        ancillary_size = socket.CMSG_SPACE(_CREDENTIALS.size)
+        wait = timeout
+        while not found:
+            sock.settimeout(wait if wait > 0 else 0.0)
+            try:
+                size, ancillary, flags, _ = sock.recvmsg_into([self._buffer], ancillary_size)
+            except (TimeoutError, BlockingIOError):
+                return found
+            self._sort(size, ancillary, flags, call, senders, found)
+            sock.settimeout(0.0)  # then take what else is queued, without waiting
+            while True:
+                try:
+                    size, ancillary, flags, _ = sock.recvmsg_into([self._buffer], ancillary_size)
+                except (BlockingIOError, TimeoutError):
+                    break
+                self._sort(size, ancillary, flags, call, senders, found)
+            wait = timeout  # nothing of this call yet: wait on (a bound on each wait, not on all)
+        return found
+
+    def _sort(
+        self,
+        size: int,
+        ancillary: list[tuple[int, int, bytes]],
+        flags: int,
+        call: int,
+        senders: dict[int, ProcessInfo],
+        found: list[tuple[int, int, bytes]],
+    ) -> None:
+        """File one received message: this call's into ``found``, a later call's kept, the rest dropped."""
+        if size < _HEADER.size or flags & socket.MSG_TRUNC:
+            return
+        their_call, rank, kind = _HEADER.unpack_from(self._buffer)
+        if their_call < call:
+            return  # a call that ended without it
+        pid = _sender_pid(ancillary, self._uid)
+        if pid is None:
+            return
+        data = bytes(memoryview(self._buffer)[_HEADER.size : size])
+        if their_call == call:
+            info = senders.get(rank)
+            if info is not None and info.pid == pid:
+                found.append((rank, kind, data))
+        elif len(self._kept) < _KEEP:
+            self._kept.append((their_call, rank, kind, pid, data))  # checked when its call comes
+        else:
+            logger.debug("dropped a message for call %d: %d kept already", their_call, _KEEP)
+
+    def _take_kept(
+        self, call: int, senders: dict[int, ProcessInfo], found: list[tuple[int, int, bytes]]
+    ) -> None:
+        kept, self._kept = self._kept, []
+        for message in kept:
+            their_call, rank, kind, pid, data = message
+            if their_call > call:
+                self._kept.append(message)
+            elif their_call == call:
+                info = senders.get(rank)
+                if info is not None and info.pid == pid:
+                    found.append((rank, kind, data))
+
+
+# -- answering inquiries -------------------------------------------------------------------------
+_MAILBOXES: weakref.WeakSet[Mailbox] = weakref.WeakSet()  # closed in a forked child (see _forked)
+_answering_sock: socket.socket | None = None
+_answering: threading.Thread | None = None
+_answering_lock = threading.Lock()
+_closing = False
+
+
+def answer_inquiries(me: ProcessInfo, lookup: Callable[[str, int], tuple[int, Any] | None]) -> None:
+    """Answer other processes' :meth:`Mailbox.inquire` from a daemon thread of this process, from
+    now on: ``lookup(namespace, call)`` gives this process's rank in that group and what it says of
+    that call (None: no such group here, no answer). Idempotent; a process that cannot listen logs
+    why and answers nothing (its peers then wait for their timeouts, or for it to exit)."""
+    global _answering, _answering_sock
+    with _answering_lock:
+        if _answering is not None:
+            return
+        try:
+            sock = _socket(_address(me, _INQUIRIES), "inquiries")
+        except MailboxError as exc:
+            logger.warning("%s", exc)
+            _answering = threading.Thread()  # not started: nothing to retry
+            return
+        _answering_sock = sock
+        _answering = threading.Thread(
+            target=_answer, args=(sock, lookup), name="distribute-utils-answers", daemon=True
+        )
+        _answering.start()
+
+
+def _answer(sock: socket.socket, lookup: Callable[[str, int], tuple[int, Any] | None]) -> None:
+    buffer = bytearray(4096)
+    uid = os.geteuid()
+    ancillary_size = socket.CMSG_SPACE(_CREDENTIALS.size)
+    while True:
+        try:
+            size, ancillary, flags, _ = sock.recvmsg_into([buffer], ancillary_size)
+        except OSError:  # closed: the process is exiting
+            return
+        if _closing:
+            return
+        pid = _sender_pid(ancillary, uid)
+        if pid is None or size < _HEADER.size or flags & socket.MSG_TRUNC:
+            continue
+        try:
+            call, _, kind = _HEADER.unpack_from(buffer)
+            namespace, asker = msgpack.unpackb(memoryview(buffer)[_HEADER.size : size])
+            found = lookup(str(namespace), int(call)) if kind == _INQUIRY else None
+            if found is None:
+                continue
+            rank, entry = found
+            answer = _HEADER.pack(call, rank, ANSWER) + msgpack.packb([entry])
+            sock.sendto(answer, _address(ProcessInfo.from_wire(asker), str(namespace)))
+        except Exception:  # a malformed inquiry, or the asker has gone: nothing to answer
+            logger.debug("could not answer an inquiry", exc_info=True)
+
+
+def _stop_answering() -> None:
+    """At exit: end the answering thread (a shutdown ends its wait)."""
+    global _closing
+    _closing = True
+    if _answering_sock is not None:
+        with contextlib.suppress(OSError):
+            _answering_sock.shutdown(socket.SHUT_RDWR)
+        _answering_sock.close()
+
+
+def _forked() -> None:
+    """A forked child must not read its parent's messages: it closes its copies of the sockets (no
+    shutdown, which would end the parent's too) and starts without an answering thread."""
+    global _answering, _answering_lock, _answering_sock
+    for mailbox in list(_MAILBOXES):
+        mailbox.close()
+    if _answering_sock is not None:
+        _answering_sock.close()
+    _answering, _answering_lock, _answering_sock = None, threading.Lock(), None
+
+
+atexit.register(_stop_answering)
+os.register_at_fork(after_in_child=_forked)

@@ -1,0 +1,158 @@
+"""Direct messages between processes of one host (distribute_utils.mailbox), with real processes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+
+from distribute_utils._host import ProcessInfo, this_process
+from distribute_utils.mailbox import ANSWER, MAX_MESSAGE_BYTES, Mailbox, MailboxError, answer_inquiries
+
+NS = f"test-mailbox/{os.getpid()}"
+
+
+def _in_child(body: Callable[[int], None]) -> tuple[int, ProcessInfo]:
+    """Fork a child that runs ``body(write_fd)``; it first writes its ProcessInfo to the parent."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            os.close(read)
+            body(write)
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write)
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(read, 4096)
+        if not chunk:
+            break
+        data += chunk
+    os.close(read)
+    return pid, pickle.loads(bytes.fromhex(data.decode().strip()))
+
+
+def _announce(fd: int) -> None:
+    os.write(fd, pickle.dumps(this_process()).hex().encode() + b"\n")
+
+
+def _reap(pid: int) -> int:
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _sender(messages: list[tuple[int, int, bytes]], uid: int | None = None) -> Callable[[int], None]:
+    def body(fd: int) -> None:
+        if uid is not None:
+            os.setuid(uid)
+        parent = pickle.loads(bytes.fromhex(os.environ["PARENT_INFO"]))
+        box = Mailbox(NS, this_process())
+        _announce(fd)
+        for call, kind, data in messages:
+            assert box.send(parent, call, 1, kind, data, timeout=5)
+        time.sleep(0.2)  # let the parent read before this socket goes
+
+    return body
+
+
+@pytest.fixture
+def parent_box(monkeypatch: pytest.MonkeyPatch) -> Any:
+    me = this_process()
+    box = Mailbox(NS, me)
+    monkeypatch.setenv("PARENT_INFO", pickle.dumps(me).hex())
+    yield box
+    box.close()
+
+
+def _receive_all(box: Mailbox, call: int, senders: dict[int, ProcessInfo], want: int) -> list[Any]:
+    found: list[Any] = []
+    deadline = time.monotonic() + 10
+    while len(found) < want and time.monotonic() < deadline:
+        found += box.receive(call, senders, 0.5)
+    return found
+
+
+def test_messages_of_this_call_come_in_order_a_later_call_is_kept_an_earlier_dropped(
+    parent_box: Mailbox,
+) -> None:
+    pid, child = _in_child(_sender([(3, 0, b"old"), (5, 0, b"a"), (7, 1, b"later"), (5, 1, b"b")]))
+    try:
+        assert _receive_all(parent_box, 5, {1: child}, 2) == [(1, 0, b"a"), (1, 1, b"b")]
+        # the call-7 message came while call 5 was read: kept for call 7; call 3's was dropped
+        assert parent_box.receive(7, {1: child}, 0.0) == [(1, 1, b"later")]
+        assert parent_box.receive(3, {1: child}, 0.0) == []
+    finally:
+        assert _reap(pid) == 0
+
+
+def test_a_message_is_taken_only_from_the_process_the_rank_runs_as(parent_box: Mailbox) -> None:
+    """The kernel names the sender (SCM_CREDENTIALS): a process that says it is rank 1 but is not
+    the process rank 1 runs as is ignored, whatever it writes in the message."""
+    pid, child = _in_child(_sender([(5, 0, b"forged")]))
+    impostor_of = ProcessInfo(**{**child.__dict__, "pid": child.pid + 100_000})
+    try:
+        assert _receive_all(parent_box, 5, {1: impostor_of}, 1) == []
+    finally:
+        assert _reap(pid) == 0
+
+
+@pytest.mark.root
+def test_a_message_from_another_user_is_dropped(parent_box: Mailbox) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("this test needs root (to send as another user); run the root tests as root")
+    pid, child = _in_child(_sender([(5, 0, b"from nobody")], uid=65534))
+    try:
+        assert _receive_all(parent_box, 5, {1: child}, 1) == []
+    finally:
+        assert _reap(pid) == 0
+
+
+def test_sending_to_a_process_that_does_not_listen_says_so(parent_box: Mailbox) -> None:
+    me = this_process()
+    nobody = ProcessInfo(**{**me.__dict__, "start_time": me.start_time + 1})
+    assert parent_box.send(nobody, 1, 0, 0, b"x") is False
+    with pytest.raises(MailboxError, match="larger than"):
+        parent_box.send(me, 1, 0, 0, bytes(MAX_MESSAGE_BYTES))
+    with pytest.raises(MailboxError, match="cannot listen"):
+        Mailbox(NS, me)  # the same process and group: the address is taken
+
+
+def test_a_busy_process_answers_inquiries_from_its_thread(parent_box: Mailbox) -> None:
+    """The child's main thread sleeps (busy elsewhere); its answering thread says what it remembers."""
+
+    def body(fd: int) -> None:
+        answer_inquiries(this_process(), lambda ns, call: (3, ["send", call]) if ns == NS else None)
+        _announce(fd)
+        time.sleep(3)
+
+    pid, child = _in_child(body)
+    try:
+        assert parent_box.inquire(child, 42, 0)
+        found = _receive_all(parent_box, 42, {3: child}, 1)
+        assert [(rank, kind) for rank, kind, _ in found] == [(3, ANSWER)]
+        assert msgpack.unpackb(found[0][2]) == [["send", 42]]
+    finally:
+        os.kill(pid, 9)
+        _reap(pid)
+
+
+def test_a_forked_child_cannot_read_its_parents_mailbox(parent_box: Mailbox) -> None:
+    def body(fd: int) -> None:
+        try:
+            parent_box.receive(1, {}, 0.0)
+        except MailboxError:
+            _announce(fd)
+            return
+        raise AssertionError("the child read its parent's mailbox")
+
+    pid, _ = _in_child(body)
+    assert _reap(pid) == 0
