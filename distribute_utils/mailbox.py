@@ -30,6 +30,7 @@ import os
 import socket
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,7 @@ ANSWER = 255
 _INQUIRY = 254
 _HEADER = struct.Struct("<qiB")  # call number, sender's rank, kind
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_ANCILLARY_SIZE = socket.CMSG_SPACE(_CREDENTIALS.size)
 _KEEP = 256  # messages kept for later calls at most
 _INQUIRIES = "inquiries"  # the namespace of each process's answering socket
 
@@ -73,6 +75,11 @@ def _socket(address: bytes, what: str) -> socket.socket:
         sock.close()
         raise MailboxError(f"cannot listen for {what}: {exc}") from None
     return sock
+
+
+def _timeval(seconds: float) -> bytes:
+    whole, micros = divmod(max(1, int(seconds * 1e6)), 1_000_000)
+    return struct.pack("ll", whole, micros)
 
 
 def _sender_pid(ancillary: list[tuple[int, int, bytes]], uid: int) -> int | None:
@@ -101,6 +108,7 @@ class Mailbox:
         self._sock: socket.socket | None = _socket(
             _address(me, namespace), f"direct messages of group {namespace}"
         )
+        self._rcvtimeo = 0.0  # SO_RCVTIMEO as set (0: none)
         _MAILBOXES.add(self)
 
     def close(self) -> None:
@@ -134,57 +142,64 @@ class Mailbox:
         Raises:
             MailboxError: this mailbox is closed, or the message is larger than :data:`MAX_MESSAGE_BYTES`.
         """
-        sock = self._open()
         if len(data) + _HEADER.size > MAX_MESSAGE_BYTES:
             raise MailboxError(f"a message of {len(data)} bytes is larger than {MAX_MESSAGE_BYTES}")
-        sock.settimeout(timeout if timeout > 0 else 0.0)
-        try:
-            sock.sendto(_HEADER.pack(call, rank, kind) + data, self._to(peer, self.namespace))
-        except (FileNotFoundError, ConnectionRefusedError, TimeoutError, BlockingIOError):
-            return False
-        return True
+        return self._send(_HEADER.pack(call, rank, kind) + data, self._to(peer, self.namespace), timeout)
 
     def inquire(self, peer: ProcessInfo, call: int, rank: int) -> bool:
         """Ask ``peer`` (from its answering thread) what it does in call ``call`` of this group; the
         answer comes to this mailbox as a message of kind :data:`ANSWER`. False when not sent."""
         question = msgpack.packb([self.namespace, self.me.to_wire()])
+        return self._send(_HEADER.pack(call, rank, _INQUIRY) + question, self._to(peer, _INQUIRIES), 0.0)
+
+    def _send(self, message: bytes, address: bytes, timeout: float) -> bool:
         sock = self._open()
-        sock.settimeout(0.0)
         try:
-            sock.sendto(_HEADER.pack(call, rank, _INQUIRY) + question, self._to(peer, _INQUIRIES))
-        except (FileNotFoundError, ConnectionRefusedError, TimeoutError, BlockingIOError):
+            sock.sendto(message, socket.MSG_DONTWAIT, address)
+            return True
+        except (FileNotFoundError, ConnectionRefusedError):
             return False
-        return True
+        except BlockingIOError:  # the peer's queue is full: wait for room (rare)
+            if timeout <= 0:
+                return False
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
+        try:
+            sock.sendto(message, address)
+            return True
+        except (FileNotFoundError, ConnectionRefusedError, BlockingIOError):
+            return False
 
     def receive(
         self, call: int, senders: dict[int, ProcessInfo], timeout: float
     ) -> list[tuple[int, int, bytes]]:
-        """Messages ``(rank, kind, data)`` of call ``call`` from ``senders`` (rank -> process), in the
-        order they came, that are here or arrive within ``timeout`` seconds: as soon as there is one,
-        with whatever else is queued then; empty at the time."""
+        """Messages ``(rank, kind, data)`` of call ``call`` from ``senders`` (rank -> process) that are
+        here or arrive within about ``timeout`` seconds (up to a fifth more): as soon as there is one
+        (then one message, or those kept for this call); empty at the time."""
         found: list[tuple[int, int, bytes]] = []
         if self._kept:
             self._take_kept(call, senders, found)
             if found:
                 return found
         sock = self._open()
-        ancillary_size = socket.CMSG_SPACE(_CREDENTIALS.size)
+        buffers = [self._buffer]
+        deadline = time.monotonic() + timeout
         wait = timeout
         while not found:
-            sock.settimeout(wait if wait > 0 else 0.0)
+            # One system call per message: a blocking read bounded by SO_RCVTIMEO, which is set only
+            # when the wait asked for differs much from the one set.
+            if wait > 0 and not (0.8 * self._rcvtimeo <= wait <= self._rcvtimeo):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wait))
+                self._rcvtimeo = wait
             try:
-                size, ancillary, flags, _ = sock.recvmsg_into([self._buffer], ancillary_size)
-            except (TimeoutError, BlockingIOError):
+                size, ancillary, flags, _ = sock.recvmsg_into(
+                    buffers, _ANCILLARY_SIZE, 0 if wait > 0 else socket.MSG_DONTWAIT
+                )
+            except BlockingIOError:  # nothing came in time
                 return found
             self._sort(size, ancillary, flags, call, senders, found)
-            sock.settimeout(0.0)  # then take what else is queued, without waiting
-            while True:
-                try:
-                    size, ancillary, flags, _ = sock.recvmsg_into([self._buffer], ancillary_size)
-                except (BlockingIOError, TimeoutError):
-                    break
-                self._sort(size, ancillary, flags, call, senders, found)
-            wait = timeout  # nothing of this call yet: wait on (a bound on each wait, not on all)
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                wait = 0.0  # take what is queued, not waiting
         return found
 
     def _sort(
@@ -262,10 +277,9 @@ def answer_inquiries(me: ProcessInfo, lookup: Callable[[str, int], tuple[int, An
 def _answer(sock: socket.socket, lookup: Callable[[str, int], tuple[int, Any] | None]) -> None:
     buffer = bytearray(4096)
     uid = os.geteuid()
-    ancillary_size = socket.CMSG_SPACE(_CREDENTIALS.size)
     while True:
         try:
-            size, ancillary, flags, _ = sock.recvmsg_into([buffer], ancillary_size)
+            size, ancillary, flags, _ = sock.recvmsg_into([buffer], _ANCILLARY_SIZE)
         except OSError:  # closed: the process is exiting
             return
         if _closing:
