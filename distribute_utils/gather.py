@@ -52,7 +52,7 @@ from ._host import process_alive
 from .errors import GatherError, PayloadError, PeerLostError, TransportUnavailableError
 from .mesh import ProcessGroupMesh
 from .transports import CollectiveTransport, Transport
-from .transports.host import INLINE_MAX_BYTES, HostTransport
+from .transports.host import DIRECT_INLINE_MAX_BYTES, INLINE_MAX_BYTES, HostTransport
 from .transports.shm import release_shared_memory
 
 __all__ = [
@@ -486,6 +486,7 @@ class _Gather:
             workspace=self._workspace_now if fallback else None,
             workspace_path=str(self.workspace_path),
             what=self.what,
+            inline_max=DIRECT_INLINE_MAX_BYTES if self.direct else INLINE_MAX_BYTES,
         )
         if receiver is None:
             self._host_in = host

@@ -44,7 +44,8 @@ __all__ = ["ANSWER", "MAX_MESSAGE_BYTES", "Mailbox", "MailboxError", "answer_inq
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 160 * 2**10
-"""Largest message (an inline claim is at most ~65 KiB); larger ones must travel another way."""
+"""Largest message (an inline claim of a direct round is at most ~130 KiB); larger ones must travel
+another way. Each socket's send buffer is made large enough for it (a datagram must fit there)."""
 ANSWER = 255
 """The kind of an answer to :meth:`Mailbox.inquire`: ``[entry]``, ``[None]`` or ``["past"]``."""
 _INQUIRY = 254
@@ -70,6 +71,12 @@ def _socket(address: bytes, what: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_MESSAGE_BYTES)
+        room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 1024  # (the kernel's own part)
+        if room < MAX_MESSAGE_BYTES + _HEADER.size:  # a datagram must fit in the send buffer
+            raise OSError(
+                f"its send buffer holds {room} bytes, less than {MAX_MESSAGE_BYTES} (net.core.wmem_max)"
+            )
         sock.bind(address)
     except OSError as exc:
         sock.close()
@@ -252,26 +259,31 @@ _answering_lock = threading.Lock()
 _closing = False
 
 
-def answer_inquiries(me: ProcessInfo, lookup: Callable[[str, int], tuple[int, Any] | None]) -> None:
+def answer_inquiries(me: ProcessInfo, lookup: Callable[[str, int], tuple[int, Any] | None]) -> bool:
     """Answer other processes' :meth:`Mailbox.inquire` from a daemon thread of this process, from
     now on: ``lookup(namespace, call)`` gives this process's rank in that group and what it says of
-    that call (None: no such group here, no answer). Idempotent; a process that cannot listen logs
-    why and answers nothing (its peers then wait for their timeouts, or for it to exit)."""
+    that call (None: no such group here, no answer). Idempotent.
+
+    Returns:
+        Whether this process listens: one that cannot (sockets not allowed, a small send buffer)
+        logs why and must take no part in direct rounds (see :class:`~distribute_utils.sync.GroupSync`).
+    """
     global _answering, _answering_sock
     with _answering_lock:
         if _answering is not None:
-            return
+            return _answering.is_alive()
         try:
             sock = _socket(_address(me, _INQUIRIES), "inquiries")
         except MailboxError as exc:
-            logger.warning("%s", exc)
+            logger.warning("%s; gathers go through the job's store", exc)
             _answering = threading.Thread()  # not started: nothing to retry
-            return
+            return False
         _answering_sock = sock
         _answering = threading.Thread(
             target=_answer, args=(sock, lookup), name="distribute-utils-answers", daemon=True
         )
         _answering.start()
+        return True
 
 
 def _answer(sock: socket.socket, lookup: Callable[[str, int], tuple[int, Any] | None]) -> None:

@@ -35,6 +35,7 @@ thread at a time per group.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
 import logging
 import os
@@ -391,7 +392,10 @@ class _Incarnation:
         self.world_size = dist.get_world_size()
         self.generation = int(self.store.add(f"{_ROOT}/generation/{self.rank}", 1))
         self.prefix = f"{_ROOT}/g{self.generation}"
-        self.peers = _PeerDirectory(self.store, self.prefix, self.rank, this_process())
+        me = this_process()
+        if not answer_inquiries(me, _answer):  # no direct rounds with a process that cannot listen
+            me = dataclasses.replace(me, net_namespace=-1)
+        self.peers = _PeerDirectory(self.store, self.prefix, self.rank, me)
         self.companions: dict[tuple[int, ...], GroupSync] = {}
         self.by_namespace: dict[str, GroupSync] = {}  # the same, for the answering thread
         self.world: GroupSync | None = None
@@ -724,8 +728,6 @@ class GroupSync:
         self.infos: dict[int, ProcessInfo] = {}  # ranks of direct rounds (see direct())
         self._direct: dict[tuple[int, ...], bool] = {}
         self._mailbox: Mailbox | None = None
-        if peers is not None:  # partners of a direct round may ask this rank what it does
-            answer_inquiries(peers.me, _answer)
 
     def entry(self, number: int) -> list[Any] | str | None:
         """What this rank remembers of call ``number`` (see :meth:`Call.record`; read by the answering

@@ -84,9 +84,10 @@ def _receive_all(box: Mailbox, call: int, senders: dict[int, ProcessInfo], want:
 def test_messages_of_this_call_come_in_order_a_later_call_is_kept_an_earlier_dropped(
     parent_box: Mailbox,
 ) -> None:
-    pid, child = _in_child(_sender([(3, 0, b"old"), (5, 0, b"a"), (7, 1, b"later"), (5, 1, b"b")]))
+    largest = os.urandom(MAX_MESSAGE_BYTES - 64)  # a direct round's largest inline claim fits
+    pid, child = _in_child(_sender([(3, 0, b"old"), (5, 0, b"a"), (7, 1, b"later"), (5, 1, largest)]))
     try:
-        assert _receive_all(parent_box, 5, {1: child}, 2) == [(1, 0, b"a"), (1, 1, b"b")]
+        assert _receive_all(parent_box, 5, {1: child}, 2) == [(1, 0, b"a"), (1, 1, largest)]
         # the call-7 message came while call 5 was read: kept for call 7; call 3's was dropped
         assert parent_box.receive(7, {1: child}, 0.0) == [(1, 1, b"later")]
         assert parent_box.receive(3, {1: child}, 0.0) == []

@@ -1,9 +1,9 @@
 """Host transport: payloads between ranks of one host, each the cheapest way it fits.
 
 - **inline**: a payload of at most :data:`INLINE_MAX_BYTES` travels inside the sender's claim
-  in the store (no file: creating, sizing, mapping and removing a segment costs more than
-  sending the bytes; the sizes where both cost the same were measured, see
-  ``docs/performance.md``);
+  in the store, of at most :data:`DIRECT_INLINE_MAX_BYTES` inside the claim of a direct round (a
+  datagram, :mod:`distribute_utils.mailbox`). No file: creating, sizing, mapping and removing a
+  segment costs more than sending the bytes; the sizes were measured, see ``docs/performance.md``;
 - **shm**: larger ones go through a shared-memory segment (:class:`.shm.SharedMemoryTransport`),
   pooled when the receiver can open the sender's descriptors;
 - **workspace**: when ``/dev/shm`` has no room and a workspace was given, a file there (logged as
@@ -35,12 +35,14 @@ from .shm import (
     take_freed,
 )
 
-__all__ = ["INLINE_MAX_BYTES", "HostTransport"]
+__all__ = ["DIRECT_INLINE_MAX_BYTES", "INLINE_MAX_BYTES", "HostTransport"]
 
 logger = logging.getLogger(__name__)
 
 INLINE_MAX_BYTES = 64 * 2**10
 """Payloads up to this size travel inside the sender's claim in the store, not through a file."""
+DIRECT_INLINE_MAX_BYTES = 128 * 2**10
+"""Payloads up to this size travel inside the sender's claim of a direct round, not through a file."""
 
 
 class HostTransport:
@@ -65,15 +67,17 @@ class HostTransport:
         workspace: Callable[[], Transport] | None = None,
         workspace_path: str = "",
         what: str = "gather",
+        inline_max: int = INLINE_MAX_BYTES,
     ) -> None:
         self._shm = SharedMemoryTransport(pool=pool, receiver=receiver)
+        self._inline_max = inline_max
         self._workspace = workspace
         self._workspace_path = workspace_path
         self._what = what
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> list[Any]:
         note_payload(payload.nbytes)
-        if payload.nbytes <= INLINE_MAX_BYTES:
+        if payload.nbytes <= self._inline_max:
             return ["inline", payload.to_bytes()]
         try:
             return ["shm", self._shm.publish(token, rank, payload)]
