@@ -524,3 +524,72 @@ def test_sync_is_linear_in_store_operations() -> None:
     for n, row in report.items():
         assert row["ours_barrier_ops"] <= 4 * n, row
         assert row["ours_gather_ops"] <= 4 * n, row
+
+
+# -- the direct round (one host: claims and verdicts through the ranks' mailboxes) -----------------
+def _keys_of(group: list[int] | None) -> int:
+    """How many keys the store holds in ``group``'s namespace (keys of other groups come and go)."""
+    prefix = sync.companion(group).namespace + "/"
+    return sum(k.startswith(prefix) for k in dist.distributed_c10d._get_default_store().list_keys())
+
+
+def _keys_per_call(transport: str, n: int) -> dict[str, Any]:
+    """``n`` gathers on a fresh group, and how many keys the store gained meanwhile."""
+    rank = dist.get_rank()
+    group = [3, 2, 1, 0]  # a group of its own: its call counter starts at 0, no collecting barrier
+    barrier(group, timeout=30)
+    before = _keys_of(group)
+    got: list[Any] = []
+    for i in range(n):
+        # 96 KiB travels inside a direct round's claim (it would go through /dev/shm in a store round)
+        value = torch.full((24 * 1024,), float(10 * rank + i))
+        with get_tensors_parallel(value, [0, 1, 2, 3], group, transport=transport, timeout=30) as out:
+            got.append([float(t[0]) for t in out])
+    after = _keys_of(group)
+    barrier(group, timeout=30)
+    return {"added": after - before, "got": got}
+
+
+@pytest.mark.parametrize("transport", ["auto", "collective"])
+def test_a_gather_within_one_host_leaves_the_store_alone(ranks4: RankPool, transport: str) -> None:
+    """Direct round: not one key per call (a store round posts a claim and a marker per rank)."""
+    results = ranks4.run(_keys_per_call, transport, 20)
+    assert results[0]["got"] == [[float(10 * r + i) for r in range(4)] for i in range(20)]
+    added = sum(r["added"] for r in results) / 4  # every rank saw the same store
+    if transport == "auto":
+        assert added == 0, results
+    else:
+        assert added >= 20 * 4, results
+
+
+def _one_rank_cannot_listen() -> dict[str, Any]:
+    """Rank 2 cannot open sockets for direct messages: gathers with it go through the store, the
+    others still go direct; every value arrives exactly."""
+    from distribute_utils import mailbox
+
+    rank = dist.get_rank()
+    if rank == 2:
+
+        def refuse(address: bytes, what: str) -> Any:
+            raise mailbox.MailboxError(f"cannot listen for {what}: refused by the test")
+
+        mailbox._socket = refuse  # type: ignore[assignment]
+    out: dict[str, Any] = {}
+    for name, ranks in (("all", [0, 1, 2, 3]), ("pair", [0, 1])):
+        barrier(timeout=30)
+        if rank in ranks:
+            before = _keys_of(ranks)
+            with get_tensors_parallel(torch.full((8,), float(rank)), ranks, ranks, timeout=30) as got:
+                out[name] = [float(t[0]) for t in got]
+            out[f"{name}_added"] = _keys_of(ranks) - before
+    barrier(timeout=30)
+    return out
+
+
+def test_a_rank_that_cannot_listen_takes_part_through_the_store() -> None:
+    from distribute_utils.launch import run_local
+
+    results = run_local(_one_rank_cannot_listen, 4, timeout=120)
+    assert results[0]["all"] == [0.0, 1.0, 2.0, 3.0] and results[0]["pair"] == [0.0, 1.0]
+    assert results[0]["all_added"] > 0  # a list with rank 2 in it: claims in the store
+    assert results[0]["pair_added"] == 0  # ranks 0 and 1 alone: direct
