@@ -10,20 +10,34 @@ pass different lists as long as lists are identical or disjoint: every rank name
 passes that same list. Each list is its own gather to its own ``ranks[0]``, and all of them
 proceed at once. A rank its list does not name only checks in and returns ``[]``.
 
-One call, keys in the group's namespace (:class:`distribute_utils.sync.Call`), one hop each way:
+One call (:class:`distribute_utils.sync.Call`), one hop each way:
 
 1. a sender encodes its value and publishes it through the transport its route names (see
    :mod:`distribute_utils.transports.base`): within a host :class:`~.transports.host.HostTransport`
    (inside the claim when small, else shared memory), across hosts the workspace or a collective;
-   then posts its claim ``c/<rank>`` (list digest, transport, local error, ``[token, receipt]``)
-   and a marker ``v/<rank>``, and waits for one key: its first rank's ``v``.
-2. the first rank posts its own claim, reads only its own participants' claims, checks that
-   they name the same list and transport and carry no error, fetches each payload from the
-   transport that carried it (handing back the receipt unread), decodes it (zero-copy), and
-   posts its verdict ``v/<first>`` (with the host transport's notes for its senders). Any
-   disagreement or error ends up in the verdict, so every rank of that gather raises, and
-   nobody waits for a rank that will not come.
+   then sends its claim (list digest, transport, local error, ``[token, receipt]``) and waits
+   for one answer: its first rank's verdict.
+2. the first rank reads only its own participants' claims, checks that they name the same list
+   and transport and carry no error, fetches each payload from the transport that carried it
+   (handing back the receipt unread), decodes it (zero-copy), and sends its verdict (with the
+   host transport's notes for its senders). Any disagreement or error ends up in the verdict,
+   so every rank of that gather raises, and nobody waits for a rank that will not come.
 3. a sender releases what it published as soon as it has the verdict.
+
+Claims and verdicts travel one of two ways, decided alike by every participant from where the
+list's ranks run (:meth:`_Gather.decide`):
+
+- **direct round** (every rank of the list on this host, in one pid and network namespace,
+  transport ``auto`` or ``shm``): through the ranks' mailboxes (:mod:`distribute_utils.mailbox`),
+  nothing in the store; payloads up to 128 KiB inside the claim. A rank waiting past the grace
+  checks its partners' pids and asks them what they do in this call; each rank remembers its
+  part (:meth:`_Gather.record`) and answers from a thread of its own, so a rank that does
+  something else (another list, another transport) is named within a fraction of a second.
+- **store round** (otherwise): keys in the group's namespace. A sender posts its claim
+  ``c/<rank>`` and a marker ``v/<rank>`` (so that a rank that wrongly takes it for its receiver
+  hears why at once) and waits for ``v/<first>``; the first rank posts its own claim ``c/<first>``
+  and its verdict ``v/<first>``. A rank of a direct round that fails posts the same keys, so that
+  a partner that went through the store hears it there.
 
 Senders on another host than the first rank wait for its plan (``plan``): the first
 participant on each remote host collects its host's payloads and forwards one bundle.
@@ -31,6 +45,7 @@ participant on each remote host collects its host's payloads and forwards one bu
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -591,7 +606,8 @@ class _Gather:
             self.take_back_notes()
             failed = self.claim("send", _error_of(exc)).pack()
             if self.direct:
-                self.call.send_direct(self.first, _CLAIM, failed)
+                with contextlib.suppress(OSError):  # else the first rank hears it from its record
+                    self.call.send_direct(self.first, _CLAIM, failed)
             self.call.post({"c": failed, "v": self.marker()})
             self.record("send", _error_of(exc))
             self.release(taken=False)
@@ -736,9 +752,10 @@ class _Gather:
             self.tell_go(_error_of(exc), claims)
             failed = _Verdict(True, self.shown, self.digest, _error_of(exc)).pack()
             if self.direct:  # its senders hear it at once (or from its record); the store has it too
-                for rank in self.ranks[1:]:
-                    self.call.send_direct(rank, _VERDICT, failed)
                 self.record("first", _error_of(exc))
+                with contextlib.suppress(OSError):
+                    for rank in self.ranks[1:]:
+                        self.call.send_direct(rank, _VERDICT, failed)
                 self.call.post({"c": self.claim("first", _error_of(exc)).pack(), "v": failed})
             else:
                 self.call.post({"v": failed})
@@ -754,7 +771,8 @@ class _Gather:
         verdict = _Verdict(True, self.shown, self.digest, None, notes).pack()
         if self.direct:
             for rank in direct:  # each waits in its mailbox, so there is room; one that left is not told
-                self.call.send_direct(rank, _VERDICT, verdict, sync.GRACE_S)
+                if not self.call.send_direct(rank, _VERDICT, verdict, sync.GRACE_S):
+                    logger.warning("%s: rank %d no longer listens for its verdict", self.what, rank)
         else:
             overwrite = _Claim("taken", None, self.digest, self.mode, None).pack() if bulky else b""
             self.call.post({"v": verdict}, ("c", bulky, overwrite))

@@ -12,7 +12,9 @@ Every operation costs O(N) store operations for N ranks, never N²:
   and the last one to arrive posts the key everybody waits on (one wait per rank);
 - a **gather call** (:class:`Call`, driven by :mod:`distribute_utils.gather`): each rank posts
   one *claim*; the first rank of each gather reads only its own participants' claims and
-  posts one *verdict*; a sender waits for that one verdict. One hop each way.
+  posts one *verdict*; a sender waits for that one verdict. One hop each way. Ranks of one
+  host send claims and verdicts to each other's mailboxes instead (:meth:`Call.send_direct`,
+  :meth:`Call.receive_direct`; :mod:`distribute_utils.mailbox`): no store operation at all.
 - an **exchange** (all-gather of small values) goes to the group's first rank and back.
 
 Keys are removed by the rank that posted them once every rank has provably moved on: after
@@ -24,8 +26,9 @@ dropped, and the new incarnation's keys live under a new generation number (each
 its incarnations in the store), so stale keys of an old one are never read.
 
 Dead peers on this host are noticed while waiting: a watchdog thread checks their pids and
-posts a tombstone in their place, so survivors fail within a fraction of a second instead of
-at the timeout. Peers on other hosts are reported when the timeout expires.
+posts a tombstone in their place (a direct round's waiter checks them itself), so survivors
+fail within a fraction of a second instead of at the timeout. Peers on other hosts are
+reported when the timeout expires.
 
 Call order: every operation of a :class:`GroupSync` (``barrier``, ``exchange``, a gather
 call) must be entered by every rank of its ranks, in the same order on every rank, from one

@@ -83,6 +83,7 @@ import argparse
 import ast
 import contextlib
 import functools
+import glob
 import io
 import itertools
 import json
@@ -274,20 +275,33 @@ def _gather_once(tensor: torch.Tensor, ranks: list[int]) -> None:
         pass
 
 
-def _back_to_back(fn: Callable[[], Any], rounds: int) -> tuple[float, float, float]:
+def _back_to_back(fn: Callable[[], Any], rounds: int, launcher: int = 0) -> tuple[float, float, float, float]:
     """20 warm-up calls, a barrier, then ``rounds`` calls of ``fn`` in a row: seconds per call of wall
-    time, of this process's CPU (all its threads) and of this thread's CPU."""
+    time, of this process's CPU (all its threads), of this thread's CPU and of process ``launcher``'s
+    CPU (the one that serves the store; the same figure on every rank; 0 when not given)."""
     for _ in range(20):
         fn()
     dist.barrier()
     wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
+    server = _process_cpu(launcher)
     for _ in range(rounds):
         fn()
     return (
         (time.perf_counter() - wall) / rounds,
         (time.process_time() - cpu) / rounds,
         (time.thread_time() - main) / rounds,
+        (_process_cpu(launcher) - server) / rounds,
     )
+
+
+def _process_cpu(pid: int) -> float:
+    """Seconds of CPU process ``pid`` has used, all its threads, from ``/proc/<pid>/task/*/schedstat``
+    (nanoseconds, unlike ``stat``'s ticks); 0 for pid 0."""
+    total = 0
+    for task in glob.glob(f"/proc/{pid}/task/*/schedstat") if pid else ():
+        with contextlib.suppress(OSError), open(task) as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
 
 
 def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
@@ -338,7 +352,7 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
     return report if rank == 0 else {}
 
 
-def _cpu_rank(sizes: list[str], rounds: int) -> dict[str, Any]:
+def _cpu_rank(sizes: list[str], rounds: int, launcher: int) -> dict[str, Any]:
     """CPU time per round of each method, back to back: (process, main thread) in seconds."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = list(range(world))
@@ -356,8 +370,8 @@ def _cpu_rank(sizes: list[str], rounds: int) -> dict[str, Any]:
         }
         row = {}
         for method, fn in methods.items():
-            row[method] = _back_to_back(fn, rounds)[1:]
-            dist.barrier()
+            row[method] = _back_to_back(fn, rounds, launcher)[1:]
+            dist.barrier()  # (the launcher's CPU then includes the ranks' barrier: a few requests)
         limit.close()
         report[name] = row
     return report
@@ -573,12 +587,19 @@ def _print_steps(reports: list[dict[str, Any]], sizes: list[str]) -> None:
 
 
 def _print_cpu(reports: list[dict[str, Any]], sizes: list[str]) -> None:
-    print(f"CPU time per round, back to back, {len(reports)} ranks (us): process (main thread) per rank; sum")
+    print(
+        f"CPU time per round, back to back, {len(reports)} ranks (us): process (main thread) per rank; "
+        "their sum; the store server's (the launching process)"
+    )
     for name in sizes:
         for method in reports[0][name]:
             per_rank = [r[name][method] for r in reports]
-            cells = " ".join(f"{p * 1e6:5.0f} ({m * 1e6:4.0f})" for p, m in per_rank)
-            print(f"{name:>5} {method:>10}  {cells}  sum {sum(p for p, _ in per_rank) * 1e6:6.0f}")
+            cells = " ".join(f"{p * 1e6:5.0f} ({m * 1e6:4.0f})" for p, m, _ in per_rank)
+            server = reports[0][name][method][2]
+            print(
+                f"{name:>5} {method:>10}  {cells}  sum {sum(p for p, _, _ in per_rank) * 1e6:6.0f}"
+                f"  store server {server * 1e6:5.0f}"
+            )
 
 
 def _small_rank(reps: int | None) -> dict[str, float]:
@@ -701,7 +722,8 @@ def main(argv: list[str] | None = None) -> int:
             _print_steps(run_local(_steps_rank, args.nproc, args.sizes, args.rounds), args.sizes)
             return 0
         if args.cpu:
-            _print_cpu(run_local(_cpu_rank, args.nproc, args.sizes, args.rounds), args.sizes)
+            # This process serves the store (run_local's TCPStore): its CPU is the store server's.
+            _print_cpu(run_local(_cpu_rank, args.nproc, args.sizes, args.rounds, os.getpid()), args.sizes)
             return 0
         report = run_local(_sweep_rank, args.nproc, args.sizes, args.reps)[0]
     has_mo = any("modelopt" in v for k, v in report.items() if k in CHOICES)

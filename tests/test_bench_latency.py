@@ -64,3 +64,9 @@ def test_cpu_mode_measures_every_method_including_the_store_free_round() -> None
     out = _bench("--cpu", "--sizes", "4K", "--rounds", "30")
     methods = {m.group(1) for m in re.finditer(r"^\s+4K\s+(\S+)\s", out, re.MULTILINE)}
     assert methods >= {"ours", "limit", "gloo", "bare", "bare+wire", "direct"}, out
+    # The store server's CPU (the launching process): the store round costs it, the direct one not.
+    server = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^\s+4K\s+(\S+)\s.*store server\s+(\d+)", out, re.M)
+    }
+    assert server.keys() == methods and server["bare"] > server["direct"], out
