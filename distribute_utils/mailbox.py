@@ -62,9 +62,11 @@ class MailboxError(OSError):
 
 def _address(process: ProcessInfo, namespace: str) -> bytes:
     """A process's address for one namespace: unique on the host, since the pid namespace is part of
-    it (simulated nodes or containers share a network namespace but number their pids alike)."""
+    it (simulated nodes or containers share a network namespace but number their pids alike), and
+    the package's name (a second copy of this package in one process, as the benchmark's
+    ``--against`` loads it, has addresses of its own)."""
     digest = hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
-    return f"\0distribute_utils/{process.pid_namespace}-{process.pid}-{process.start_time}/{digest}".encode()
+    return f"\0{__package__}/{process.pid_namespace}-{process.pid}-{process.start_time}/{digest}".encode()
 
 
 def _socket(address: bytes, what: str) -> socket.socket:
