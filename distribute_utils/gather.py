@@ -51,6 +51,7 @@ import dataclasses
 import functools
 import logging
 import secrets
+import struct
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -67,10 +68,11 @@ from ._host import process_alive
 from .errors import GatherError, PayloadError, PeerLostError, TransportUnavailableError
 from .mesh import ProcessGroupMesh
 from .transports import CollectiveTransport, Transport
-from .transports.host import DIRECT_INLINE_MAX_BYTES, INLINE_MAX_BYTES, HostTransport
-from .transports.shm import release_shared_memory
+from .transports.host import INLINE_MAX_BYTES, HostTransport
+from .transports.shm import note_payload, release_shared_memory
 
 __all__ = [
+    "ATTACHED_MAX_BYTES",
     "INLINE_MAX_BYTES",
     "TRANSPORTS",
     "gather_configs",
@@ -86,6 +88,10 @@ sync.on_new_incarnation(release_shared_memory)  # nothing kept warm past a proce
 TRANSPORTS = ("auto", "shm", "workspace", "collective")
 _SMALL_CLAIM_BYTES = 4096  # larger claims (inline payloads) are overwritten once taken, not kept
 _CLAIM, _VERDICT = 0, 1  # kinds of direct messages (distribute_utils.mailbox)
+_CLAIM_LENGTH = struct.Struct("<I")  # a direct claim message: its length, the claim, an attached payload
+ATTACHED_MAX_BYTES = 128 * 2**10
+"""In a direct round, payloads up to this size travel in the claim's message (no file; copied once by
+the receiving process, not at all by the sender's); larger ones as :data:`INLINE_MAX_BYTES` says."""
 
 
 _RAISABLE: dict[str, type[Exception]] = {
@@ -338,6 +344,8 @@ class _Gather:
         self._workspace: Transport | None = None
         self._collective: dict[str, CollectiveTransport] = {}
         self._sent: tuple[Transport, str, Any] | None = None  # a sender's (transport, token, receipt)
+        self._attached: wire.EncodedPayload | None = None  # a direct sender's payload, in its claim message
+        self._attached_in: dict[int, memoryview] = {}  # the first rank's: each sender's, as it came
         self._host_in: HostTransport | None = None
         self._relayed: list[Any] = []  # a leader: its members' notes, for the first rank's verdict
         self._notes_taken: list[Any] = []  # this rank's own notes, posted in its claim or verdict
@@ -501,7 +509,6 @@ class _Gather:
             workspace=self._workspace_now if fallback else None,
             workspace_path=str(self.workspace_path),
             what=self.what,
-            inline_max=DIRECT_INLINE_MAX_BYTES if self.direct else INLINE_MAX_BYTES,
         )
         if receiver is None:
             self._host_in = host
@@ -509,6 +516,13 @@ class _Gather:
 
     def _workspace_now(self) -> Transport:
         return self.workspace
+
+    def attach(self, payload: wire.EncodedPayload) -> list[Any]:
+        """A direct round's sender: ``payload`` goes in its claim's message (see :data:`ATTACHED_MAX_BYTES`);
+        returns the claim body. Nothing to release afterwards."""
+        note_payload(payload.nbytes)  # (the segment pool sizes itself by every payload)
+        self._attached = payload
+        return ["", ["attached", payload.nbytes]]
 
     def publish(self, transport: Transport, payload: wire.EncodedPayload) -> list[Any]:
         """Publish this sender's ``payload`` through ``transport``; returns the claim body."""
@@ -543,11 +557,20 @@ class _Gather:
         if type(body) is not list or len(body) != 2 or type(body[0]) is not str:
             raise PayloadError(f"rank {rank} posted a malformed claim body {body!r:.80}")
         token, receipt = body
+        if _is_attached(receipt):
+            found = self._attached_in.pop(rank, None)
+            if found is None or found.nbytes != receipt[1]:
+                size = "no" if found is None else f"{found.nbytes} bytes of"
+                raise PayloadError(f"rank {rank} sent {size} payload with its claim, which says {receipt[1]}")
+            return found
         return self.source(rank, plan, receipt).fetch(token, rank, receipt)
 
     def discard(self, rank: int, plan: _Plan | None, body: list[Any] | None) -> None:
         """Remove what ``rank`` published for us and we did not take (a dead peer cannot)."""
         if not body:
+            return
+        if type(body) is list and len(body) == 2 and _is_attached(body[1]):
+            self._attached_in.pop(rank, None)
             return
         try:
             token, receipt = body
@@ -591,7 +614,11 @@ class _Gather:
             if error is None:
                 plan = None if self.direct else self.my_plan()
                 if plan is None:
-                    body = self.publish(self.host(self.first), self.encode(value, False, False))
+                    payload = self.encode(value, False, False)
+                    if self.direct and payload.nbytes <= ATTACHED_MAX_BYTES:
+                        body = self.attach(payload)
+                    else:
+                        body = self.publish(self.host(self.first), payload)
                 elif plan.leader_of(self.me) == self.me:
                     body = self.forward(plan, value)
                 else:
@@ -607,7 +634,7 @@ class _Gather:
             failed = self.claim("send", _error_of(exc)).pack()
             if self.direct:
                 with contextlib.suppress(OSError):  # else the first rank hears it from its record
-                    self.call.send_direct(self.first, _CLAIM, failed)
+                    self.call.send_direct(self.first, _CLAIM, [_CLAIM_LENGTH.pack(len(failed)), failed])
             self.call.post({"c": failed, "v": self.marker()})
             self.record("send", _error_of(exc))
             self.release(taken=False)
@@ -634,15 +661,18 @@ class _Gather:
         there. On any failure the store gets what the store round would hold (its claim and marker)."""
         call = self.call
         delivered = False
+        message = [_CLAIM_LENGTH.pack(len(claim)), claim]
+        if self._attached is not None:
+            message += self._attached.buffers()
         try:
-            delivered = call.send_direct(self.first, _CLAIM, claim, sync.GRACE_S)
+            delivered = call.send_direct(self.first, _CLAIM, message, sync.GRACE_S)
             self.record("send", error)
             if error is not None:
                 _raise_from(error, "")
 
             def undelivered() -> bool:  # the first rank did not listen yet, or its queue was full
                 nonlocal delivered
-                delivered = delivered or call.send_direct(self.first, _CLAIM, claim, sync.RETRY_S)
+                delivered = delivered or call.send_direct(self.first, _CLAIM, message, sync.RETRY_S)
                 return not delivered
 
             found: list[bytes] = []
@@ -755,7 +785,7 @@ class _Gather:
                 self.record("first", _error_of(exc))
                 with contextlib.suppress(OSError):
                     for rank in self.ranks[1:]:
-                        self.call.send_direct(rank, _VERDICT, failed)
+                        self.call.send_direct(rank, _VERDICT, [failed])
                 self.call.post({"c": self.claim("first", _error_of(exc)).pack(), "v": failed})
             else:
                 self.call.post({"v": failed})
@@ -771,7 +801,7 @@ class _Gather:
         verdict = _Verdict(True, self.shown, self.digest, None, notes).pack()
         if self.direct:
             for rank in direct:  # each waits in its mailbox, so there is room; one that left is not told
-                if not self.call.send_direct(rank, _VERDICT, verdict, sync.GRACE_S):
+                if not self.call.send_direct(rank, _VERDICT, [verdict], sync.GRACE_S):
                     logger.warning("%s: rank %d no longer listens for its verdict", self.what, rank)
         else:
             overwrite = _Claim("taken", None, self.digest, self.mode, None).pack() if bulky else b""
@@ -782,8 +812,16 @@ class _Gather:
         """The first rank of a direct round: its senders' claims, from its mailbox, each checked as it
         comes (into ``claims``, so that a failure can discard what came)."""
 
-        def arrived(rank: int, data: bytes) -> None:
-            claim = claims[rank] = _Claim.unpack(data)
+        def arrived(rank: int, data: bytearray) -> None:
+            message = memoryview(data)
+            try:
+                (length,) = _CLAIM_LENGTH.unpack_from(message)
+                claim = claims[rank] = _Claim.unpack(
+                    message[_CLAIM_LENGTH.size : _CLAIM_LENGTH.size + length]
+                )
+            except (struct.error, ValueError, TypeError) as exc:
+                raise PayloadError(f"rank {rank} sent a malformed claim: {exc}") from None
+            self._attached_in[rank] = message[_CLAIM_LENGTH.size + length :]
             self.check_claim(rank, claim)
 
         self.call.receive_direct(_CLAIM, senders, self.seconds, self.what, self.judge_sender, arrived)
@@ -838,6 +876,10 @@ class _Gather:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("round %s: %s", self.call.token, self.what)
         return plan
+
+
+def _is_attached(receipt: Any) -> bool:
+    return type(receipt) is list and len(receipt) == 2 and receipt[0] == "attached"
 
 
 def _carrier(group: dist.ProcessGroup | Sequence[int] | None, on_device: bool) -> str:

@@ -32,7 +32,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -53,6 +53,8 @@ _HEADER = struct.Struct("<qiB")  # call number, sender's rank, kind
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _ANCILLARY_SIZE = socket.CMSG_SPACE(_CREDENTIALS.size)
 _KEEP = 256  # messages kept for later calls at most
+Buffer = bytes | bytearray | memoryview
+_MAX_PARTS = 512  # parts of one message handed to the kernel at most (IOV_MAX is 1024 on Linux)
 _INQUIRIES = "inquiries"  # the namespace of each process's answering socket
 
 
@@ -110,7 +112,9 @@ class Mailbox:
 
     def __init__(self, namespace: str, me: ProcessInfo) -> None:
         self.namespace, self.me = namespace, me
-        self._kept: list[tuple[int, int, int, int, bytes]] = []  # later calls' (call, rank, kind, pid, data)
+        self._kept: list[
+            tuple[int, int, int, int, bytearray]
+        ] = []  # later calls' (call, rank, kind, pid, data)
         self._buffer = bytearray(MAX_MESSAGE_BYTES)
         self._uid = os.geteuid()
         self._addresses: dict[tuple[ProcessInfo, str], bytes] = {}
@@ -140,10 +144,16 @@ class Mailbox:
         return found
 
     def send(
-        self, peer: ProcessInfo, call: int, rank: int, kind: int, data: bytes, timeout: float = 0.0
+        self,
+        peer: ProcessInfo,
+        call: int,
+        rank: int,
+        kind: int,
+        parts: Sequence[Buffer],
+        timeout: float = 0.0,
     ) -> bool:
-        """Send ``data`` to ``peer``'s mailbox of this group, waiting at most ``timeout`` seconds for
-        room in its queue.
+        """Send one message, the concatenation of ``parts`` (gathered by the kernel, not copied here),
+        to ``peer``'s mailbox of this group, waiting at most ``timeout`` seconds for room in its queue.
 
         Returns:
             False when ``peer`` does not listen (yet), or its queue stayed full; True when sent.
@@ -151,20 +161,23 @@ class Mailbox:
         Raises:
             MailboxError: this mailbox is closed, or the message is larger than :data:`MAX_MESSAGE_BYTES`.
         """
-        if len(data) + _HEADER.size > MAX_MESSAGE_BYTES:
-            raise MailboxError(f"a message of {len(data)} bytes is larger than {MAX_MESSAGE_BYTES}")
-        return self._send(_HEADER.pack(call, rank, kind) + data, self._to(peer, self.namespace), timeout)
+        size = sum(memoryview(p).nbytes for p in parts)
+        if size + _HEADER.size > MAX_MESSAGE_BYTES:
+            raise MailboxError(f"a message of {size} bytes is larger than {MAX_MESSAGE_BYTES}")
+        if len(parts) > _MAX_PARTS:  # more than the kernel gathers in one call (IOV_MAX): one copy
+            parts = [b"".join(parts)]
+        return self._send([_HEADER.pack(call, rank, kind), *parts], self._to(peer, self.namespace), timeout)
 
     def inquire(self, peer: ProcessInfo, call: int, rank: int) -> bool:
         """Ask ``peer`` (from its answering thread) what it does in call ``call`` of this group; the
         answer comes to this mailbox as a message of kind :data:`ANSWER`. False when not sent."""
         question = msgpack.packb([self.namespace, self.me.to_wire()])
-        return self._send(_HEADER.pack(call, rank, _INQUIRY) + question, self._to(peer, _INQUIRIES), 0.0)
+        return self._send([_HEADER.pack(call, rank, _INQUIRY), question], self._to(peer, _INQUIRIES), 0.0)
 
-    def _send(self, message: bytes, address: bytes, timeout: float) -> bool:
+    def _send(self, parts: Sequence[Buffer], address: bytes, timeout: float) -> bool:
         sock = self._open()
         try:
-            sock.sendto(message, socket.MSG_DONTWAIT, address)
+            sock.sendmsg(parts, (), socket.MSG_DONTWAIT, address)
             return True
         except (FileNotFoundError, ConnectionRefusedError):
             return False
@@ -173,18 +186,19 @@ class Mailbox:
                 return False
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
         try:
-            sock.sendto(message, address)
+            sock.sendmsg(parts, (), 0, address)
             return True
         except (FileNotFoundError, ConnectionRefusedError, BlockingIOError):
             return False
 
     def receive(
         self, call: int, senders: dict[int, ProcessInfo], timeout: float
-    ) -> list[tuple[int, int, bytes]]:
+    ) -> list[tuple[int, int, bytearray]]:
         """Messages ``(rank, kind, data)`` of call ``call`` from ``senders`` (rank -> process) that are
         here or arrive within about ``timeout`` seconds (up to a fifth more): as soon as there is one
-        (then one message, or those kept for this call); empty at the time."""
-        found: list[tuple[int, int, bytes]] = []
+        (then one message, or those kept for this call); empty at the time. Each ``data`` is the
+        receiver's own writable copy (one copy of the message)."""
+        found: list[tuple[int, int, bytearray]] = []
         if self._kept:
             self._take_kept(call, senders, found)
             if found:
@@ -218,7 +232,7 @@ class Mailbox:
         flags: int,
         call: int,
         senders: dict[int, ProcessInfo],
-        found: list[tuple[int, int, bytes]],
+        found: list[tuple[int, int, bytearray]],
     ) -> None:
         """File one received message: this call's into ``found``, a later call's kept, the rest dropped."""
         if size < _HEADER.size or flags & socket.MSG_TRUNC:
@@ -229,7 +243,7 @@ class Mailbox:
         pid = _sender_pid(ancillary, self._uid)
         if pid is None:
             return
-        data = bytes(memoryview(self._buffer)[_HEADER.size : size])
+        data = bytearray(memoryview(self._buffer)[_HEADER.size : size])
         if their_call == call:
             info = senders.get(rank)
             if info is not None and info.pid == pid:
@@ -240,7 +254,7 @@ class Mailbox:
             logger.debug("dropped a message for call %d: %d kept already", their_call, _KEEP)
 
     def _take_kept(
-        self, call: int, senders: dict[int, ProcessInfo], found: list[tuple[int, int, bytes]]
+        self, call: int, senders: dict[int, ProcessInfo], found: list[tuple[int, int, bytearray]]
     ) -> None:
         kept, self._kept = self._kept, []
         for message in kept:

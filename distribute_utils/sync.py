@@ -603,11 +603,13 @@ class Call:
         sync = self.sync
         sync.records = [[self.number, *entry], *sync.records[: _RECORDS_KEPT - 1]]
 
-    def send_direct(self, rank: int, kind: int, data: bytes, timeout: float = 0.0) -> bool:
-        """Send ``data`` to ``rank``'s mailbox of this group; False when it does not listen (yet) or
-        its queue stayed full for ``timeout`` seconds."""
+    def send_direct(
+        self, rank: int, kind: int, parts: Sequence[bytes | bytearray | memoryview], timeout: float = 0.0
+    ) -> bool:
+        """Send one message (``parts``, concatenated) to ``rank``'s mailbox of this group; False when
+        it does not listen (yet) or its queue stayed full for ``timeout`` seconds."""
         sync = self.sync
-        return sync.mailbox().send(sync.infos[rank], self.number, sync.rank, kind, data, timeout)
+        return sync.mailbox().send(sync.infos[rank], self.number, sync.rank, kind, parts, timeout)
 
     def receive_direct(
         self,
@@ -616,7 +618,7 @@ class Call:
         timeout: float,
         what: str,
         judge: Callable[[int, list[Any] | str | None], bool],
-        arrived: Callable[[int, bytes], None],
+        arrived: Callable[[int, bytearray], None],
         undelivered: Callable[[], bool] | None = None,
         second_chance: bool = False,
     ) -> None:
@@ -675,12 +677,12 @@ class Call:
 
     @staticmethod
     def _take(
-        messages: list[tuple[int, int, bytes]],
+        messages: list[tuple[int, int, bytearray]],
         kind: int,
         missing: dict[int, ProcessInfo],
         there: dict[int, bool],
         judge: Callable[[int, list[Any] | str | None], bool],
-        arrived: Callable[[int, bytes], None],
+        arrived: Callable[[int, bytearray], None],
     ) -> None:
         for rank, their_kind, data in messages:
             if rank not in missing:

@@ -378,6 +378,11 @@ class EncodedPayload:
         """The whole payload as one ``bytes`` object (one copy)."""
         return b"".join(self._segments)
 
+    def buffers(self) -> tuple[memoryview, ...]:
+        """Byte views covering the whole payload, in order, padding included: for a gathering write
+        (``sendmsg``, ``pwritev``) with no copy. Needs every chunk on the CPU."""
+        return self._segments
+
     def with_checksum(self) -> EncodedPayload:
         """The same payload with its CRC-32 set (``self`` when it already carries one).
 
