@@ -29,7 +29,7 @@ list's ranks run (:meth:`_Gather.decide`):
 
 - **direct round** (every rank of the list on this host, in one pid and network namespace,
   transport ``auto`` or ``shm``): through the ranks' mailboxes (:mod:`distribute_utils.mailbox`),
-  nothing in the store; payloads up to 128 KiB inside the claim. A rank waiting past the grace
+  nothing in the store; payloads up to 288 KiB inside the claim. A rank waiting past the grace
   checks its partners' pids and asks them what they do in this call; each rank remembers its
   part (:meth:`_Gather.record`) and answers from a thread of its own, so a rank that does
   something else (another list, another transport) is named within a fraction of a second.
@@ -89,7 +89,7 @@ TRANSPORTS = ("auto", "shm", "workspace", "collective")
 _SMALL_CLAIM_BYTES = 4096  # larger claims (inline payloads) are overwritten once taken, not kept
 _CLAIM, _VERDICT = 0, 1  # kinds of direct messages (distribute_utils.mailbox)
 _CLAIM_LENGTH = struct.Struct("<I")  # a direct claim message: its length, the claim, an attached payload
-ATTACHED_MAX_BYTES = 128 * 2**10
+ATTACHED_MAX_BYTES = 288 * 2**10
 """In a direct round, payloads up to this size travel in the claim's message (no file; copied once by
 the receiving process, not at all by the sender's); larger ones as :data:`INLINE_MAX_BYTES` says."""
 

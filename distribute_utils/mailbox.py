@@ -43,9 +43,10 @@ __all__ = ["ANSWER", "MAX_MESSAGE_BYTES", "Mailbox", "MailboxError", "answer_inq
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 160 * 2**10
-"""Largest message (an inline claim of a direct round is at most ~130 KiB); larger ones must travel
-another way. Each socket's send buffer is made large enough for it (a datagram must fit there)."""
+MAX_MESSAGE_BYTES = 320 * 2**10
+"""Largest message (a direct round's claim with its payload attached is at most ~290 KiB); larger ones
+must travel another way. Each socket's send buffer is made large enough for it (a datagram must fit
+there: Linux's default ``net.core.wmem_max`` allows ~416 KiB)."""
 ANSWER = 255
 """The kind of an answer to :meth:`Mailbox.inquire`: ``[entry]``, ``[None]`` or ``["past"]``."""
 _INQUIRY = 254

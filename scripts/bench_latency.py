@@ -41,9 +41,12 @@ each rank's process (all its threads) and of its main thread, and their sum over
 
     python scripts/bench_latency.py --cpu --sizes 4K 64K
 
-``--inline-threshold`` checks :data:`~distribute_utils.gather.INLINE_MAX_BYTES`: back-to-back rounds
-with every payload inside the claim against every payload through a pooled segment (the threshold
-and the pool's minimum overridden in the measuring processes only), interleaved in blocks::
+``--inline-threshold`` checks the size up to which a payload travels in its claim: on one host (this
+benchmark's ranks) that is :data:`~distribute_utils.gather.ATTACHED_MAX_BYTES` (a direct round's claim
+message), through the store :data:`~distribute_utils.gather.INLINE_MAX_BYTES`. Back-to-back rounds with
+every payload inside the claim (where a message can hold it) against every payload through a pooled
+segment (both thresholds and the pool's minimum overridden in the measuring processes only),
+interleaved in blocks::
 
     python scripts/bench_latency.py --inline-threshold --sizes 32K 64K 1M
 
@@ -111,7 +114,13 @@ from distribute_utils.gather import INLINE_MAX_BYTES
 from distribute_utils.launch import run_local
 
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
-CHOICES = {**SIZES, "16K": 16 << 10, "32K": 32 << 10}  # the default sweep, and sizes to ask for
+CHOICES = {
+    **SIZES,
+    "16K": 16 << 10,
+    "32K": 32 << 10,
+    "128K": 128 << 10,
+    "256K": 256 << 10,
+}  # the default sweep, and more
 LAYER_SHAPES = [(4096,), (128, 128), (), (128,)]
 LAYER_DTYPES = [torch.float32, torch.float16, torch.float32, torch.bfloat16]
 
@@ -476,23 +485,27 @@ def _steps_rank(sizes: list[str], rounds: int) -> dict[str, Any]:
 
 def _inline_rank(sizes: list[str], rounds: int, blocks: int = 3) -> dict[str, Any]:
     """Wall seconds per back-to-back round (rank 0), per size and way: ``{size: {way: [block, ...]}}``."""
+    from distribute_utils import gather, mailbox
     from distribute_utils.transports import host, shm
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = list(range(world))
-    kept = host.INLINE_MAX_BYTES, shm._SegmentPool.MIN_BYTES
+    kept = gather.ATTACHED_MAX_BYTES, host.INLINE_MAX_BYTES, shm._SegmentPool.MIN_BYTES
     report: dict[str, Any] = {}
     try:
         shm._SegmentPool.MIN_BYTES = 1 << 10
         for name in sizes:
             tensor = torch.full((CHOICES[name] // 4,), float(rank))
+            ways = [("pooled segment", 1 << 10)]
+            if CHOICES[name] + (4 << 10) <= mailbox.MAX_MESSAGE_BYTES:  # a claim message can hold it
+                ways.insert(0, ("in the claim", 1 << 30))
             for _ in range(blocks):
-                for way, threshold in (("in the claim", 1 << 30), ("pooled segment", 1 << 10)):
-                    host.INLINE_MAX_BYTES = threshold
+                for way, threshold in ways:
+                    gather.ATTACHED_MAX_BYTES = host.INLINE_MAX_BYTES = threshold
                     wall = _back_to_back(lambda tensor=tensor: _gather_once(tensor, ranks), rounds)[0]
                     report.setdefault(name, {}).setdefault(way, []).append(wall)
     finally:
-        host.INLINE_MAX_BYTES, shm._SegmentPool.MIN_BYTES = kept
+        gather.ATTACHED_MAX_BYTES, host.INLINE_MAX_BYTES, shm._SegmentPool.MIN_BYTES = kept
     return report
 
 
