@@ -593,3 +593,31 @@ def test_a_rank_that_cannot_listen_takes_part_through_the_store() -> None:
     assert results[0]["all"] == [0.0, 1.0, 2.0, 3.0] and results[0]["pair"] == [0.0, 1.0]
     assert results[0]["all_added"] > 0  # a list with rank 2 in it: claims in the store
     assert results[0]["pair_added"] == 0  # ranks 0 and 1 alone: direct
+
+
+def _first_rank_comes_late(delay: float) -> dict[str, Any]:
+    """On a fresh group the first rank opens its mailbox only when it enters: the senders' claims
+    find nobody listening; in the next gather (11 senders) its queue full (net.unix.max_dgram_qlen
+    is 10 by default). They send again until it takes them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = list(range(world))[::-1]  # a group of its own, never used before in this process
+    barrier(timeout=60)
+    if rank == 0:
+        time.sleep(delay)
+    start = time.monotonic()
+    with get_tensors_parallel(torch.full((1000,), float(rank)), list(range(world)), group, timeout=60) as got:
+        values = [float(t[0]) for t in got]
+    if rank == 0:  # now it listens, but does not read: the 11th claim finds its queue full
+        time.sleep(delay)
+    with get_tensors_parallel(torch.full((10,), float(rank)), list(range(world)), group, timeout=60) as got:
+        again = [float(t[-1]) for t in got]
+    return {"values": values, "again": again, "seconds": time.monotonic() - start}
+
+
+def test_senders_that_come_before_their_first_rank_listens_are_taken() -> None:
+    from distribute_utils.launch import run_local
+
+    results = run_local(_first_rank_comes_late, 12, 0.5, timeout=180)
+    assert results[0]["values"] == [float(r) for r in range(12)]
+    assert results[0]["again"] == [float(r) for r in range(12)]
+    assert all(r["seconds"] < 30 for r in results), results
