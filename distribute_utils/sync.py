@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from ._host import ProcessInfo, process_alive, this_process
 from .errors import PeerLostError
-from .mailbox import ANSWER, Mailbox, answer_inquiries
+from .mailbox import ANSWER, Mailbox, MailboxError, answer_inquiries
 
 __all__ = [
     "COLLECT_EVERY",
@@ -733,6 +733,12 @@ class GroupSync:
         self.infos: dict[int, ProcessInfo] = {}  # ranks of direct rounds (see direct())
         self._direct: dict[tuple[int, ...], bool] = {}
         self._mailbox: Mailbox | None = None
+        if peers is not None and peers.me.direct_domain is not None:
+            # Listening from the start: a peer's first claim then finds it (else it sends again).
+            try:
+                self.mailbox()
+            except MailboxError as exc:  # its first direct round will raise this
+                logger.warning("%s", exc)
 
     def entry(self, number: int) -> list[Any] | str | None:
         """What this rank remembers of call ``number`` (see :meth:`Call.record`; read by the answering
@@ -764,7 +770,7 @@ class GroupSync:
         return found
 
     def mailbox(self) -> Mailbox:
-        """This rank's mailbox of this group, listening from its first direct round on.
+        """This rank's mailbox of this group (listening from the group's first use here).
 
         Raises:
             MailboxError: it cannot listen (see :class:`~distribute_utils.mailbox.Mailbox`).

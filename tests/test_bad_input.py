@@ -538,8 +538,8 @@ def _segment_modes(rounds: int) -> dict[str, Any]:
     undo = _patched(shm.SharedMemoryTransport, "publish", make)
     take, shm._POOL.take = shm._POOL.take, lambda nbytes: None  # type: ignore[method-assign]
     try:
-        for i in range(rounds):  # above the inline limit, so that each sender makes a named segment
-            with get_tensors_parallel(torch.full((40_000 + i,), float(rank)), [0, 1, 2, 3], timeout=30):
+        for i in range(rounds):  # above the inline and attached limits: each sender makes a named segment
+            with get_tensors_parallel(torch.full((80_000 + i,), float(rank)), [0, 1, 2, 3], timeout=30):
                 pass
     finally:
         shm._POOL.take = take  # type: ignore[method-assign]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import re
 import signal
 import threading
 import time
@@ -528,9 +529,10 @@ def test_sync_is_linear_in_store_operations() -> None:
 
 # -- the direct round (one host: claims and verdicts through the ranks' mailboxes) -----------------
 def _keys_of(group: list[int] | None) -> int:
-    """How many keys the store holds in ``group``'s namespace (keys of other groups come and go)."""
-    prefix = sync.companion(group).namespace + "/"
-    return sum(k.startswith(prefix) for k in dist.distributed_c10d._get_default_store().list_keys())
+    """How many claims and markers or verdicts (``<namespace>/<call>/c|v/<rank>``) the store holds in
+    ``group``'s namespace (keys of other groups, and the barriers' own, come and go)."""
+    found = re.compile(re.escape(sync.companion(group).namespace) + r"/\d+/[cv]/\d+")
+    return sum(bool(found.fullmatch(k)) for k in dist.distributed_c10d._get_default_store().list_keys())
 
 
 def _keys_per_call(transport: str, n: int) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from distribute_utils.transports import shm
 
 RESULTS = os.environ.get("DU_RESULTS", ".")
 TIMEOUT = float(os.environ.get("DU_TIMEOUT", "5"))
-ELEMENTS = 32 * 1024  # 128 KiB of float32 per rank: above the inline limit, so through /dev/shm
+ELEMENTS = 96 * 1024  # 384 KiB of float32 per rank: above the inline and attached limits, so through /dev/shm
 # This job exercises named segments (a dead sender's pooled segment dies with it; the pool
 # has tests of its own in test_shm.py): no pooled segments here.
 shm._POOL.take = lambda nbytes: None  # type: ignore[method-assign]
@@ -237,9 +237,16 @@ def run_case(case: str, report: dict[str, Any]) -> None:
                 return fetch(self, token, r, receipt)
 
             shm.SharedMemoryTransport.fetch = fetch_after_death  # type: ignore[method-assign]
-        if rank == victim:  # dies once its claim is posted, waiting for the verdict (store or direct round)
+        if rank == victim:  # dies once its claim is posted (store round) or delivered (direct round)
             sync.Call.wait_verdict = lambda *args, **kwargs: _die()  # type: ignore[method-assign]
-            sync.Call.receive_direct = lambda *args, **kwargs: _die()  # type: ignore[method-assign]
+            send = sync.Call.send_direct
+
+            def send_then_die(self: sync.Call, to: int, kind: int, *args: Any, **kwargs: Any) -> bool:
+                if send(self, to, kind, *args, **kwargs) and to == 0:
+                    _die()
+                return False
+
+            sync.Call.send_direct = send_then_die  # type: ignore[method-assign]
         _gather(report, ranks, timeout=TIMEOUT)
         _next_sync(report)
     elif case == "first_rank_dies_before_gather":
