@@ -625,9 +625,10 @@ class Call:
         """Wait for one message of ``kind`` of this call from each of ``ranks``, handing each to
         ``arrived(rank, data)`` as it comes (which may raise to end the wait).
 
-        Within the grace this only listens. Past it, every :data:`_WATCH_INTERVAL_S`: ``undelivered()``
-        (when given) retries this rank's own message and says whether it is still undelivered; a
-        missing rank that exited raises; each missing rank is asked what it does in this call
+        ``undelivered()`` (when given) sends this rank's own message again and says whether it is
+        still undelivered: every :data:`RETRY_S` within the grace, then every :data:`_WATCH_INTERVAL_S`.
+        Within the grace this only listens. Past it, every :data:`_WATCH_INTERVAL_S`: a missing rank
+        that exited raises; each missing rank is asked what it does in this call
         (:meth:`~distribute_utils.mailbox.Mailbox.inquire`), and ``judge(rank, entry)`` reads its
         answer (its :meth:`record` entry, None when it has not come this far, ``"past"`` when it went
         past this call): it raises when that rank does something else, and returns whether it is in
