@@ -623,3 +623,32 @@ def test_senders_that_come_before_their_first_rank_listens_are_taken() -> None:
     assert results[0]["values"] == [float(r) for r in range(12)]
     assert results[0]["again"] == [float(r) for r in range(12)]
     assert all(r["seconds"] < 30 for r in results), results
+
+
+def _one_rank_decides_otherwise() -> dict[str, Any]:
+    """Rank 2 takes the store round while the others take the direct one (as a rank whose view of
+    where ranks run differed would): both sides must hear of it from the other and raise."""
+    rank = dist.get_rank()
+    if rank == 2:
+        sync.GroupSync.direct = lambda self, ranks, timeout, what: False  # type: ignore[method-assign]
+    start = time.monotonic()
+    try:
+        with get_tensors_parallel(torch.full((4,), float(rank)), [0, 1, 2, 3], timeout=30):
+            pass
+        outcome: dict[str, Any] = {"error": None}
+    except Exception as exc:
+        outcome = {"error": type(exc).__name__, "message": str(exc)}
+    outcome["seconds"] = time.monotonic() - start
+    with get_configs_parallel({"rank": rank}, [0, 1, 3], timeout=30) as got:  # the others go on
+        outcome["after"] = [c["rank"] for c in got]
+    return outcome
+
+
+def test_a_rank_in_the_store_round_while_the_others_go_direct_fails_everyone_quickly() -> None:
+    from distribute_utils.launch import run_local
+
+    results = run_local(_one_rank_decides_otherwise, 4, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and r["seconds"] < 10, (rank, r)
+        assert "through the store" in r["message"], (rank, r)
+    assert results[0]["after"] == [0, 1, 3]
