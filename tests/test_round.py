@@ -631,6 +631,7 @@ def _one_rank_decides_otherwise() -> dict[str, Any]:
     rank = dist.get_rank()
     if rank == 2:
         sync.GroupSync.direct = lambda self, ranks, timeout, what: False  # type: ignore[method-assign]
+    barrier(timeout=60)  # the group's store connections are made (one may stall 5 s: performance.md)
     start = time.monotonic()
     try:
         with get_tensors_parallel(torch.full((4,), float(rank)), [0, 1, 2, 3], timeout=30):
