@@ -324,8 +324,9 @@ def _answer(sock: socket.socket, lookup: Callable[[str, int], tuple[int, Any] | 
                 continue
             rank, entry = found
             answer = _HEADER.pack(call, rank, ANSWER) + msgpack.packb([entry])
-            sock.sendto(answer, _address(ProcessInfo.from_wire(asker), str(namespace)))
-        except Exception:  # a malformed inquiry, or the asker has gone: nothing to answer
+            # Never waits: an asker whose queue is full asks again at its next check.
+            sock.sendto(answer, socket.MSG_DONTWAIT, _address(ProcessInfo.from_wire(asker), str(namespace)))
+        except Exception:  # a malformed inquiry, the asker gone or its queue full: nothing to answer
             logger.debug("could not answer an inquiry", exc_info=True)
 
 

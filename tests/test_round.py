@@ -653,3 +653,34 @@ def test_a_rank_in_the_store_round_while_the_others_go_direct_fails_everyone_qui
         assert r["error"] is not None and r["seconds"] < 10, (rank, r)
         assert "through the store" in r["message"], (rank, r)
     assert results[0]["after"] == [0, 1, 3]
+
+
+def _a_malformed_claim() -> dict[str, Any]:
+    """Rank 1's direct claim message is one byte (a bug, or a message not made by this code)."""
+    rank = dist.get_rank()
+    if rank == 1:
+        send = sync.Call.send_direct
+
+        def garbled(self: sync.Call, to: int, kind: int, parts: Any, timeout: float = 0.0) -> bool:
+            return send(self, to, kind, [b"\x01"] if kind == 0 else parts, timeout)
+
+        sync.Call.send_direct = garbled  # type: ignore[method-assign]
+    barrier(timeout=60)
+    start = time.monotonic()
+    try:
+        with get_tensors_parallel(torch.full((4,), float(rank)), [0, 1, 2, 3], timeout=30):
+            pass
+        outcome: dict[str, Any] = {"error": None}
+    except Exception as exc:
+        outcome = {"error": type(exc).__name__, "message": str(exc)}
+    outcome["seconds"] = time.monotonic() - start
+    return outcome
+
+
+def test_a_malformed_direct_claim_fails_every_rank_naming_its_sender() -> None:
+    from distribute_utils.launch import run_local
+
+    results = run_local(_a_malformed_claim, 4, timeout=120)
+    assert results[0]["error"] == "PayloadError" and "rank 1 sent a malformed claim" in results[0]["message"]
+    for rank, r in enumerate(results):
+        assert "rank 1 sent a malformed claim" in r["message"] and r["seconds"] < 10, (rank, r)
