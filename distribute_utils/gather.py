@@ -314,7 +314,17 @@ def _plan(requested: str, ranks: list[int], domains: dict[int, str], has_workspa
 
 
 _CPU = torch.device("cpu")
-_MARKERS: dict[str, bytes] = {}  # a non-receiver's marker, by list digest (the same lists come back)
+_KEPT: dict[tuple[Any, ...], bytes] = {}  # packed messages that come back call after call, by what they say
+
+
+def _kept(key: tuple[Any, ...], make: Callable[[], bytes]) -> bytes:
+    """``make()``, kept under ``key``: the same lists, payload sizes and verdicts come back call after call."""
+    found = _KEPT.get(key)
+    if found is None:
+        if len(_KEPT) >= 1024:
+            _KEPT.clear()
+        found = _KEPT[key] = make()
+    return found
 
 
 # -- one gather call on one rank ------------------------------------------------------------------------
@@ -389,12 +399,13 @@ class _Gather:
         return _Claim(kind, self.shown, self.digest, self.mode, error, body, notes or None)
 
     def marker(self) -> bytes:
-        found = _MARKERS.get(self.digest)
-        if found is None:
-            if len(_MARKERS) >= 256:
-                _MARKERS.clear()
-            found = _MARKERS[self.digest] = _Verdict(False, self.shown, self.digest).pack()
-        return found
+        return _kept(("marker", self.digest), lambda: _Verdict(False, self.shown, self.digest).pack())
+
+    def success(self) -> bytes:
+        """The first rank's verdict when all went well and it has no notes to pass on."""
+        return _kept(
+            ("success", self.digest), lambda: _Verdict(True, self.shown, self.digest, None, []).pack()
+        )
 
     def decide(self) -> None:
         """A participant: take the direct round when every rank of the list runs on this host, in this
@@ -626,7 +637,11 @@ class _Gather:
                 # What this rank owes the other participants (segments it let go as a receiver or leader;
                 # its members' notes). They travel on only in a successful verdict: see take_back_notes.
                 notes = self.notes_for(self.ranks) + self._relayed
-                claim = self.claim("send", None, body, notes).pack()
+                if self._attached is not None and not notes:
+                    key = ("attached", self.digest, self.mode, self._attached.nbytes)
+                    claim = _kept(key, lambda: self.claim("send", None, body).pack())
+                else:
+                    claim = self.claim("send", None, body, notes).pack()
             else:
                 claim = self.claim("send", error).pack()
         except BaseException as exc:  # the first rank hears it at once instead of waiting for a claim
@@ -686,6 +701,8 @@ class _Gather:
                 None if delivered else undelivered,
                 second_chance=True,
             )
+            if found[0] == self.success():
+                return _Verdict(True, self.shown, self.digest)
             return _Verdict.unpack(found[0])
         except BaseException as exc:
             if not delivered:  # the first rank never had the notes in this claim
@@ -798,7 +815,7 @@ class _Gather:
         notes = self.notes_for(self.ranks[1:]) + [note for c in claims.values() for note in c.notes or ()]
         # A sender may have received from this rank in an earlier gather (other roles, other numbers).
         HostTransport.heed(self.me, notes)
-        verdict = _Verdict(True, self.shown, self.digest, None, notes).pack()
+        verdict = _Verdict(True, self.shown, self.digest, None, notes).pack() if notes else self.success()
         if self.direct:
             for rank in direct:  # each waits in its mailbox, so there is room; one that left is not told
                 if not self.call.send_direct(rank, _VERDICT, [verdict], sync.GRACE_S):

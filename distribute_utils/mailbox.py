@@ -57,6 +57,9 @@ _KEEP = 256  # messages kept for later calls at most
 Buffer = bytes | bytearray | memoryview
 _MAX_PARTS = 512  # parts of one message handed to the kernel at most (IOV_MAX is 1024 on Linux)
 _INQUIRIES = "inquiries"  # the namespace of each process's answering socket
+# Plain ints: an operation on the enum members (``flags & socket.MSG_TRUNC``) builds a new member in
+# Python code, which costs more than the rest of filing a message.
+_NO_WAIT, _TRUNCATED = int(socket.MSG_DONTWAIT), int(socket.MSG_TRUNC)
 
 
 class MailboxError(OSError):
@@ -178,7 +181,7 @@ class Mailbox:
     def _send(self, parts: Sequence[Buffer], address: bytes, timeout: float) -> bool:
         sock = self._open()
         try:
-            sock.sendmsg(parts, (), socket.MSG_DONTWAIT, address)
+            sock.sendmsg(parts, (), _NO_WAIT, address)
             return True
         except (FileNotFoundError, ConnectionRefusedError):
             return False
@@ -216,7 +219,7 @@ class Mailbox:
                 self._rcvtimeo = wait
             try:
                 size, ancillary, flags, _ = sock.recvmsg_into(
-                    buffers, _ANCILLARY_SIZE, 0 if wait > 0 else socket.MSG_DONTWAIT
+                    buffers, _ANCILLARY_SIZE, 0 if wait > 0 else _NO_WAIT
                 )
             except BlockingIOError:  # nothing came in time
                 return found
@@ -236,7 +239,7 @@ class Mailbox:
         found: list[tuple[int, int, bytearray]],
     ) -> None:
         """File one received message: this call's into ``found``, a later call's kept, the rest dropped."""
-        if size < _HEADER.size or flags & socket.MSG_TRUNC:
+        if size < _HEADER.size or flags & _TRUNCATED:
             return
         their_call, rank, kind = _HEADER.unpack_from(self._buffer)
         if their_call < call:
@@ -314,7 +317,7 @@ def _answer(sock: socket.socket, lookup: Callable[[str, int], tuple[int, Any] | 
         if _closing:
             return
         pid = _sender_pid(ancillary, uid)
-        if pid is None or size < _HEADER.size or flags & socket.MSG_TRUNC:
+        if pid is None or size < _HEADER.size or flags & _TRUNCATED:
             continue
         try:
             call, _, kind = _HEADER.unpack_from(buffer)
@@ -325,7 +328,7 @@ def _answer(sock: socket.socket, lookup: Callable[[str, int], tuple[int, Any] | 
             rank, entry = found
             answer = _HEADER.pack(call, rank, ANSWER) + msgpack.packb([entry])
             # Never waits: an asker whose queue is full asks again at its next check.
-            sock.sendto(answer, socket.MSG_DONTWAIT, _address(ProcessInfo.from_wire(asker), str(namespace)))
+            sock.sendto(answer, _NO_WAIT, _address(ProcessInfo.from_wire(asker), str(namespace)))
         except Exception:  # a malformed inquiry, the asker gone or its queue full: nothing to answer
             logger.debug("could not answer an inquiry", exc_info=True)
 

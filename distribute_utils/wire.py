@@ -92,6 +92,7 @@ qualname, value; ``"odict"``, {key: value}; ``"np"``, dtype string, raw bytes (a
 scalar); ``"ndarray"``, tensor reference (a numpy array, its bytes travel as a tensor)."""
 
 _PREFIX = struct.Struct("<4sHHQQQ")
+_HEADER_LEN, _HEADER_LEN_AT = struct.Struct("<Q"), 8  # the prefix's header length field, and where it is
 assert _PREFIX.size == PREFIX_SIZE
 _KNOWN_FLAGS = FLAG_CHECKSUM
 _MIN_HEADER = 7  # b"\x82\xa1v\xc0\xa1t\x90" == {"v": None, "t": []}
@@ -243,32 +244,25 @@ def pwrite_all(fd: int, bufs: Iterable[memoryview], offset: int) -> None:
             segs[i] = segs[i][written:]
 
 
-class _Recent:
-    """A bounded map of recent results of a pure function (least recently used dropped first).
+class _Recent(dict):  # type: ignore[type-arg]
+    """A bounded map of recent results of a pure function: ``get`` as a dict's, ``put`` drops them all
+    once it holds ``max_items``.
 
     Gathers repeat the same shapes round after round; the encoder's layouts and the decoder's
-    checked headers are such pure functions of their bytes, kept here rather than redone.
+    checked heads are such pure functions of their bytes, kept here rather than redone. Both
+    operations are single dict operations, safe between threads (gathers on different groups).
     """
 
-    __slots__ = ("_items", "_max")
+    __slots__ = ("_max",)
 
     def __init__(self, max_items: int) -> None:
-        self._items: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        super().__init__()
         self._max = max_items
 
-    def get(self, key: Any) -> Any:
-        found = self._items.get(key)
-        if found is not None:
-            try:  # noqa: SIM105 (a plain try costs nothing here; suppress() is a call per lookup)
-                self._items.move_to_end(key)
-            except KeyError:  # another thread's put() evicted it since: still a valid result
-                pass
-        return found
-
     def put(self, key: Any, value: Any) -> None:
-        self._items[key] = value
-        if len(self._items) > self._max:
-            self._items.popitem(last=False)
+        if len(self) >= self._max:
+            self.clear()
+        self[key] = value
 
 
 _RECENT_MAX = 256  # layouts and headers kept
@@ -866,7 +860,15 @@ def _decode(
     max_header_bytes: int,
     data: torch.Tensor | None = None,
 ) -> object:
-    flags, header_len, total_len, checksum = read_prefix(mv, max_header_bytes=max_header_bytes)
+    # A payload whose first bytes up to its header's end were checked before is taken as they were:
+    # every check of the prefix and the header is a pure function of those bytes (the same ones come
+    # back round after round). The length, device and checksum checks below run every time.
+    key = _head_key(mv, max_header_bytes)
+    known = _HEADS.get(key) if key is not None else None
+    if known is None:
+        flags, header_len, total_len, checksum = read_prefix(mv, max_header_bytes=max_header_bytes)
+    else:
+        flags, header_len, total_len, checksum, v_span, table, lone = known
     have = mv.nbytes if data is None else data.numel()
     if have < total_len:
         raise PayloadError(f"truncated: payload says {total_len} bytes, got {have}")
@@ -880,25 +882,31 @@ def _decode(
                 f"0x{computed:08x}; the payload is corrupt or was only partly written"
             )
     header_end = PREFIX_SIZE + header_len
-    header = mv[PREFIX_SIZE:header_end]
-    # A header checked before under the same total length is taken as it was (its bytes are the key).
-    key = (header.tobytes(), total_len) if header_len <= _RECENT_BYTES_MAX else None
-    known = _HEADERS.get(key) if key is not None else None
     if known is None:
+        header = mv[PREFIX_SIZE:header_end]
         v_span, t_span = _parse_header(header, header_len)
         table = _tensor_table(header[t_span[0] : t_span[1]], header_end, total_len)
         lone = len(table) == 1 and header[v_span[0] : v_span[1]] == _LONE_TREE
-        known = (v_span, table, lone)
-        if key is not None:
-            _HEADERS.put(key, known)
-    v_span, table, lone = known
+        if key is not None and not flags & FLAG_CHECKSUM:  # (a checksum differs every time)
+            _HEADS.put(key, (flags, header_len, total_len, checksum, v_span, table, lone))
     tensors = _build_tensors(mv, table, total_len, device, data)
     if lone:  # the tree is the one tensor (``get_tensors_parallel``): nothing else to decode
         return tensors[0]
-    return _decode_tree(header[v_span[0] : v_span[1]], tensors)
+    return _decode_tree(mv[PREFIX_SIZE + v_span[0] : PREFIX_SIZE + v_span[1]], tensors)
 
 
-_HEADERS = _Recent(_RECENT_MAX)
+def _head_key(mv: memoryview, max_header_bytes: int) -> bytes | None:
+    """A payload's bytes up to its header's end, as stated by its prefix (None when too short to say,
+    or too long to keep)."""
+    if mv.nbytes < PREFIX_SIZE:
+        return None
+    (header_len,) = _HEADER_LEN.unpack_from(mv, _HEADER_LEN_AT)
+    if header_len > min(max_header_bytes, _RECENT_BYTES_MAX):
+        return None
+    return mv[: PREFIX_SIZE + header_len].tobytes()
+
+
+_HEADS = _Recent(_RECENT_MAX)  # checked heads (prefix and header): their bytes -> what they say
 
 
 def _no_ext(code: int, data: bytes) -> Any:
@@ -1071,50 +1079,59 @@ def _build_tensors(
     data: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """The tensors of a checked table: views of ``mv`` (or of ``data``), or copies on ``device``."""
+    if mv.readonly:  # torch warns about read-only buffers; decode's docstring says it instead
+        with warnings.catch_warnings():  # (global state: entered only when needed)
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return _views(mv, table, total_len, device, data)
+    return _views(mv, table, total_len, device, data)
+
+
+def _views(
+    mv: memoryview,
+    table: tuple[_Slot, ...],
+    total_len: int,
+    device: str | torch.device | None,
+    data: torch.Tensor | None,
+) -> list[torch.Tensor]:
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cpu":
         dev = None
     out: list[torch.Tensor] = []
-    # torch warns about read-only buffers; decode's docstring says it instead. catch_warnings
-    # touches global state, so only enter it when needed.
-    with warnings.catch_warnings() if mv.readonly else contextlib.nullcontext():
-        if mv.readonly:
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        # Few tensors: one ``frombuffer`` each. More: one view of the whole buffer per dtype and
-        # a strided view of it per tensor, which costs less per tensor (offsets are multiples
-        # of ALIGN, so of every item size).
-        few = data is None and len(table) <= _FEW_TENSORS
-        base = (
-            torch.frombuffer(mv, dtype=torch.uint8, count=total_len)
-            if data is None and total_len and not few
-            else None
-        )
-        typed: dict[torch.dtype, torch.Tensor] = {}
-        for i, (offset, nbytes, dtype, shape, strides) in enumerate(table):
-            try:
-                if not nbytes:
-                    t = torch.empty(shape, dtype=dtype, device=dev if data is None else data.device)
-                elif data is not None:
-                    t = _view_bytes(data[offset : offset + nbytes], dtype).view(shape)
-                    if dev is not None:
-                        t = _to_device(t, dev)
+    # Few tensors: one ``frombuffer`` each. More: one view of the whole buffer per dtype and
+    # a strided view of it per tensor, which costs less per tensor (offsets are multiples
+    # of ALIGN, so of every item size).
+    few = data is None and len(table) <= _FEW_TENSORS
+    base = (
+        torch.frombuffer(mv, dtype=torch.uint8, count=total_len)
+        if data is None and total_len and not few
+        else None
+    )
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    for i, (offset, nbytes, dtype, shape, strides) in enumerate(table):
+        try:
+            if not nbytes:
+                t = torch.empty(shape, dtype=dtype, device=dev if data is None else data.device)
+            elif data is not None:
+                t = _view_bytes(data[offset : offset + nbytes], dtype).view(shape)
+                if dev is not None:
+                    t = _to_device(t, dev)
+            else:
+                size = dtype.itemsize
+                if few:
+                    t = torch.frombuffer(mv, dtype=dtype, count=nbytes // size, offset=offset)
+                    if len(shape) != 1:
+                        t = t.view(shape)
                 else:
-                    size = dtype.itemsize
-                    if few:
-                        t = torch.frombuffer(mv, dtype=dtype, count=nbytes // size, offset=offset)
-                        if len(shape) != 1:
-                            t = t.view(shape)
-                    else:
-                        assert base is not None
-                        whole = typed.get(dtype)
-                        if whole is None:
-                            whole = typed[dtype] = _view_bytes(base[: total_len // size * size], dtype)
-                        t = whole.as_strided(shape, strides, offset // size)
-                    if dev is not None:
-                        t = _to_device(t, dev)
-            except (RuntimeError, ValueError, OverflowError) as e:
-                raise PayloadError(f"tensor {i}: cannot build {dtype} of shape {shape}: {e}") from None
-            out.append(t)
+                    assert base is not None
+                    whole = typed.get(dtype)
+                    if whole is None:
+                        whole = typed[dtype] = _view_bytes(base[: total_len // size * size], dtype)
+                    t = whole.as_strided(shape, strides, offset // size)
+                if dev is not None:
+                    t = _to_device(t, dev)
+        except (RuntimeError, ValueError, OverflowError) as e:
+            raise PayloadError(f"tensor {i}: cannot build {dtype} of shape {shape}: {e}") from None
+        out.append(t)
     return out
 
 

@@ -1076,19 +1076,33 @@ def test_the_header_limit_is_checked_when_encoding() -> None:
         encode({"s": "x" * (64 * 2**20 + 1)})
 
 
-def test_the_kept_layouts_survive_an_eviction_by_another_thread() -> None:
-    """Gathers on different groups may run in different threads and share the encoder's and decoder's
-    kept results: a key another thread evicts between finding it and marking it recent is still
-    served (it raised KeyError out of encode or decode)."""
-
-    class EvictedOnLookup(collections.OrderedDict):
-        def get(self, key: Any, default: Any = None) -> Any:
-            found = super().get(key, default)
-            self.pop(key, None)  # another thread's put() evicted it just now
-            return found
-
+def test_the_kept_results_are_bounded() -> None:
+    """The encoder's layouts and the decoder's checked heads are kept up to a bound, then dropped at once
+    (worked out again by the caller)."""
     recent = wire._Recent(2)
-    recent._items = EvictedOnLookup()
-    recent.put("layout", 1)
-    assert recent.get("layout") == 1
-    assert recent.get("layout") is None  # gone: worked out again by the caller
+    recent.put("a", 1)
+    recent.put("b", 2)
+    assert recent.get("a") == 1 and len(recent) == 2
+    recent.put("c", 3)
+    assert dict(recent) == {"c": 3}
+
+
+def test_a_known_head_still_has_its_length_checksum_and_limit_checked() -> None:
+    """A payload whose head (prefix and header) was checked before skips those checks, and only those:
+    a truncated copy, a corrupted checksummed one and a header over a smaller limit are refused as the
+    first time."""
+    payload = encode({"w": torch.arange(64, dtype=torch.float32)}, root="config").to_bytes()
+    assert torch.equal(decode(bytearray(payload))["w"], torch.arange(64, dtype=torch.float32))
+    assert wire._head_key(memoryview(payload), wire.DEFAULT_MAX_HEADER_BYTES) in wire._HEADS
+    with pytest.raises(PayloadError, match="truncated: payload says"):
+        decode(bytearray(payload[:-4]))
+    header_len = wire.read_prefix(payload).header_len
+    with pytest.raises(PayloadError, match=f"header length {header_len} exceeds the limit"):
+        decode(bytearray(payload), max_header_bytes=header_len - 1)
+
+    summed = encode(torch.arange(64, dtype=torch.float32), root="tensor", checksum=True).to_bytes()
+    assert torch.equal(decode(bytearray(summed)), torch.arange(64, dtype=torch.float32))
+    corrupt = bytearray(summed)
+    corrupt[-1] ^= 0xFF
+    with pytest.raises(PayloadError, match="checksum mismatch"):
+        decode(corrupt)
