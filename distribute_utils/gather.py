@@ -351,19 +351,21 @@ class _Gather:
         self.mode = f"{transport}:{workspace_path is not None}"
         self.seconds, self.group, self.root = seconds, group, root
         self.what = f"gather to rank {self.first}"
-        self._workspace: Transport | None = None
         self._collective: dict[str, CollectiveTransport] = {}
-        self._sent: tuple[Transport, str, Any] | None = None  # a sender's (transport, token, receipt)
-        self._attached: wire.EncodedPayload | None = None  # a direct sender's payload, in its claim message
         self._attached_in: dict[int, memoryview] = {}  # the first rank's: each sender's, as it came
-        self._host_in: HostTransport | None = None
         self._relayed: list[Any] = []  # a leader: its members' notes, for the first rank's verdict
         self._notes_taken: list[Any] = []  # this rank's own notes, posted in its claim or verdict
-        self._deferred: tuple[str, wire.EncodedPayload] | None = None  # a collective send awaiting "go"
-        self._go_posted = False
-        self._cross: str | None = None
-        self.place_own = True  # the first rank's own value goes to the target device like the rest
-        self.direct = False  # claims and verdicts through the ranks' mailboxes, not the store (see decide)
+
+    # State that most calls never change (class defaults: nothing to set up per call).
+    _workspace: Transport | None = None
+    _sent: tuple[Transport, str, Any] | None = None  # a sender's (transport, token, receipt)
+    _attached: wire.EncodedPayload | None = None  # a direct sender's payload, in its claim message
+    _host_in: HostTransport | None = None
+    _deferred: tuple[str, wire.EncodedPayload] | None = None  # a collective send awaiting "go"
+    _go_posted = False
+    _cross: str | None = None
+    place_own = True  # the first rank's own value goes to the target device like the rest
+    direct = False  # claims and verdicts through the ranks' mailboxes, not the store (see decide)
 
     # -- shared helpers ------------------------------------------------------------------------
     @property
@@ -958,13 +960,13 @@ _R = TypeVar("_R")
 class _Entered(AbstractContextManager):  # type: ignore[type-arg]
     """A call that runs when entered and yields its result (nothing to undo on exit)."""
 
-    __slots__ = ("_call",)
+    __slots__ = ("_args", "_fn", "_kwargs")
 
-    def __init__(self, call: Callable[[], Any]) -> None:
-        self._call = call
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._fn, self._args, self._kwargs = fn, args, kwargs
 
     def __enter__(self) -> Any:
-        return self._call()
+        return self._fn(*self._args, **self._kwargs)
 
     def __exit__(self, *exc: object) -> None:
         return None
@@ -975,7 +977,7 @@ def _runs_when_entered(fn: Callable[_P, _R]) -> Callable[_P, AbstractContextMana
 
     @functools.wraps(fn)
     def entered(*args: _P.args, **kwargs: _P.kwargs) -> AbstractContextManager[_R]:
-        return _Entered(functools.partial(fn, *args, **kwargs))
+        return _Entered(fn, args, kwargs)
 
     return entered
 

@@ -17,6 +17,7 @@ No ``multiprocessing.shared_memory``: nothing is registered with the resource tr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -98,8 +99,7 @@ class SharedMemoryTransport:
             except BaseException:
                 _POOL.discard(pooled)
                 raise
-            ino = os.fstat(pooled.fd).st_ino
-            return f"p:{os.getpid()}:{pooled.ident}:{pooled.fd}:{ino}:{payload.nbytes}"
+            return f"p:{os.getpid()}:{pooled.ident}:{pooled.fd}:{pooled.inode}:{payload.nbytes}"
         path = segment_path(token, rank, os.getpid())
         with interrupts.uninterruptible():  # an interrupt then sees the segment and removes it
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -148,7 +148,7 @@ class SharedMemoryTransport:
             if kind == "n":
                 unlink(path)
         if kind == "p":
-            weakref.finalize(buf, _FREED.add, (pid, ident))
+            _report_when_gone(buf, (pid, ident))
         prefix = read_prefix(buf)
         if prefix.total_len != nbytes:
             raise PayloadError(
@@ -241,6 +241,7 @@ class _Segment:
 
     ident: str
     fd: int
+    inode: int
     size: int = 0
     busy: bool = True
     drop_when_freed: bool = False
@@ -271,16 +272,16 @@ class _SegmentPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._segments: dict[str, _Segment] = {}
-        self._recent: list[int] = []
+        self._recent: collections.deque[int] = collections.deque(maxlen=self.RECENT)
 
     def note_payload(self, nbytes: int) -> None:
         """A sender's payload size, pooled or not: segments much larger than what recent rounds
         sent are given back (a 1 GiB gather followed by small ones does not pin 1 GiB), and so are
         busy ones whose receiver died (it never reports them freed; looked up once a second)."""
+        self._recent.append(nbytes)  # (a bounded deque: one step, safe between threads)
+        if not self._segments:
+            return
         with self._lock:
-            self._recent = [*self._recent[-(self.RECENT - 1) :], nbytes]
-            if not self._segments:
-                return
             bound = 2 * max(self._recent)
             now = time.monotonic()
             dropped = [
@@ -335,7 +336,7 @@ class _SegmentPool:
                 seg = max(free, key=lambda s: s.size)  # grown in place
             else:
                 fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
-                seg = _Segment(secrets.token_hex(8), fd)
+                seg = _Segment(secrets.token_hex(8), fd, os.fstat(fd).st_ino)
                 self._segments[seg.ident] = seg
             seg.busy, seg.looked = True, time.monotonic()
             return seg
@@ -378,6 +379,18 @@ _POOL = _SegmentPool()
 # (sender pid, segment id) whose receiver map is gone. By process, not by rank: a rank number may
 # belong to another process by the time the report travels (the default group was made anew).
 _FREED: set[tuple[int, str]] = set()
+_MAPS: set[weakref.ref[mmap.mmap]] = set()  # this process's maps of pooled segments, until they are gone
+
+
+def _report_when_gone(buf: mmap.mmap, report: tuple[int, str]) -> None:
+    """Add ``report`` to the freed ones once ``buf`` is gone (a weak reference's callback: a third of
+    what ``weakref.finalize`` costs, and nothing to run at exit)."""
+
+    def gone(ref: weakref.ref[mmap.mmap]) -> None:
+        _MAPS.discard(ref)
+        _FREED.add(report)
+
+    _MAPS.add(weakref.ref(buf, gone))
 
 
 def release_shared_memory() -> int:
