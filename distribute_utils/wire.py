@@ -31,7 +31,7 @@ import struct
 import sys
 import warnings
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -552,28 +552,32 @@ class _Encoder:
         index = self._ids.get(id(t))
         if index is not None:
             return index
-        tp = type(t)
-        if tp is not torch.Tensor and tp is not torch.nn.Parameter:
-            raise TypeError(
-                f"{self.path()}: tensor subclass {_type_name(tp)} is not supported; pass a plain "
-                "torch.Tensor (e.g. .full_tensor() for a DTensor, .as_subclass(torch.Tensor))"
-            )
-        if t.layout != torch.strided:
-            raise TypeError(
-                f"{self.path()}: tensor layout {t.layout} is not supported; call .to_dense() first"
-            )
-        if t.dtype not in _DTYPE_NAMES:
-            raise TypeError(
-                f"{self.path()}: tensor dtype {t.dtype} is not supported (quantized tensors carry "
-                "scales the format does not store); use .int_repr() and send the scales separately"
-            )
-        if t.is_meta:
-            raise TypeError(f"{self.path()}: a meta tensor has no data to send")
         index = len(self.tensors)
-        self.tensors.append(_contiguous(t, self.keep_device))
+        self.tensors.append(_plain_tensor(t, self.keep_device, self.path))
         self._ids[id(t)] = index
         self._keep.append(t)
         return index
+
+
+def _plain_tensor(t: torch.Tensor, keep_device: bool, path: Callable[[], str]) -> torch.Tensor:
+    """``t`` as it travels (see :func:`_contiguous`), once checked to be a kind the format carries
+    (``path()`` names it in the error)."""
+    tp = type(t)
+    if tp is not torch.Tensor and tp is not torch.nn.Parameter:
+        raise TypeError(
+            f"{path()}: tensor subclass {_type_name(tp)} is not supported; pass a plain "
+            "torch.Tensor (e.g. .full_tensor() for a DTensor, .as_subclass(torch.Tensor))"
+        )
+    if t.layout != torch.strided:
+        raise TypeError(f"{path()}: tensor layout {t.layout} is not supported; call .to_dense() first")
+    if t.dtype not in _DTYPE_NAMES:
+        raise TypeError(
+            f"{path()}: tensor dtype {t.dtype} is not supported (quantized tensors carry "
+            "scales the format does not store); use .int_repr() and send the scales separately"
+        )
+    if t.is_meta:
+        raise TypeError(f"{path()}: a meta tensor has no data to send")
+    return _contiguous(t, keep_device)
 
 
 _BUILTIN_BASES = (bool, int, float, str, bytes, dict, list, tuple)
@@ -670,39 +674,45 @@ def encode(
     """
     if checksum and keep_device:
         raise ValueError("encode: checksum needs the bytes on the CPU; do not combine it with keep_device")
-    enc = _Encoder(root, keep_device)
-    tree = enc.walk(obj)
-    try:
-        v_bytes = _LONE_TREE if tree is _TENSOR_REFS[0] else _pack(tree)
-    except UnicodeEncodeError as e:
-        raise TypeError(f"{root}: contains a str that is not valid UTF-8 ({e})") from None
-    tensors = enc.tensors
-    shapes = tuple((t.dtype, t.shape) for t in tensors)
+    if type(obj) is torch.Tensor:  # the tree is the one tensor (``get_tensors_parallel``): nothing to walk
+        v_bytes, tensors = _LONE_TREE, [_plain_tensor(obj, keep_device, lambda: root)]
+        shapes: tuple[tuple[torch.dtype, torch.Size], ...] = ((obj.dtype, obj.shape),)
+    else:
+        enc = _Encoder(root, keep_device)
+        tree = enc.walk(obj)
+        try:
+            v_bytes = _LONE_TREE if tree is _TENSOR_REFS[0] else _pack(tree)
+        except UnicodeEncodeError as e:
+            raise TypeError(f"{root}: contains a str that is not valid UTF-8 ({e})") from None
+        tensors = enc.tensors
+        shapes = tuple((t.dtype, t.shape) for t in tensors)
     small = len(v_bytes) <= _RECENT_BYTES_MAX
     layout = _LAYOUTS.get((v_bytes, shapes)) if small else None
     if layout is None:
         layout = _layout(v_bytes, tensors, root)
         if small:
             _LAYOUTS.put((v_bytes, shapes), layout)
-    header_len, offsets, total, body = layout
+    header_len, offsets, total, body, plain_head = layout
     chunks = tuple((o, t) for o, t in zip(offsets, tensors, strict=True) if t.nbytes)
+    if not checksum:
+        return EncodedPayload(total, plain_head, chunks)
     head_end = chunks[0][0] if chunks else total
-    crc = 0
-    flags = 0
-    if checksum:
-        flags |= FLAG_CHECKSUM
-        crc = _crc(_segments_after(head_end, chunks, total), zlib.crc32(body))
-    head = _PREFIX.pack(MAGIC, VERSION, flags, header_len, total, crc) + body
-    return EncodedPayload(total, head, chunks)
+    crc = _crc(_segments_after(head_end, chunks, total), zlib.crc32(body))
+    return EncodedPayload(
+        total, _PREFIX.pack(MAGIC, VERSION, FLAG_CHECKSUM, header_len, total, crc) + body, chunks
+    )
 
 
 _LAYOUTS = _Recent(_RECENT_MAX)
 
 
-def _layout(v_bytes: bytes, tensors: list[torch.Tensor], root: str) -> tuple[int, list[int], int, bytes]:
-    """Where everything of a payload goes: header length, each tensor's offset, the total length and
-    the bytes after the prefix up to the first tensor (header and padding). A pure function of the
-    encoded tree and the tensors' dtypes and shapes (:func:`encode` keeps recent ones)."""
+def _layout(
+    v_bytes: bytes, tensors: list[torch.Tensor], root: str
+) -> tuple[int, list[int], int, bytes, bytes]:
+    """Where everything of a payload goes: header length, each tensor's offset, the total length, the
+    bytes after the prefix up to the first tensor (header and padding), and those with the prefix of a
+    payload without a checksum. A pure function of the encoded tree and the tensors' dtypes and shapes
+    (:func:`encode` keeps recent ones)."""
     header_base = b"\x82\xa1v" + v_bytes + b"\xa1t"
     # Offsets are absolute, and their msgpack size feeds back into where the data starts:
     # iterate to the fixed point. start(B) never decreases as B grows, so this converges in a
@@ -731,7 +741,14 @@ def _layout(v_bytes: bytes, tensors: list[torch.Tensor], root: str) -> tuple[int
         )
     total = end if tensors else header_end
     head_end = next((e[2] for e in entries if e[3]), total)
-    return len(header), [e[2] for e in entries], total, header + bytes(head_end - header_end)
+    body = header + bytes(head_end - header_end)
+    return (
+        len(header),
+        [e[2] for e in entries],
+        total,
+        body,
+        _PREFIX.pack(MAGIC, VERSION, 0, len(header), total, 0) + body,
+    )
 
 
 # --------------------------------------------------------------------------- decoding
