@@ -133,10 +133,8 @@ class Mailbox:
             self._sock.close()
             self._sock = None
 
-    def _open(self) -> socket.socket:
-        if self._sock is None:
-            raise MailboxError("this mailbox is closed")
-        return self._sock
+    def _closed(self) -> MailboxError:
+        return MailboxError("this mailbox is closed")
 
     def _to(self, peer: ProcessInfo, namespace: str) -> bytes:
         key = (peer, namespace)
@@ -179,7 +177,9 @@ class Mailbox:
         return self._send([_HEADER.pack(call, rank, _INQUIRY), question], self._to(peer, _INQUIRIES), 0.0)
 
     def _send(self, parts: Sequence[Buffer], address: bytes, timeout: float) -> bool:
-        sock = self._open()
+        sock = self._sock
+        if sock is None:
+            raise self._closed()
         try:
             sock.sendmsg(parts, (), _NO_WAIT, address)
             return True
@@ -207,7 +207,9 @@ class Mailbox:
             self._take_kept(call, senders, found)
             if found:
                 return found
-        sock = self._open()
+        sock = self._sock
+        if sock is None:
+            raise self._closed()
         buffers = [self._buffer]
         deadline = time.monotonic() + timeout
         wait = timeout

@@ -60,6 +60,7 @@ __all__ = [
     "encode",
     "pwrite_all",
     "read_prefix",
+    "stated_length",
     "tensor_buffer",
 ]
 
@@ -92,7 +93,8 @@ qualname, value; ``"odict"``, {key: value}; ``"np"``, dtype string, raw bytes (a
 scalar); ``"ndarray"``, tensor reference (a numpy array, its bytes travel as a tensor)."""
 
 _PREFIX = struct.Struct("<4sHHQQQ")
-_HEADER_LEN, _HEADER_LEN_AT = struct.Struct("<Q"), 8  # the prefix's header length field, and where it is
+_LENGTH = struct.Struct("<Q")  # the prefix's header length and total length fields (at these offsets)
+_HEADER_LEN_AT, _TOTAL_LEN_AT = 8, 16
 assert _PREFIX.size == PREFIX_SIZE
 _KNOWN_FLAGS = FLAG_CHECKSUM
 _MIN_HEADER = 7  # b"\x82\xa1v\xc0\xa1t\x90" == {"v": None, "t": []}
@@ -819,6 +821,18 @@ def read_prefix(buf: Any, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -
     return PayloadPrefix(flags, header_len, total_len, checksum)
 
 
+def stated_length(buf: Any) -> int:
+    """The total length a payload's prefix states, read as it is: :func:`decode` checks the prefix (a
+    transport compares it with what the sender said it wrote before handing the bytes on).
+
+    Raises:
+        PayloadError: fewer bytes than a prefix.
+    """
+    if len(buf) < PREFIX_SIZE:
+        raise PayloadError(f"truncated: payload prefix needs {PREFIX_SIZE} bytes, got {len(buf)}")
+    return int(_LENGTH.unpack_from(buf, _TOTAL_LEN_AT)[0])
+
+
 def decode(
     buf: Any,
     *,
@@ -917,7 +931,7 @@ def _head_key(mv: memoryview, max_header_bytes: int) -> bytes | None:
     or too long to keep)."""
     if mv.nbytes < PREFIX_SIZE:
         return None
-    (header_len,) = _HEADER_LEN.unpack_from(mv, _HEADER_LEN_AT)
+    (header_len,) = _LENGTH.unpack_from(mv, _HEADER_LEN_AT)
     if header_len > min(max_header_bytes, _RECENT_BYTES_MAX):
         return None
     return mv[: PREFIX_SIZE + header_len].tobytes()

@@ -63,6 +63,25 @@ def test_a_segment_whose_size_disagrees_with_its_receipt_is_rejected() -> None:
         transport.fetch("00000000000000ad", 1, "n:../../etc:1")
 
 
+def test_a_segment_whose_payload_disagrees_with_its_receipt_is_rejected() -> None:
+    """A segment large enough for its receipt, holding a payload of another length (the prefix's
+    stated length is compared; decode checks the rest of the prefix)."""
+    transport = _transport()
+    payload = wire.encode(torch.zeros(100))
+    receipt = transport.publish("00000000000000ae", 1, payload)
+    kind, pid, size = receipt.split(":")
+    assert wire.stated_length(payload.to_bytes()) == int(size) == payload.nbytes
+    path = shm.segment_path("00000000000000ae", 1, PID)
+    os.truncate(path, payload.nbytes + 64)
+    with pytest.raises(
+        PayloadError, match=rf"holds a payload of {payload.nbytes} bytes, not {payload.nbytes + 64}"
+    ):
+        transport.fetch("00000000000000ae", 1, f"{kind}:{pid}:{payload.nbytes + 64}")
+    assert not os.path.exists(path)
+    with pytest.raises(PayloadError, match="payload prefix needs 32 bytes, got 31"):
+        wire.stated_length(bytes(31))
+
+
 def test_segments_not_private_to_this_user_are_refused() -> None:
     """What another local user could plant: a file of another owner, a loose mode, a symlink."""
     transport = _transport()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from .. import interrupts
 from .._host import SHM_DIR, ProcessInfo, process_alive
 from ..errors import PayloadError, PeerLostError, SpaceError
-from ..wire import EncodedPayload, read_prefix
+from ..wire import EncodedPayload, stated_length
 from .files import reserve_space, unlink
 
 __all__ = [
@@ -149,10 +149,10 @@ class SharedMemoryTransport:
                 unlink(path)
         if kind == "p":
             _report_when_gone(buf, (pid, ident))
-        prefix = read_prefix(buf)
-        if prefix.total_len != nbytes:
+        total = stated_length(buf)
+        if total != nbytes:
             raise PayloadError(
-                f"segment {path} of rank {rank} holds a payload of {prefix.total_len} bytes, not {nbytes}"
+                f"segment {path} of rank {rank} holds a payload of {total} bytes, not {nbytes}"
             )
         return buf
 
