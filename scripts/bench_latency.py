@@ -65,6 +65,13 @@ steps are timed by wrapping those methods for this run (about 1 µs each)::
 
     python scripts/bench_latency.py --steps --sizes 4K 1M --rounds 2000
 
+With ``--cold`` every rank first evicts its caches before each call (writes a byte of every cache
+line of 16 MiB and makes and drops a few thousand Python objects, then a barrier), as the other work
+between two calls of a real job, or the other methods of the sweep, do: each step then costs what it
+costs in the sweep, several times its back-to-back cost::
+
+    python scripts/bench_latency.py --steps --cold --sizes 4K 1M --rounds 500
+
 ``--busy N`` runs N spinning processes beside the ranks for the whole run: a machine shared with
 other jobs (the load average then reaches about N plus the ranks' own share)::
 
@@ -451,17 +458,28 @@ def _steps_timed(events: list[tuple[str, int]]) -> Iterator[None]:
             setattr(owners.get(name, gather._Gather), name, original)
 
 
-def _steps_rank(sizes: list[str], rounds: int) -> dict[str, Any]:
+def _evict(lines: bytearray) -> None:
+    """What other work between two calls does to this rank's caches (``--cold``): one byte of every
+    cache line of ``lines`` written, a few thousand Python objects made and dropped."""
+    lines[::64] = bytes(len(lines) // 64)
+    _ = {i: str(i) for i in range(3000)}
+
+
+def _steps_rank(sizes: list[str], rounds: int, cold: bool = False) -> dict[str, Any]:
     """Median thread CPU (s) per call of each kind of step, on this rank, for each size."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = list(range(world))
     events: list[tuple[str, int]] = []
     report: dict[str, Any] = {}
+    lines = bytearray(16 << 20) if cold else bytearray()
     with _steps_timed(events):
         for name in sizes:
             tensor = torch.full((CHOICES[name] // 4,), float(rank))
             per_round: dict[str, list[float]] = {}
             for i in range(rounds + 50):
+                if cold:
+                    _evict(lines)
+                    dist.barrier()
                 events.clear()
                 start = time.thread_time_ns()
                 with get_tensors_parallel(tensor, ranks) as got:
@@ -587,11 +605,10 @@ def _print_against(reports: list[dict[str, Any]], sizes: list[str], rev: str) ->
         )
 
 
-def _print_steps(reports: list[dict[str, Any]], sizes: list[str]) -> None:
+def _print_steps(reports: list[dict[str, Any]], sizes: list[str], cold: bool = False) -> None:
     steps = list(reports[0][sizes[0]])
-    print(
-        f"thread CPU per call, back to back, {len(reports)} ranks, medians (us; steps as in the module doc)"
-    )
+    how = "caches evicted before each call" if cold else "back to back"
+    print(f"thread CPU per call, {how}, {len(reports)} ranks, medians (us; steps as in the module doc)")
     print(f"{'size':>5} {'rank':>6} " + " ".join(f"{s:>8}" for s in steps))
     for name in sizes:
         for rank in (0, 1):
@@ -706,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="CPU time per round instead (see above)")
     parser.add_argument("--rounds", type=int, default=1000, help="rounds per method with --cpu and --steps")
     parser.add_argument("--steps", action="store_true", help="one call's CPU split into steps (see above)")
+    parser.add_argument("--cold", action="store_true", help="with --steps: caches evicted before each call")
     parser.add_argument("--inline-threshold", action="store_true", help="payloads in the claim vs pooled")
     parser.add_argument("--store-ops", action="store_true", help="time single store requests (see above)")
     parser.add_argument("--busy", type=int, default=0, help="spinning processes beside the ranks (see above)")
@@ -732,7 +750,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name:>5} {way:>15} " + " ".join(f"{b * 1e3:6.2f}" for b in blocks))
             return 0
         if args.steps:
-            _print_steps(run_local(_steps_rank, args.nproc, args.sizes, args.rounds), args.sizes)
+            _print_steps(
+                run_local(_steps_rank, args.nproc, args.sizes, args.rounds, args.cold), args.sizes, args.cold
+            )
             return 0
         if args.cpu:
             # This process serves the store (run_local's TCPStore): its CPU is the store server's.

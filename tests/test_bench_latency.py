@@ -1,8 +1,9 @@
 """Smoke runs of ``scripts/bench_latency.py``'s measuring modes (not timed: they must run and report).
 
 The latency targets live in the benchmark and ``docs/performance.md``; these tests only keep its
-modes working: ``--against`` (this checkout and an older revision in the same ranks) and ``--cpu``
-(every method back to back, the store-free ``direct`` one included).
+modes working: ``--against`` (this checkout and an older revision in the same ranks), ``--cpu``
+(every method back to back, the store-free ``direct`` one included) and ``--steps --cold`` (one call's
+CPU split into steps, caches evicted before each call).
 """
 
 from __future__ import annotations
@@ -70,3 +71,16 @@ def test_cpu_mode_measures_every_method_including_the_store_free_round() -> None
         for m in re.finditer(r"^\s+4K\s+(\S+)\s.*store server\s+(\d+)", out, re.M)
     }
     assert server.keys() == methods and server["bare"] > server["direct"], out
+
+
+def test_steps_mode_splits_a_cold_call_into_steps() -> None:
+    """``--steps --cold``: every rank evicts its caches before each call; a call's steps add up to it."""
+    out = _bench("--steps", "--cold", "--sizes", "4K", "--rounds", "20")
+    assert "caches evicted before each call" in out, out
+    header = next(line for line in out.splitlines() if line.strip().startswith("size")).split()
+    for rank in ("0", "1"):
+        row = next(line.split() for line in out.splitlines() if line.split()[:2] == ["4K", rank])
+        spent = dict(zip(header[2:], map(float, row[2:]), strict=True))
+        assert spent["python"] > 0 and spent["wire"] > 0 and spent["call"] > 0, out
+        # Medians of parts need not add up exactly; each part is within the call.
+        assert max(spent[s] for s in ("python", "wire", "publish", "fetch")) <= spent["call"], out
