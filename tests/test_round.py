@@ -625,13 +625,8 @@ def test_senders_that_come_before_their_first_rank_listens_are_taken() -> None:
     assert all(r["seconds"] < 30 for r in results), results
 
 
-def _one_rank_decides_otherwise() -> dict[str, Any]:
-    """Rank 2 takes the store round while the others take the direct one (as a rank whose view of
-    where ranks run differed would): both sides must hear of it from the other and raise."""
-    rank = dist.get_rank()
-    if rank == 2:
-        sync.GroupSync.direct = lambda self, ranks, timeout, what: False  # type: ignore[method-assign]
-    barrier(timeout=60)  # the group's store connections are made (one may stall 5 s: performance.md)
+def _gather_outcome(rank: int) -> dict[str, Any]:
+    """One gather of every rank's 4 floats to rank 0 (30 s timeout): its error, if any, and its seconds."""
     start = time.monotonic()
     try:
         with get_tensors_parallel(torch.full((4,), float(rank)), [0, 1, 2, 3], timeout=30):
@@ -640,6 +635,17 @@ def _one_rank_decides_otherwise() -> dict[str, Any]:
     except Exception as exc:
         outcome = {"error": type(exc).__name__, "message": str(exc)}
     outcome["seconds"] = time.monotonic() - start
+    return outcome
+
+
+def _one_rank_decides_otherwise() -> dict[str, Any]:
+    """Rank 2 takes the store round while the others take the direct one (as a rank whose view of
+    where ranks run differed would): both sides must hear of it from the other and raise."""
+    rank = dist.get_rank()
+    if rank == 2:
+        sync.GroupSync.direct = lambda self, ranks, timeout, what: False  # type: ignore[method-assign]
+    barrier(timeout=60)  # the group's store connections are made (one may stall 5 s: performance.md)
+    outcome = _gather_outcome(rank)
     with get_configs_parallel({"rank": rank}, [0, 1, 3], timeout=30) as got:  # the others go on
         outcome["after"] = [c["rank"] for c in got]
     return outcome
@@ -666,15 +672,7 @@ def _a_malformed_claim() -> dict[str, Any]:
 
         sync.Call.send_direct = garbled  # type: ignore[method-assign]
     barrier(timeout=60)
-    start = time.monotonic()
-    try:
-        with get_tensors_parallel(torch.full((4,), float(rank)), [0, 1, 2, 3], timeout=30):
-            pass
-        outcome: dict[str, Any] = {"error": None}
-    except Exception as exc:
-        outcome = {"error": type(exc).__name__, "message": str(exc)}
-    outcome["seconds"] = time.monotonic() - start
-    return outcome
+    return _gather_outcome(rank)
 
 
 def test_a_malformed_direct_claim_fails_every_rank_naming_its_sender() -> None:
