@@ -132,6 +132,17 @@ def test_sending_to_a_process_that_does_not_listen_says_so(parent_box: Mailbox) 
         Mailbox(NS, me)  # the same process and group: the address is taken
 
 
+def test_a_closed_mailbox_says_so(parent_box: Mailbox) -> None:
+    """After its group's incarnation ended (``GroupSync.close``), a mailbox neither sends nor receives."""
+    parent_box.close()
+    for use in (
+        lambda: parent_box.send(this_process(), 1, 0, 0, [b"x"]),
+        lambda: parent_box.receive(1, {}, 0.0),
+    ):
+        with pytest.raises(MailboxError, match="this mailbox is closed"):
+            use()
+
+
 def test_a_busy_process_answers_inquiries_from_its_thread(parent_box: Mailbox) -> None:
     """The child's main thread sleeps (busy elsewhere); its answering thread says what it remembers."""
 
