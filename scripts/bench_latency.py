@@ -729,6 +729,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy", type=int, default=0, help="spinning processes beside the ranks (see above)")
     parser.add_argument("--against", metavar="REV", help="compare with the package at git revision REV")
     args = parser.parse_args(argv)
+    if args.cold and not args.steps:
+        parser.error("--cold goes with --steps (it evicts the caches before each call that --steps splits)")
     with _busy(args.busy):
         if args.against:
             with tempfile.TemporaryDirectory(prefix="du-against-") as tmp:

@@ -84,3 +84,14 @@ def test_steps_mode_splits_a_cold_call_into_steps() -> None:
         assert spent["python"] > 0 and spent["wire"] > 0 and spent["call"] > 0, out
         # Medians of parts need not add up exactly; each part is within the call.
         assert max(spent[s] for s in ("python", "wire", "publish", "fetch")) <= spent["call"], out
+
+
+def test_cold_without_steps_is_refused() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_latency.py"), "--cold", "--sizes", "4K"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2 and "--cold goes with --steps" in done.stderr, done.stderr
