@@ -383,8 +383,8 @@ _MAPS: set[weakref.ref[mmap.mmap]] = set()  # this process's maps of pooled segm
 
 
 def _report_when_gone(buf: mmap.mmap, report: tuple[int, str]) -> None:
-    """Add ``report`` to the freed ones once ``buf`` is gone (a weak reference's callback: a third of
-    what ``weakref.finalize`` costs, and nothing to run at exit)."""
+    """Add ``report`` to the freed ones once ``buf`` is gone (a weak reference's callback: cheaper than
+    ``weakref.finalize``, and nothing to run at exit)."""
 
     def gone(ref: weakref.ref[mmap.mmap]) -> None:
         _MAPS.discard(ref)
