@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import Any
 
 import pytest
 import torch
@@ -139,6 +140,95 @@ def test_pooled_segment_is_invisible_busy_until_freed_then_reused() -> None:
     assert small.startswith("n:")
     wire.decode(transport.fetch("00000000000000b3", 1, small))
     assert _ours() == set()
+
+
+def _empty_pools() -> None:
+    """Earlier tests' views are gone: hand their reports back, then release every pooled segment and kept map."""
+    shm.segments_freed({ident for _, ident in shm.take_freed([PID])})
+    shm.release_shared_memory()
+    assert shm.pooled_bytes() == (0, 0) and shm._KEPT.held() == (0, 0)
+
+
+def _publish_freed(transport: shm.SharedMemoryTransport, token: str, value: torch.Tensor) -> str:
+    """Hand the receiver's freed reports back to this (sending) process, then publish ``value``."""
+    shm.segments_freed({ident for _, ident in shm.take_freed([PID])})
+    return transport.publish(token, 1, wire.encode(value))
+
+
+def test_the_first_rank_keeps_a_small_segments_map_and_sees_the_senders_new_bytes() -> None:
+    """The map of a pooled segment of at most 4 MiB is kept for its next payload; what the last
+    payload's tensors wrote into it (copy-on-write) is dropped, so the sender's new bytes show."""
+    _empty_pools()
+    transport = shm.SharedMemoryTransport(pool=True)
+    first = torch.arange(2**18, dtype=torch.float32)  # 1 MiB
+    receipt = transport.publish("00000000000000d0", 1, wire.encode(first))
+    assert receipt.startswith("p:")
+    got = wire.decode(transport.fetch("00000000000000d0", 1, receipt))
+    assert torch.equal(got, first) and shm._KEPT.held() == (0, 0), "lent: not kept while viewed"
+    got.fill_(-1.0)  # the receiver writes into its tensor: private pages, the segment is untouched
+    del got
+    assert shm._KEPT.held()[0] == 1, "its views gone, the map is kept"
+    again = _publish_freed(transport, "00000000000000d1", first * 3)
+    assert again == receipt, "the same warm segment, so the kept map serves it"
+    got = wire.decode(transport.fetch("00000000000000d1", 1, again))
+    assert shm._KEPT.held() == (0, 0), "taken from the kept maps"
+    assert torch.equal(got, first * 3), "the sender's new bytes, not what the receiver wrote"
+    # A smaller payload in the same segment is lent from the same map, exactly its length.
+    del got
+    smaller = _publish_freed(transport, "00000000000000d2", first[:20000])
+    assert smaller.split(":")[2] == receipt.split(":")[2]
+    assert torch.equal(wire.decode(transport.fetch("00000000000000d2", 1, smaller)), first[:20000])
+    # Released, nothing is kept: neither what was kept nor what is lent now.
+    held = wire.decode(transport.fetch("00000000000000d2", 1, smaller))
+    shm.release_shared_memory()
+    del held
+    assert shm._KEPT.held() == (0, 0)
+    _empty_pools()
+
+
+def test_maps_of_large_segments_are_not_kept_and_kept_ones_are_bounded() -> None:
+    _empty_pools()
+    transport = shm.SharedMemoryTransport(pool=True)
+    big = torch.zeros(shm._KeptMaps.MAX_BYTES // 4 + 64)  # just over 4 MiB
+    receipt = transport.publish("00000000000000e0", 1, wire.encode(big))
+    assert receipt.startswith("p:")
+    wire.decode(transport.fetch("00000000000000e0", 1, receipt))
+    assert shm._KEPT.held() == (0, 0), "a segment over 4 MiB is unmapped once its views are gone"
+    kept = shm._KeptMaps()
+    maps = [shm._Map(mmap_of(2**20), 0, 2**20) for _ in range(kept.MAX_TOTAL_BYTES // 2**20 + 3)]
+    for i, item in enumerate(maps):
+        kept.keep((1, str(i)), item, kept.epoch)
+    assert kept.held() == (64, 64 * 2**20), "least recently kept given up first"
+    assert kept.take(1, "0", 0, 10) is None and kept.take(1, "3", 0, 10) is maps[3]
+    assert kept.take(1, "4", 1, 10) is None, "another inode: not this map"
+    assert kept.take(1, "5", 0, 2**20 + 1) is None, "a payload larger than the map"
+    kept.keep((1, "x"), maps[0], kept.epoch - 1)
+    assert kept.take(1, "x", 0, 10) is None, "lent before a release: not kept"
+    _empty_pools()
+
+
+def mmap_of(nbytes: int) -> Any:
+    import mmap
+
+    return mmap.mmap(-1, nbytes)
+
+
+def test_pool_never_grows_a_sent_segment() -> None:
+    """A payload larger than every free segment gets a new one (the smallest free one is closed):
+    a first rank may keep the old one's map, which must never come to hold more pages."""
+    pool = shm._SegmentPool()
+    one, two = pool.take(2**20), pool.take(2 * 2**20)
+    assert one is not None and two is not None
+    pool.fit(one, 2**20, 1)
+    pool.fit(two, 2 * 2**20, 1)
+    pool.freed({one.ident, two.ident})
+    grown = pool.take(3 * 2**20)
+    assert grown is not None and grown.ident not in (one.ident, two.ident)
+    pool.fit(grown, 3 * 2**20, 1)
+    assert pool.held() == (2, 5 * 2**20), "the smallest free one was closed, the other kept as it was"
+    assert set(pool._segments) == {two.ident, grown.ident} and os.fstat(two.fd).st_size == 2 * 2**20
+    for seg in (two, grown):
+        pool.discard(seg)
 
 
 def test_pool_gives_the_best_fit_and_never_shrinks_a_segment() -> None:

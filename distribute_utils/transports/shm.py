@@ -9,7 +9,8 @@ Segment ``/dev/shm/du_<token>_<rank>_<pid>``: ``token`` is unguessable and fresh
   and the space free, never a SIGBUS later), then ``pwrite``s the payload into it. Large
   payloads reuse warm pooled segments (see :class:`_SegmentPool`).
 - ``fetch`` maps the segment copy-on-write, unlinks its name at once and returns the map:
-  decoded tensors are views of it, valid for as long as they live.
+  decoded tensors are views of it, valid for as long as they live. A small pooled segment's map
+  is kept for its next payload (see :class:`_KeptMaps`).
 - ``release`` unlinks the sender's segment if the first rank never took it.
 
 No ``multiprocessing.shared_memory``: nothing is registered with the resource tracker.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import errno
 import logging
 import mmap
@@ -113,47 +115,25 @@ class SharedMemoryTransport:
             os.close(fd)
         return f"n:{os.getpid()}:{payload.nbytes}"
 
-    def fetch(self, token: str, rank: int, receipt: str) -> mmap.mmap:
-        """Map ``rank``'s segment privately (and unlink a named one at once).
+    def fetch(self, token: str, rank: int, receipt: str) -> mmap.mmap | _View:
+        """The payload ``rank`` published, mapped privately (a named segment is unlinked at once).
 
-        A pooled segment returns to its sender's pool once the returned map (and so every
-        tensor viewing it) is gone. Anything that is not a regular file of this user, readable
-        by nobody else, is refused: another local user can at worst make a gather fail.
+        A pooled segment returns to its sender's pool once the returned buffer (and so every
+        tensor viewing it) is gone; the map itself may be kept for the segment's next payload
+        (:class:`_KeptMaps`). Anything that is not a regular file of this user, readable by
+        nobody else, is refused: another local user can at worst make a gather fail.
         """
         kind, pid, ident, fd_text, inode, nbytes = _parse_receipt(receipt, rank)
-        path = f"/proc/{pid}/fd/{fd_text}" if kind == "p" else segment_path(token, rank, pid)
-        flags = os.O_RDONLY | os.O_CLOEXEC | (0 if kind == "p" else os.O_NOFOLLOW)
-        try:
-            fd = os.open(path, flags)
-        except (FileNotFoundError, OSError) as exc:
-            if kind == "p":
-                raise PeerLostError(
-                    f"rank {rank} exited or gave up before its payload was read: its pooled segment "
-                    f"({path}) is gone",
-                    [rank],
-                ) from None
-            raise PayloadError(f"rank {rank} published no usable segment at {path}: {exc}") from None
-        try:
-            info = os.fstat(fd)
-            _check_owned(info, path, rank)
-            if kind == "p" and info.st_ino != inode:
-                raise PayloadError(f"{path} of rank {rank} is not the segment it published")
-            if info.st_size < nbytes:
-                raise PayloadError(
-                    f"segment {path} of rank {rank} holds {info.st_size} bytes but its receipt says {nbytes}"
-                )
-            buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-            if kind == "n":
-                unlink(path)
         if kind == "p":
-            _report_when_gone(buf, (pid, ident))
+            kept = _KEPT.take(pid, ident, inode, nbytes)
+            if kept is None:
+                kept = _map_pooled(f"/proc/{pid}/fd/{fd_text}", rank, inode, nbytes)
+            buf: mmap.mmap | _View = kept.lend(nbytes, (pid, ident))
+        else:
+            buf = _map_named(segment_path(token, rank, pid), rank, nbytes)
         total = stated_length(buf)
         if total != nbytes:
-            raise PayloadError(
-                f"segment {path} of rank {rank} holds a payload of {total} bytes, not {nbytes}"
-            )
+            raise PayloadError(f"the segment of rank {rank} holds a payload of {total} bytes, not {nbytes}")
         return buf
 
     def release(self, token: str, rank: int, receipt: str | None = None, *, taken: bool = True) -> None:
@@ -200,6 +180,50 @@ def _parse_receipt(receipt: str, rank: int) -> tuple[str, int, str, str, int, in
     except ValueError:
         pass
     raise PayloadError(f"rank {rank} sent a malformed shared-memory receipt {receipt!r}")
+
+
+def _checked(fd: int, path: str, rank: int, nbytes: int) -> os.stat_result:
+    """The status of an opened segment, checked (see :func:`_check_owned`) to hold ``nbytes``."""
+    info = os.fstat(fd)
+    _check_owned(info, path, rank)
+    if info.st_size < nbytes:
+        raise PayloadError(
+            f"segment {path} of rank {rank} holds {info.st_size} bytes but its receipt says {nbytes}"
+        )
+    return info
+
+
+def _map_named(path: str, rank: int, nbytes: int) -> mmap.mmap:
+    """Map a named segment copy-on-write, and unlink it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise PayloadError(f"rank {rank} published no usable segment at {path}: {exc}") from None
+    try:
+        _checked(fd, path, rank, nbytes)
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+        unlink(path)
+
+
+def _map_pooled(path: str, rank: int, inode: int, nbytes: int) -> _Map:
+    """Map a pooled segment whole, copy-on-write, through its sender's ``/proc/<pid>/fd``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        raise PeerLostError(
+            f"rank {rank} exited or gave up before its payload was read: its pooled segment ({path}) is gone",
+            [rank],
+        ) from None
+    try:
+        info = _checked(fd, path, rank, nbytes)
+        if info.st_ino != inode:
+            raise PayloadError(f"{path} of rank {rank} is not the segment it published")
+        mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return _Map(mapping, inode, info.st_size)
 
 
 def _check_owned(info: os.stat_result, path: str, rank: int) -> None:
@@ -258,10 +282,11 @@ class _SegmentPool:
     so nothing is ever visible there and the kernel frees them when the process exits, however
     it exits. The receiver opens one through ``/proc/<sender pid>/fd/<fd>`` (checking its
     inode), maps it privately, and the segment stays *busy* until the receiver reports that
-    its map was freed (a finalizer records it; :func:`take_freed` hands the report to the host
+    its views are gone (a weak reference's callback records it; :func:`take_freed` hands the report to the host
     transport, whose notes reach the sender in the verdict of the next gather they share,
     relayed by the first rank when a host's leader let the segment go); only then is it written again. A
-    segment is pooled only while ``/dev/shm`` keeps at least four times its size free.
+    segment is pooled only while ``/dev/shm`` keeps at least four times its size free, and never
+    resized once sent: its receiver may keep its map (:class:`_KeptMaps`).
     """
 
     LIMIT = 2
@@ -330,11 +355,15 @@ class _SegmentPool:
             fitting = [seg for seg in free if seg.size >= nbytes]
             if fitting:  # the best fit: the smallest that holds it, its pages already touched
                 seg = min(fitting, key=lambda s: s.size)
-            elif len(self._segments) >= self.LIMIT or shm_space()[1] < 4 * nbytes:
-                if not free:
-                    return None
-                seg = max(free, key=lambda s: s.size)  # grown in place
             else:
+                if len(self._segments) >= self.LIMIT:
+                    if not free:
+                        return None
+                    # Never grown: a receiver may keep its map (only while the segment is small).
+                    victim = self._segments.pop(min(free, key=lambda s: s.size).ident)
+                    os.close(victim.fd)
+                if shm_space()[1] < 4 * nbytes:
+                    return None
                 fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
                 seg = _Segment(secrets.token_hex(8), fd, os.fstat(fd).st_ino)
                 self._segments[seg.ident] = seg
@@ -342,8 +371,9 @@ class _SegmentPool:
             return seg
 
     def fit(self, seg: _Segment, nbytes: int, rank: int) -> None:
-        """Make ``seg`` hold at least ``nbytes``, its pages reserved; it never shrinks (a smaller
-        payload would give back pages that the next large one must fault in again)."""
+        """Make ``seg`` hold at least ``nbytes``, its pages reserved: a new segment is sized here, once
+        (it never shrinks: a smaller payload would give back pages that the next large one must fault
+        in again; nor grows: see :meth:`take`)."""
         if seg.size < nbytes:
             _reserve(seg.fd, nbytes, rank)
             seg.size = nbytes
@@ -379,28 +409,108 @@ _POOL = _SegmentPool()
 # (sender pid, segment id) whose receiver map is gone. By process, not by rank: a rank number may
 # belong to another process by the time the report travels (the default group was made anew).
 _FREED: set[tuple[int, str]] = set()
-_MAPS: set[weakref.ref[mmap.mmap]] = set()  # this process's maps of pooled segments, until they are gone
+_View = ctypes.Array[ctypes.c_ubyte]  # what a pooled payload is fetched as: a view of a kept map
 
 
-def _report_when_gone(buf: mmap.mmap, report: tuple[int, str]) -> None:
-    """Add ``report`` to the freed ones once ``buf`` is gone (a weak reference's callback: cheaper than
-    ``weakref.finalize``, and nothing to run at exit)."""
+@dataclass(eq=False)
+class _Map:
+    """A receiver's private map of a whole pooled segment (a sent segment never changes size)."""
 
-    def gone(ref: weakref.ref[mmap.mmap]) -> None:
-        _MAPS.discard(ref)
-        _FREED.add(report)
+    mapping: mmap.mmap
+    inode: int
+    size: int
+    lent: int = 0  # bytes of it the last payload's tensors could write into
 
-    _MAPS.add(weakref.ref(buf, gone))
+    def lend(self, nbytes: int, report: tuple[int, str]) -> _View:
+        """The first ``nbytes`` as a buffer of their own: once it (and every tensor viewing it) is gone,
+        ``report`` is added to the freed ones and this map may be kept for the segment's next payload."""
+        view = (ctypes.c_ubyte * nbytes).from_buffer(self.mapping)
+        self.lent = nbytes
+        epoch = _KEPT.epoch
+
+        def gone(ref: weakref.ref[_View]) -> None:
+            _LENT.pop(id(ref), None)
+            _FREED.add(report)
+            _KEPT.keep(report, self, epoch)
+
+        ref = weakref.ref(view, gone)
+        _LENT[id(ref)] = ref
+        return view
+
+
+class _KeptMaps:
+    """The first rank's maps of its senders' pooled segments, kept between rounds.
+
+    Mapping a pooled segment (open through ``/proc``, check, map, later unmap) costs 40-80 µs per
+    payload cold, a tenth of a 1 MiB round. A map whose views are gone is kept here, and the
+    segment's next payload is lent from it after ``madvise(MADV_DONTNEED)`` drops the pages the
+    last payload's tensors wrote into (copy-on-write: the segment's own bytes show through again).
+    Only segments of at most :attr:`MAX_BYTES`, at most :attr:`MAX_TOTAL_BYTES` in all, least
+    recently used given up first: a kept map holds its segment's pages even after the sender has
+    let it go. :func:`release_shared_memory` forgets them all.
+    """
+
+    MAX_BYTES = 4 * 2**20
+    MAX_TOTAL_BYTES = 64 * 2**20
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: collections.OrderedDict[tuple[int, str], _Map] = collections.OrderedDict()
+        self._bytes = 0
+        self.epoch = 0  # maps lent before the last release are not kept
+
+    def take(self, pid: int, ident: str, inode: int, nbytes: int) -> _Map | None:
+        """The kept map of segment ``ident`` of process ``pid``, its pages fresh, if it holds ``nbytes``."""
+        with self._lock:
+            kept = self._maps.pop((pid, ident), None)
+            if kept is not None:
+                self._bytes -= kept.size
+        if kept is None or kept.inode != inode or kept.size < nbytes:
+            return None
+        kept.mapping.madvise(mmap.MADV_DONTNEED, 0, kept.lent)
+        return kept
+
+    def keep(self, key: tuple[int, str], kept: _Map, epoch: int) -> None:
+        """Keep ``kept`` for the next payload of segment ``key`` (called as its last view goes, from
+        any thread: never waits for the lock, and gives the map up when it is taken)."""
+        if epoch != self.epoch or kept.size > self.MAX_BYTES or not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._maps[key] = kept
+            self._bytes += kept.size
+            while self._bytes > self.MAX_TOTAL_BYTES:
+                self._bytes -= self._maps.popitem(last=False)[1].size  # unmapped once unreferenced
+        finally:
+            self._lock.release()
+
+    def forget(self) -> None:
+        """Unmap every kept map, and keep none of those lent now."""
+        with self._lock:
+            self.epoch += 1
+            self._maps.clear()
+            self._bytes = 0
+
+    def held(self) -> tuple[int, int]:
+        """``(maps, bytes)`` kept."""
+        with self._lock:
+            return len(self._maps), self._bytes
+
+
+_KEPT = _KeptMaps()
+# This process's views of pooled segments, until they are gone (by id: a view is unhashable).
+_LENT: dict[int, weakref.ref[_View]] = {}
 
 
 def release_shared_memory() -> int:
     """Give back the shared memory this process keeps warm for its next gathers.
 
     Free pooled segments are closed at once (the kernel frees their pages); segments a
-    receiver still maps go as soon as it reports them freed. Called when the default process
-    group is destroyed or replaced; call it yourself after a large gather when the job goes
-    on without more. Returns the bytes given back now.
+    receiver still maps go as soon as it reports them freed. The maps of other ranks' segments
+    this process keeps as a first rank are unmapped (:class:`_KeptMaps`). Called when the
+    default process group is destroyed or replaced; call it yourself, on every rank, after a
+    large gather when the job goes on without more. Returns the bytes given back now.
     """
+    _KEPT.forget()
     return _POOL.release()
 
 
