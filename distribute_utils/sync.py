@@ -43,6 +43,7 @@ import hashlib
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import weakref
@@ -81,6 +82,7 @@ _WATCH_INTERVAL_S = 0.1
 _WATCH_GRACE_S = 0.05  # waits shorter than this never cost the watchdog (or the CPU) anything
 GRACE_S = _WATCH_GRACE_S  # a direct round only listens this long before it looks at records and pids
 RETRY_S = 0.002  # how soon an undelivered direct message is sent again within the grace
+_PROBE_TIMEOUT_S = 1.0  # the janitor's look whether a store's server still takes connections
 _RECORDS_KEPT = 16  # calls a rank remembers for inquiries (its latest first)
 _ROOT = "distribute_utils"
 
@@ -251,11 +253,13 @@ class _Janitor:
 
     Stopped and joined at interpreter exit: a daemon thread still inside a store call while
     the interpreter tears down makes the process abort ("terminate called without an active
-    exception"), so the queue is drained first (bounded to a few seconds).
+    exception"), so the queue is drained first (bounded to a few seconds). It never connects
+    to a store that nobody holds any more, or whose server no longer answers (a new client
+    would retry for the store's whole timeout): their keys go with them.
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[dist.Store, list[str]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[weakref.ref[dist.Store], list[str]] | None] = queue.SimpleQueue()
         self._clients: weakref.WeakKeyDictionary[dist.Store, dist.Store] = weakref.WeakKeyDictionary()
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -268,7 +272,7 @@ class _Janitor:
             atexit.register(self.stop)  # as the watchdog: registered after torch's, so it runs first
             self._thread = threading.Thread(target=self._run, name="distribute-utils-janitor", daemon=True)
             self._thread.start()
-        self._queue.put((store, keys))
+        self._queue.put((weakref.ref(store), keys))
 
     def stop(self) -> None:
         """Finish the pending deletions and end the thread (at exit)."""
@@ -282,17 +286,37 @@ class _Janitor:
             item = self._queue.get()
             if item is None:
                 return
-            store, keys = item
-            try:
-                client = self._clients.get(store)
-                if client is None:
-                    if self._stopped:  # at exit: never a new connection (the store's host may be gone)
-                        continue
-                    client = self._clients[store] = store.clone()
-                for key in keys:
-                    client.delete_key(key)
-            except Exception:  # the job is ending or the store is gone: nothing to clean
-                logger.debug("could not delete %d keys", len(keys), exc_info=True)
+            self._delete(*item)
+
+    def _delete(self, store_ref: weakref.ref[dist.Store], keys: list[str]) -> None:
+        store = store_ref()  # (held only during the call: a store the job dropped is not kept alive)
+        if store is None:
+            return
+        try:
+            client = self._clients.get(store)
+            if client is None:
+                # At exit, or with the store's server gone: never a new connection.
+                if self._stopped or not _answers(store):
+                    return
+                client = self._clients[store] = store.clone()
+            for key in keys:
+                client.delete_key(key)
+        except Exception:  # the job is ending or the store is gone: nothing to clean
+            logger.debug("could not delete %d keys", len(keys), exc_info=True)
+
+
+def _answers(store: dist.Store) -> bool:
+    """Whether the server of ``store`` (a ``TCPStore``, maybe under prefix stores) takes a connection
+    now; other stores are taken to."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return True
+    try:
+        socket.create_connection((store.host, store.port), timeout=_PROBE_TIMEOUT_S).close()
+    except OSError:
+        return False
+    return True
 
 
 _JANITOR = _Janitor()

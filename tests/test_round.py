@@ -17,6 +17,7 @@ import re
 import signal
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -525,6 +526,42 @@ def test_sync_is_linear_in_store_operations() -> None:
     for n, row in report.items():
         assert row["ours_barrier_ops"] <= 4 * n, row
         assert row["ours_gather_ops"] <= 4 * n, row
+
+
+def test_the_janitor_never_connects_to_a_store_that_is_gone_or_dropped() -> None:
+    """A store whose server went away (a test's, a dead job's) would make a new client retry for the
+    store's whole timeout, and hold the process at exit: the janitor deletes nothing there instead."""
+    janitor = sync._Janitor()
+    master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    client = dist.PrefixStore("p/", dist.TCPStore("127.0.0.1", master.port, 1, is_master=False))
+    client.set("k", b"1")
+    janitor._delete(weakref.ref(client), ["k"])
+    assert not client.check(["k"]), "deleted while the server answers, on a client of its own"
+    assert len(janitor._clients) == 1
+    other = dist.PrefixStore("q/", dist.TCPStore("127.0.0.1", master.port, 1, is_master=False))
+    other.set_timeout(datetime.timedelta(seconds=60))
+    del master
+    start = time.monotonic()
+    janitor._delete(weakref.ref(other), ["k"])
+    assert time.monotonic() - start < 30, "tried to connect to a server that is gone"
+    assert len(janitor._clients) == 1, "no client for a store whose server is gone"
+
+    class Recording:
+        cloned = 0
+
+        def clone(self) -> Any:
+            Recording.cloned += 1
+            return self
+
+    dropped = Recording()
+    ref = weakref.ref(dropped)
+    del dropped
+    janitor._delete(ref, ["k"])  # queued before the job dropped it
+    assert Recording.cloned == 0
+    held = Recording()
+    janitor.delete(held, [])  # nothing to delete: no thread, no reference kept
+    assert janitor._thread is None
+    janitor.stop()
 
 
 # -- the direct round (one host: claims and verdicts through the ranks' mailboxes) -----------------
