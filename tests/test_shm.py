@@ -156,8 +156,8 @@ def _publish_freed(transport: shm.SharedMemoryTransport, token: str, value: torc
 
 
 def test_the_first_rank_keeps_a_small_segments_map_and_sees_the_senders_new_bytes() -> None:
-    """The map of a pooled segment of at most 4 MiB is kept for its next payload; what the last
-    payload's tensors wrote into it (copy-on-write) is dropped, so the sender's new bytes show."""
+    """The map of a pooled segment of at most 4 MiB is kept for its next payload, and shows the
+    sender's new bytes (what the last payload's tensors wrote into it is overwritten)."""
     _empty_pools()
     transport = shm.SharedMemoryTransport(pool=True)
     first = torch.arange(2**18, dtype=torch.float32)  # 1 MiB
@@ -165,7 +165,7 @@ def test_the_first_rank_keeps_a_small_segments_map_and_sees_the_senders_new_byte
     assert receipt.startswith("p:")
     got = wire.decode(transport.fetch("00000000000000d0", 1, receipt))
     assert torch.equal(got, first) and shm._KEPT.held() == (0, 0), "lent: not kept while viewed"
-    got.fill_(-1.0)  # the receiver writes into its tensor: private pages, the segment is untouched
+    got.fill_(-1.0)  # the receiver may write into its tensors (nobody else reads the segment meanwhile)
     del got
     assert shm._KEPT.held()[0] == 1, "its views gone, the map is kept"
     again = _publish_freed(transport, "00000000000000d1", first * 3)

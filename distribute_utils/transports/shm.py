@@ -9,8 +9,9 @@ Segment ``/dev/shm/du_<token>_<rank>_<pid>``: ``token`` is unguessable and fresh
   and the space free, never a SIGBUS later), then ``pwrite``s the payload into it. Large
   payloads reuse warm pooled segments (see :class:`_SegmentPool`).
 - ``fetch`` maps the segment copy-on-write, unlinks its name at once and returns the map:
-  decoded tensors are views of it, valid for as long as they live. A small pooled segment's map
-  is kept for its next payload (see :class:`_KeptMaps`).
+  decoded tensors are views of it, valid for as long as they live. A pooled segment is mapped
+  shared instead (nobody else reads it until its receiver lets it go), and a small one's map is
+  kept for its next payload (see :class:`_KeptMaps`).
 - ``release`` unlinks the sender's segment if the first rank never took it.
 
 No ``multiprocessing.shared_memory``: nothing is registered with the resource tracker.
@@ -208,9 +209,11 @@ def _map_named(path: str, rank: int, nbytes: int) -> mmap.mmap:
 
 
 def _map_pooled(path: str, rank: int, inode: int, nbytes: int) -> _Map:
-    """Map a pooled segment whole, copy-on-write, through its sender's ``/proc/<pid>/fd``."""
+    """Map a pooled segment whole, shared and writable, through its sender's ``/proc/<pid>/fd``: the
+    receiver's tensors may be written into, and nothing reads the segment until they are gone (the
+    sender only overwrites it, from its start, once they are)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         raise PeerLostError(
             f"rank {rank} exited or gave up before its payload was read: its pooled segment ({path}) is gone",
@@ -220,7 +223,7 @@ def _map_pooled(path: str, rank: int, inode: int, nbytes: int) -> _Map:
         info = _checked(fd, path, rank, nbytes)
         if info.st_ino != inode:
             raise PayloadError(f"{path} of rank {rank} is not the segment it published")
-        mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     return _Map(mapping, inode, info.st_size)
@@ -419,13 +422,11 @@ class _Map:
     mapping: mmap.mmap
     inode: int
     size: int
-    lent: int = 0  # bytes of it the last payload's tensors could write into
 
     def lend(self, nbytes: int, report: tuple[int, str]) -> _View:
         """The first ``nbytes`` as a buffer of their own: once it (and every tensor viewing it) is gone,
         ``report`` is added to the freed ones and this map may be kept for the segment's next payload."""
         view = (ctypes.c_ubyte * nbytes).from_buffer(self.mapping)
-        self.lent = nbytes
         epoch = _KEPT.epoch
 
         def gone(ref: weakref.ref[_View]) -> None:
@@ -443,8 +444,7 @@ class _KeptMaps:
 
     Mapping a pooled segment (open through ``/proc``, check, map, later unmap) costs 40-80 µs per
     payload cold, a tenth of a 1 MiB round. A map whose views are gone is kept here, and the
-    segment's next payload is lent from it after ``madvise(MADV_DONTNEED)`` drops the pages the
-    last payload's tensors wrote into (copy-on-write: the segment's own bytes show through again).
+    segment's next payload is lent from it: a shared map shows what the sender wrote since.
     Only segments of at most :attr:`MAX_BYTES`, at most :attr:`MAX_TOTAL_BYTES` in all, least
     recently used given up first: a kept map holds its segment's pages even after the sender has
     let it go. :func:`release_shared_memory` forgets them all.
@@ -460,14 +460,13 @@ class _KeptMaps:
         self.epoch = 0  # maps lent before the last release are not kept
 
     def take(self, pid: int, ident: str, inode: int, nbytes: int) -> _Map | None:
-        """The kept map of segment ``ident`` of process ``pid``, its pages fresh, if it holds ``nbytes``."""
+        """The kept map of segment ``ident`` of process ``pid``, if it holds ``nbytes``."""
         with self._lock:
             kept = self._maps.pop((pid, ident), None)
             if kept is not None:
                 self._bytes -= kept.size
         if kept is None or kept.inode != inode or kept.size < nbytes:
             return None
-        kept.mapping.madvise(mmap.MADV_DONTNEED, 0, kept.lent)
         return kept
 
     def keep(self, key: tuple[int, str], kept: _Map, epoch: int) -> None:
