@@ -559,7 +559,8 @@ def _imports_itself(path: Path) -> bool:
 
 
 def _against_rank(sizes: list[str], reps: int | None, path: str) -> dict[str, Any]:
-    """Per size and version (``ours``, ``then``): median wall (rank 0) and thread CPU of this rank's call."""
+    """Per size and version (``ours``, ``then``): median wall and thread CPU of this rank's call, and each
+    call's start and end (``time.perf_counter``, one clock for every process of the host)."""
     sys.path.insert(0, path)
     import du_against  # type: ignore[import-not-found]
 
@@ -571,7 +572,9 @@ def _against_rank(sizes: list[str], reps: int | None, path: str) -> dict[str, An
         nbytes = CHOICES[name]
         tensor = torch.full((nbytes // 4,), float(rank))
         outputs = [torch.empty_like(tensor) for _ in ranks] if rank == 0 else None
-        times: dict[str, tuple[list[float], list[float]]] = {v: ([], []) for v in versions}
+        times: dict[str, tuple[list[float], list[float], list[tuple[float, float]]]] = {
+            v: ([], [], []) for v in versions
+        }
         count = reps if reps is not None else _reps_for(nbytes, None)
         if reps is None and nbytes <= 1 << 20:
             count = 200  # a ratio of small rounds needs more than the sweep's 40
@@ -580,29 +583,44 @@ def _against_rank(sizes: list[str], reps: int | None, path: str) -> dict[str, An
             for version, gather in order if i % 2 else order[::-1]:
                 dist.gather(tensor, outputs, dst=0)  # as in the sweep: something else ran in between
                 dist.barrier()
-                wall, cpu = time.perf_counter(), time.thread_time()
+                start, cpu = time.perf_counter(), time.thread_time()
                 with gather(tensor, ranks):
-                    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+                    end, cpu = time.perf_counter(), time.thread_time() - cpu
                 if i >= 10:
-                    times[version][0].append(wall)
+                    times[version][0].append(end - start)
                     times[version][1].append(cpu)
-        report[name] = {v: (statistics.median(w), statistics.median(c)) for v, (w, c) in times.items()}
+                    times[version][2].append((start, end))
+        report[name] = {v: (statistics.median(w), statistics.median(c), s) for v, (w, c, s) in times.items()}
     return report
 
 
 def _print_against(reports: list[dict[str, Any]], sizes: list[str], rev: str) -> None:
     print(
         f"ours (this checkout) against {rev}, {len(reports)} ranks, interleaved, barrier to barrier: "
-        "rank 0's wall (median ms), the call's thread CPU summed over ranks (medians, us)"
+        "rank 0's wall (median ms); all done: from the first rank's start to the last one's return "
+        "(median ms); the call's thread CPU summed over ranks (medians, us)"
     )
-    print(f"{'size':>5} {'ours':>8} {'then':>8} {'ratio':>6}   {'cpu ours':>9} {'cpu then':>9} {'ratio':>6}")
+    print(
+        f"{'size':>5} {'ours':>8} {'then':>8} {'ratio':>6}   {'all ours':>8} {'all then':>8} {'ratio':>6}"
+        f"   {'cpu ours':>9} {'cpu then':>9} {'ratio':>6}"
+    )
     for name in sizes:
         wall = {v: reports[0][name][v][0] for v in ("ours", "then")}
+        done = {v: _all_done([r[name][v][2] for r in reports]) for v in ("ours", "then")}
         cpu = {v: sum(r[name][v][1] for r in reports) for v in ("ours", "then")}
         print(
             f"{name:>5} {wall['ours'] * 1e3:8.3f} {wall['then'] * 1e3:8.3f} {wall['ours'] / wall['then']:6.2f}"
+            f"   {done['ours'] * 1e3:8.3f} {done['then'] * 1e3:8.3f} {done['ours'] / done['then']:6.2f}"
             f"   {cpu['ours'] * 1e6:9.0f} {cpu['then'] * 1e6:9.0f} {cpu['ours'] / cpu['then']:6.2f}"
         )
+
+
+def _all_done(spans: list[list[tuple[float, float]]]) -> float:
+    """Median over calls of the time from the earliest rank's start to the latest rank's return
+    (``spans[rank][call]`` is that rank's ``(start, end)``)."""
+    return statistics.median(
+        max(end for _, end in call) - min(start for start, _ in call) for call in zip(*spans)
+    )
 
 
 def _print_steps(reports: list[dict[str, Any]], sizes: list[str], cold: bool = False) -> None:

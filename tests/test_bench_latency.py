@@ -31,9 +31,13 @@ def _bench(*args: str) -> str:
 def test_against_a_revision_runs_both_versions_in_the_same_ranks() -> None:
     out = _bench("--against", "HEAD", "--sizes", "4K", "--reps", "3")
     row = next(line for line in out.splitlines() if line.strip().startswith("4K"))
-    wall_ours, wall_then, wall_ratio, cpu_ours, cpu_then, cpu_ratio = map(float, row.split()[1:])
+    wall_ours, wall_then, wall_ratio, all_ours, all_then, all_ratio, cpu_ours, cpu_then, cpu_ratio = map(
+        float, row.split()[1:]
+    )
     assert wall_ours > 0 and wall_then > 0 and cpu_ours > 0 and cpu_then > 0, row
+    assert all_ours >= wall_ours and all_then >= wall_then, "every rank's return includes rank 0's"
     assert abs(wall_ratio - wall_ours / wall_then) < 0.01 and abs(cpu_ratio - cpu_ours / cpu_then) < 0.01, row
+    assert abs(all_ratio - all_ours / all_then) < 0.01, row
 
 
 def test_against_an_unknown_revision_says_so() -> None:
