@@ -117,7 +117,8 @@ class SharedMemoryTransport:
         return f"n:{os.getpid()}:{payload.nbytes}"
 
     def fetch(self, token: str, rank: int, receipt: str) -> mmap.mmap | _View:
-        """The payload ``rank`` published, mapped privately (a named segment is unlinked at once).
+        """The payload ``rank`` published: a named segment mapped privately (and unlinked at once), a
+        pooled one lent from a shared map of it.
 
         A pooled segment returns to its sender's pool once the returned buffer (and so every
         tensor viewing it) is gone; the map itself may be kept for the segment's next payload
@@ -284,7 +285,7 @@ class _SegmentPool:
     :attr:`LIMIT` pooled segments: ``O_TMPFILE`` files in ``/dev/shm`` that never have a name,
     so nothing is ever visible there and the kernel frees them when the process exits, however
     it exits. The receiver opens one through ``/proc/<sender pid>/fd/<fd>`` (checking its
-    inode), maps it privately, and the segment stays *busy* until the receiver reports that
+    inode), maps it (shared), and the segment stays *busy* until the receiver reports that
     its views are gone (a weak reference's callback records it; :func:`take_freed` hands the report to the host
     transport, whose notes reach the sender in the verdict of the next gather they share,
     relayed by the first rank when a host's leader let the segment go); only then is it written again. A
@@ -417,7 +418,7 @@ _View = ctypes.Array[ctypes.c_ubyte]  # what a pooled payload is fetched as: a v
 
 @dataclass(eq=False)
 class _Map:
-    """A receiver's private map of a whole pooled segment (a sent segment never changes size)."""
+    """A receiver's shared map of a whole pooled segment (a sent segment never changes size)."""
 
     mapping: mmap.mmap
     inode: int
@@ -442,8 +443,8 @@ class _Map:
 class _KeptMaps:
     """The first rank's maps of its senders' pooled segments, kept between rounds.
 
-    Mapping a pooled segment (open through ``/proc``, check, map, later unmap) costs 40-80 µs per
-    payload cold, a tenth of a 1 MiB round. A map whose views are gone is kept here, and the
+    Mapping a pooled segment (open through ``/proc``, check, map, later unmap) costs about 50 µs
+    per payload cold, a sixth of the first rank's call at 1 MiB. A map whose views are gone is kept here, and the
     segment's next payload is lent from it: a shared map shows what the sender wrote since.
     Only segments of at most :attr:`MAX_BYTES`, at most :attr:`MAX_TOTAL_BYTES` in all, least
     recently used given up first: a kept map holds its segment's pages even after the sender has
