@@ -39,7 +39,15 @@ import msgpack
 
 from ._host import ProcessInfo
 
-__all__ = ["ANSWER", "MAX_MESSAGE_BYTES", "Mailbox", "MailboxError", "answer_inquiries"]
+__all__ = [
+    "ANCILLARY_SIZE",
+    "ANSWER",
+    "MAX_MESSAGE_BYTES",
+    "Mailbox",
+    "MailboxError",
+    "answer_inquiries",
+    "sender_pid",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +60,7 @@ ANSWER = 255
 _INQUIRY = 254
 _HEADER = struct.Struct("<qiB")  # call number, sender's rank, kind
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_ANCILLARY_SIZE = socket.CMSG_SPACE(_CREDENTIALS.size)
+ANCILLARY_SIZE = socket.CMSG_SPACE(_CREDENTIALS.size)  # room for the sender's credentials
 _KEEP = 256  # messages kept for later calls at most
 Buffer = bytes | bytearray | memoryview
 _MAX_PARTS = 512  # parts of one message handed to the kernel at most (IOV_MAX is 1024 on Linux)
@@ -97,7 +105,7 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("ll", whole, micros)
 
 
-def _sender_pid(ancillary: list[tuple[int, int, bytes]], uid: int) -> int | None:
+def sender_pid(ancillary: list[tuple[int, int, bytes]], uid: int) -> int | None:
     """The sending process's pid, as the kernel names it, when it runs as ``uid``; else None."""
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CREDENTIALS.size:
@@ -221,7 +229,7 @@ class Mailbox:
                 self._rcvtimeo = wait
             try:
                 size, ancillary, flags, _ = sock.recvmsg_into(
-                    buffers, _ANCILLARY_SIZE, 0 if wait > 0 else _NO_WAIT
+                    buffers, ANCILLARY_SIZE, 0 if wait > 0 else _NO_WAIT
                 )
             except BlockingIOError:  # nothing came in time
                 return found
@@ -246,7 +254,7 @@ class Mailbox:
         their_call, rank, kind = _HEADER.unpack_from(self._buffer)
         if their_call < call:
             return  # a call that ended without it
-        pid = _sender_pid(ancillary, self._uid)
+        pid = sender_pid(ancillary, self._uid)
         if pid is None:
             return
         data = bytearray(memoryview(self._buffer)[_HEADER.size : size])
@@ -313,12 +321,12 @@ def _answer(sock: socket.socket, lookup: Callable[[str, int], tuple[int, Any] | 
     uid = os.geteuid()
     while True:
         try:
-            size, ancillary, flags, _ = sock.recvmsg_into([buffer], _ANCILLARY_SIZE)
+            size, ancillary, flags, _ = sock.recvmsg_into([buffer], ANCILLARY_SIZE)
         except OSError:  # closed: the process is exiting
             return
         if _closing:
             return
-        pid = _sender_pid(ancillary, uid)
+        pid = sender_pid(ancillary, uid)
         if pid is None or size < _HEADER.size or flags & _TRUNCATED:
             continue
         try:

@@ -115,7 +115,7 @@ def test_pooled_segment_is_invisible_busy_until_freed_then_reused() -> None:
     big = torch.arange(2 * 2**20, dtype=torch.float32)  # 8 MiB, above the pool threshold
     receipt = transport.publish("00000000000000b0", 1, wire.encode(big))
     assert receipt.startswith("p:"), "a large payload goes through a pooled segment"
-    _, _, ident, fd, inode, _ = receipt.split(":")
+    _, _, ident, fd, inode, _, notice = receipt.split(":")
     assert stat.S_IMODE(os.fstat(int(fd)).st_mode) == 0o600
     assert _ours() == set(), "a pooled segment never has a name in /dev/shm"
     got = wire.decode(transport.fetch("00000000000000b0", 1, receipt))
@@ -124,22 +124,58 @@ def test_pooled_segment_is_invisible_busy_until_freed_then_reused() -> None:
     assert second.startswith("p:") and second.split(":")[2] != ident and second.split(":")[4] != inode
     kept = wire.decode(transport.fetch("00000000000000b1", 1, second))
     assert torch.equal(got, big) and torch.equal(kept, big * 2)
-    # Dropping the views reports the segment freed; handing the report back makes it reusable.
+    # Dropping the views tells the sender at once (its notice socket): the warm segment is written
+    # again at the next round, with no report left for a verdict.
     del got
-    freed = shm.take_freed([PID])  # reports name the sender's process (its rank may change)
-    assert (PID, ident) in freed
-    shm.segments_freed({i for _, i in freed})
+    assert (PID, ident) not in shm.take_freed([PID]), "the report went one way only"
     third = transport.publish("00000000000000b2", 1, wire.encode(big * 3))
     assert third == receipt, "the freed warm segment is written again"
     assert torch.equal(wire.decode(transport.fetch("00000000000000b2", 1, third)), big * 3)
     assert torch.equal(kept, big * 2), "a busy segment's views are never overwritten"
-    # A receipt whose inode does not match is refused; small payloads never use the pool.
+    # A receipt whose inode does not match is refused; so is one that names no socket properly.
     with pytest.raises(PayloadError, match="not the segment it published"):
-        transport.fetch("00000000000000b4", 1, f"p:{PID}:{ident}:{fd}:1:{big.nbytes}")
+        transport.fetch("00000000000000b4", 1, f"p:{PID}:{ident}:{fd}:1:{big.nbytes}:{notice}")
+    with pytest.raises(PayloadError, match="malformed shared-memory receipt"):
+        transport.fetch("00000000000000b4", 1, f"p:{PID}:{ident}:{fd}:{inode}:{big.nbytes}:../x")
     small = transport.publish("00000000000000b3", 1, wire.encode(torch.zeros(10)))
     assert small.startswith("n:")
     wire.decode(transport.fetch("00000000000000b3", 1, small))
     assert _ours() == set()
+
+
+def test_without_a_notice_socket_the_report_waits_for_a_verdict() -> None:
+    """A receipt naming no notice socket (the sender could not listen), or one nobody listens on
+    (the sender is gone): the report is kept for the next verdict, and only then frees the segment."""
+    _empty_pools()
+    transport = shm.SharedMemoryTransport(pool=True)
+    big = torch.arange(2**18, dtype=torch.float32)
+    for notice in ("", "0123456789abcdef"):
+        receipt = transport.publish("00000000000000b5", 1, wire.encode(big))
+        ident = receipt.split(":")[2]
+        quiet = ":".join([*receipt.split(":")[:6], notice])
+        got = wire.decode(transport.fetch("00000000000000b5", 1, quiet))
+        assert torch.equal(got, big)
+        del got
+        assert (PID, ident) in shm.take_freed([PID]), notice
+        other = transport.publish("00000000000000b6", 1, wire.encode(big)).split(":")[2]
+        assert other != ident, "still busy for the sender until the report reaches it"
+        shm.segments_freed({ident, other})  # as the next verdict does (the other was never fetched)
+        _empty_pools()
+
+
+def test_a_notice_from_another_process_than_the_receiver_is_ignored() -> None:
+    from distribute_utils._host import this_process
+
+    pool = shm._SegmentPool()
+    seg = pool.take(2**20)
+    assert seg is not None
+    pool.fit(seg, 2**20, 1)
+    seg.receiver = this_process()
+    pool.heed([(PID + 1, seg.ident)])
+    assert seg.busy, "a notice from a process the segment was not lent to"
+    pool.heed([(PID, seg.ident)])
+    assert not seg.busy
+    pool.discard(seg)
 
 
 def _empty_pools() -> None:

@@ -26,7 +26,9 @@ import errno
 import logging
 import mmap
 import os
+import re
 import secrets
+import socket
 import stat
 import threading
 import time
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from .. import interrupts
 from .._host import SHM_DIR, ProcessInfo, process_alive
 from ..errors import PayloadError, PeerLostError, SpaceError
+from ..mailbox import ANCILLARY_SIZE, sender_pid
 from ..wire import EncodedPayload, stated_length
 from .files import reserve_space, unlink
 
@@ -75,7 +78,8 @@ class SharedMemoryTransport:
 
     Receipts (what ``publish`` returns, carried to the receiver in the sender's claim) say
     where the payload is: ``n:<pid>:<nbytes>`` for a named segment, or
-    ``p:<pid>:<id>:<fd>:<inode>:<nbytes>`` for a pooled one.
+    ``p:<pid>:<id>:<fd>:<inode>:<nbytes>:<notice>`` for a pooled one (``notice``: where the
+    receiver tells the sender at once that its views are gone, see :class:`_Notices`; may be empty).
 
     Args:
         pool: publish payloads of :attr:`_SegmentPool.MIN_BYTES` or more from this process's
@@ -102,7 +106,8 @@ class SharedMemoryTransport:
             except BaseException:
                 _POOL.discard(pooled)
                 raise
-            return f"p:{os.getpid()}:{pooled.ident}:{pooled.fd}:{pooled.inode}:{payload.nbytes}"
+            notice = _NOTICES.name()
+            return f"p:{os.getpid()}:{pooled.ident}:{pooled.fd}:{pooled.inode}:{payload.nbytes}:{notice}"
         path = segment_path(token, rank, os.getpid())
         with interrupts.uninterruptible():  # an interrupt then sees the segment and removes it
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -125,12 +130,12 @@ class SharedMemoryTransport:
         (:class:`_KeptMaps`). Anything that is not a regular file of this user, readable by
         nobody else, is refused: another local user can at worst make a gather fail.
         """
-        kind, pid, ident, fd_text, inode, nbytes = _parse_receipt(receipt, rank)
+        kind, pid, ident, fd_text, inode, nbytes, notice = _parse_receipt(receipt, rank)
         if kind == "p":
             kept = _KEPT.take(pid, ident, inode, nbytes)
             if kept is None:
                 kept = _map_pooled(f"/proc/{pid}/fd/{fd_text}", rank, inode, nbytes)
-            buf: mmap.mmap | _View = kept.lend(nbytes, (pid, ident))
+            buf: mmap.mmap | _View = kept.lend(nbytes, (pid, ident), notice)
         else:
             buf = _map_named(segment_path(token, rank, pid), rank, nbytes)
         total = stated_length(buf)
@@ -171,14 +176,14 @@ def remove_segments_of(rank: int | None, pid: int) -> list[str]:
     return removed
 
 
-def _parse_receipt(receipt: str, rank: int) -> tuple[str, int, str, str, int, int]:
-    """``(kind, pid, id, fd, inode, nbytes)`` of a receipt, checked (it came through the store)."""
+def _parse_receipt(receipt: str, rank: int) -> tuple[str, int, str, str, int, int, str]:
+    """``(kind, pid, id, fd, inode, nbytes, notice)`` of a receipt, checked (it came from another process)."""
     parts = str(receipt).split(":")
     try:
         if parts[0] == "n" and len(parts) == 3:
-            return "n", int(parts[1]), "", "", 0, int(parts[2])
-        if parts[0] == "p" and len(parts) == 6:
-            return "p", int(parts[1]), parts[2], str(int(parts[3])), int(parts[4]), int(parts[5])
+            return "n", int(parts[1]), "", "", 0, int(parts[2]), ""
+        if parts[0] == "p" and len(parts) == 7 and (parts[6] == "" or _NOTICE_NAME.fullmatch(parts[6])):
+            return "p", int(parts[1]), parts[2], str(int(parts[3])), int(parts[4]), int(parts[5]), parts[6]
     except ValueError:
         pass
     raise PayloadError(f"rank {rank} sent a malformed shared-memory receipt {receipt!r}")
@@ -286,9 +291,10 @@ class _SegmentPool:
     so nothing is ever visible there and the kernel frees them when the process exits, however
     it exits. The receiver opens one through ``/proc/<sender pid>/fd/<fd>`` (checking its
     inode), maps it (shared), and the segment stays *busy* until the receiver reports that
-    its views are gone (a weak reference's callback records it; :func:`take_freed` hands the report to the host
-    transport, whose notes reach the sender in the verdict of the next gather they share,
-    relayed by the first rank when a host's leader let the segment go); only then is it written again. A
+    its views are gone (a weak reference's callback sends the report to the sender's notice socket,
+    :class:`_Notices`; when it cannot, :func:`take_freed` hands the report to the host transport,
+    whose notes reach the sender in the verdict of the next gather they share, relayed by the first
+    rank when a host's leader let the segment go); only then is it written again. A
     segment is pooled only while ``/dev/shm`` keeps at least four times its size free, and never
     resized once sent: its receiver may keep its map (:class:`_KeptMaps`).
     """
@@ -310,6 +316,7 @@ class _SegmentPool:
         self._recent.append(nbytes)  # (a bounded deque: one step, safe between threads)
         if not self._segments:
             return
+        self.heed(_NOTICES.take())
         with self._lock:
             bound = 2 * max(self._recent)
             now = time.monotonic()
@@ -335,6 +342,7 @@ class _SegmentPool:
         Returns:
             The bytes given back now.
         """
+        self.heed(_NOTICES.take())
         with self._lock:
             free = [s for s in self._segments.values() if not s.busy]
             for seg in free:
@@ -354,6 +362,8 @@ class _SegmentPool:
         """A free pooled segment (marked busy), a new one, or None to use a fresh named one."""
         if nbytes < self.MIN_BYTES or not hasattr(os, "O_TMPFILE"):
             return None
+        if self._segments:
+            self.heed(_NOTICES.take())
         with self._lock:
             free = [seg for seg in self._segments.values() if not seg.busy]
             fitting = [seg for seg in free if seg.size >= nbytes]
@@ -395,6 +405,19 @@ class _SegmentPool:
         for seg in dropped:
             os.close(seg.fd)
 
+    def heed(self, notices: Collection[tuple[int, str]]) -> None:
+        """Free the segments of these notices ``(receiver pid, segment id)``: each from the process the
+        segment was lent to (any process of this user when that was not said)."""
+        if not notices:
+            return
+        with self._lock:
+            idents = set()
+            for pid, ident in notices:
+                seg = self._segments.get(ident)
+                if seg is not None and (seg.receiver is None or seg.receiver.pid == pid):
+                    idents.add(ident)
+        self.freed(idents)
+
     def drop(self, ident: str) -> None:
         """Forget segment ``ident`` (its receiver may still map it; the kernel frees it later)."""
         with self._lock:
@@ -407,6 +430,99 @@ class _SegmentPool:
         with self._lock:
             self._segments.pop(seg.ident, None)
         os.close(seg.fd)
+
+
+_NOTICE_NAME = re.compile(r"[0-9a-f]{16}")
+
+
+def _notice_address(name: str) -> bytes:
+    """The abstract address of notice socket ``name`` (this package's: a second copy in one process,
+    as the benchmark's ``--against`` loads it, has sockets of its own)."""
+    return f"\0{__package__}/freed/{name}".encode()
+
+
+class _Notices:
+    """This process's socket for "freed" notices, as a sender of pooled segments.
+
+    A receiver's report that its views of a segment are gone otherwise reaches the sender in the
+    verdict of their next gather: a round late, so meanwhile the sender writes its other segment
+    (at 16 MiB such a round takes a third longer than one into the same warm segment). So a receiver
+    sends the report straight here when it can (an abstract Unix datagram address, named in the
+    receipt), and keeps it for a verdict only when it cannot: each report goes one way, never twice.
+    The sender reads its notices, never waiting, when it takes a segment and when it releases its
+    pool, and heeds one only from the process the segment was lent to (the kernel names a datagram's
+    sender).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._name = ""
+        self._tried = False
+
+    def name(self) -> str:
+        """The name of this process's notice socket, for its receipts ("" when it cannot listen)."""
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    self._listen()
+                    self._tried = True
+        return self._name
+
+    def _listen(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            name = secrets.token_hex(8)
+            sock.bind(_notice_address(name))
+        except OSError as exc:
+            sock.close()
+            logger.debug("pooled segments are reported freed in verdicts only: %s", exc)
+            return
+        self._sock, self._name = sock, name
+
+    def take(self) -> list[tuple[int, str]]:
+        """``(receiver pid, segment id)`` of the notices that came (never waits)."""
+        found: list[tuple[int, str]] = []
+        sock = self._sock
+        if sock is None:
+            return found
+        uid = os.geteuid()
+        while True:
+            try:
+                data, ancillary, flags, _ = sock.recvmsg(64, ANCILLARY_SIZE)
+            except OSError:  # none left (or closed)
+                return found
+            pid = sender_pid(ancillary, uid)
+            if pid is not None and not flags & _TRUNCATED:
+                found.append((pid, data.decode("ascii", "replace")))
+
+    def forked(self) -> None:
+        """A forked child must not read its parent's notices: it closes its copy (no shutdown)."""
+        if self._sock is not None:
+            self._sock.close()
+        self._lock, self._sock, self._name, self._tried = threading.Lock(), None, "", False
+
+
+_TRUNCATED = int(socket.MSG_TRUNC)
+_NO_WAIT = int(socket.MSG_DONTWAIT)
+_NOTICES = _Notices()
+_TELLER: socket.socket | None = None  # this process's socket for sending notices (unbound)
+
+
+def _tell_freed(notice: str, ident: str) -> bool:
+    """Send the notice that this process's views of segment ``ident`` are gone to the sender's socket
+    ``notice``; False when there is none or it cannot take it now (the report then goes in a verdict)."""
+    global _TELLER
+    if not notice:
+        return False
+    try:
+        if _TELLER is None:
+            _TELLER = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        _TELLER.sendto(ident.encode(), _NO_WAIT, _notice_address(notice))
+    except OSError:
+        return False
+    return True
 
 
 _POOL = _SegmentPool()
@@ -424,15 +540,17 @@ class _Map:
     inode: int
     size: int
 
-    def lend(self, nbytes: int, report: tuple[int, str]) -> _View:
-        """The first ``nbytes`` as a buffer of their own: once it (and every tensor viewing it) is gone,
-        ``report`` is added to the freed ones and this map may be kept for the segment's next payload."""
+    def lend(self, nbytes: int, report: tuple[int, str], notice: str) -> _View:
+        """The first ``nbytes`` as a buffer of their own. Once it (and every tensor viewing it) is gone,
+        ``report`` goes to the sender's notice socket ``notice`` (or, when it cannot, to the freed ones
+        for a verdict), and this map may be kept for the segment's next payload."""
         view = (ctypes.c_ubyte * nbytes).from_buffer(self.mapping)
         epoch = _KEPT.epoch
 
         def gone(ref: weakref.ref[_View]) -> None:
             _LENT.pop(id(ref), None)
-            _FREED.add(report)
+            if not _tell_freed(notice, report[1]):
+                _FREED.add(report)
             _KEPT.keep(report, self, epoch)
 
         ref = weakref.ref(view, gone)
@@ -554,3 +672,4 @@ def segments_freed(idents: set[str]) -> None:
 # An interrupted process removes the named segments it published that nobody took (pooled ones have
 # no name: the kernel frees them at exit).
 interrupts.on_interrupt(lambda: remove_segments_of(None, os.getpid()))
+os.register_at_fork(after_in_child=_NOTICES.forked)
