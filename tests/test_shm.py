@@ -235,6 +235,8 @@ def test_maps_of_large_segments_are_not_kept_and_kept_ones_are_bounded() -> None
     for i, item in enumerate(maps):
         kept.keep((1, str(i)), item, kept.epoch)
     assert kept.held() == (64, 64 * 2**20), "least recently kept given up first"
+    kept.keep((1, "10"), maps[10], kept.epoch)
+    assert kept.held() == (64, 64 * 2**20), "kept again under its key: counted once"
     assert kept.take(1, "0", 0, 10) is None and kept.take(1, "3", 0, 10) is maps[3]
     assert kept.take(1, "4", 1, 10) is None, "another inode: not this map"
     assert kept.take(1, "5", 0, 2**20 + 1) is None, "a payload larger than the map"

@@ -562,8 +562,9 @@ class _KeptMaps:
     """The first rank's maps of its senders' pooled segments, kept between rounds.
 
     Mapping a pooled segment (open through ``/proc``, check, map, later unmap) costs about 50 µs
-    per payload cold, a sixth of the first rank's call at 1 MiB. A map whose views are gone is kept here, and the
-    segment's next payload is lent from it: a shared map shows what the sender wrote since.
+    per payload cold, a sixth of the first rank's call at 1 MiB. A map whose views are gone is kept
+    here, and the segment's next payload is lent from it: a shared map shows what the sender wrote
+    since.
     Only segments of at most :attr:`MAX_BYTES`, at most :attr:`MAX_TOTAL_BYTES` in all, least
     recently used given up first: a kept map holds its segment's pages even after the sender has
     let it go. :func:`release_shared_memory` forgets them all.
@@ -594,8 +595,9 @@ class _KeptMaps:
         if epoch != self.epoch or kept.size > self.MAX_BYTES or not self._lock.acquire(blocking=False):
             return
         try:
+            replaced = self._maps.pop(key, None)
+            self._bytes += kept.size - (replaced.size if replaced is not None else 0)
             self._maps[key] = kept
-            self._bytes += kept.size
             while self._bytes > self.MAX_TOTAL_BYTES:
                 self._bytes -= self._maps.popitem(last=False)[1].size  # unmapped once unreferenced
         finally:
