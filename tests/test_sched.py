@@ -62,8 +62,9 @@ def _policy_while_waiting_for_the_verdict(key: str) -> dict[str, Any]:
     seen: list[int] = []
     if rank > 1:
         return {"seen": seen, "after": os.sched_getscheduler(0)}
-    with get_tensors_parallel(torch.zeros(1), [0, 1], [0, 1], timeout=60):
-        pass  # the group's first meeting is behind us: the next gather goes straight to its verdict
+    # The group's first meeting, behind us: the next gather goes straight to its verdict.
+    with get_tensors_parallel(torch.zeros(1), [0, 1], [0, 1], timeout=60) as warm:
+        assert len(warm) == (2 if rank == 0 else 0)
     if rank == 1:
         tid = threading.get_native_id()
 
