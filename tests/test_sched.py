@@ -97,3 +97,15 @@ def test_a_sender_waits_for_its_verdict_as_batch_and_comes_back(ranks4: RankPool
     assert results[1]["seen"] == [os.SCHED_BATCH] and results[0]["key"] == b"1", results[1]
     assert results[0]["got"] == [0.0, 1.0]
     assert all(r["after"] == os.SCHED_OTHER for r in results), results
+
+
+def test_behind_peers_where_the_policy_may_not_change_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container that forbids sched_setscheduler (EPERM): the wait goes on unchanged, no error."""
+
+    def refused(*args: Any) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    with BehindPeers():
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
