@@ -33,7 +33,8 @@ so both are also timed at 32).
     python scripts/bench_latency.py --sizes 4K 64K --reps 20
     python scripts/bench_latency.py --json out.json
 
-Prints one row per size with medians and the ratios ours/limit, gloo/ours, modelopt/ours.
+Prints one row per size with medians and the ratios ours/limit, gloo/ours, modelopt/ours (of the
+medians), then ours/limit and gloo/ours paired: the median of each repetition's own ratio.
 
 ``--cpu`` measures instead what each method costs the machine, which wall times on a small shared
 machine hide in noise: back-to-back rounds (no barrier between them), the CPU time per round of
@@ -363,6 +364,13 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
         fresh.close()
         report[name] = {m: statistics.median(v) for m, v in times.items()}
         report[name]["load"] = os.getloadavg()[0]
+        # Each repetition runs every method once, in turn: its ratios are a paired comparison.
+        report[name]["paired ours/limit"] = statistics.median(
+            o / x for o, x in zip(times["ours"], times["limit"])
+        )
+        report[name]["paired gloo/ours"] = statistics.median(
+            g / o for g, o in zip(times["gloo"], times["ours"])
+        )
     report["small"] = _small_rank(reps)
     report["layer"] = _layer_rank(mo, reps)
     return report if rank == 0 else {}
@@ -797,6 +805,13 @@ def main(argv: list[str] | None = None) -> int:
         if has_mo:
             line += f" {row['modelopt'] / row['ours']:8.1f}"
         print(line)
+    print(
+        "the same ratios paired (each repetition's own ratio, median over the repetitions): "
+        + ", ".join(
+            f"{name} {report[name]['paired ours/limit']:.2f} / {report[name]['paired gloo/ours']:.2f}"
+            for name in args.sizes
+        )
+    )
     small = report["small"]
     print(
         f"tiny round trip ({{'a': 1}}, get_configs_parallel): {small['ours'] * 1e3:.3f} ms (load {small['load']:.1f})"

@@ -2,8 +2,8 @@
 
 The latency targets live in the benchmark and ``docs/performance.md``; these tests only keep its
 modes working: ``--against`` (this checkout and an older revision in the same ranks), ``--cpu``
-(every method back to back, the store-free ``direct`` one included) and ``--steps --cold`` (one call's
-CPU split into steps, caches evicted before each call).
+(every method back to back, the store-free ``direct`` one included), ``--steps --cold`` (one call's
+CPU split into steps, caches evicted before each call) and the sweep's paired ratios.
 """
 
 from __future__ import annotations
@@ -99,3 +99,11 @@ def test_cold_without_steps_is_refused() -> None:
         check=False,
     )
     assert done.returncode == 2 and "--cold goes with --steps" in done.stderr, done.stderr
+
+
+def test_the_sweep_reports_paired_ratios_beside_the_ratios_of_medians() -> None:
+    out = _bench("--sizes", "4K", "--reps", "3")
+    row = next(line for line in out.splitlines() if line.strip().startswith("4K"))
+    assert float(row.split()[-3]) > 0, row  # ours/limit of the medians
+    paired = re.search(r"paired .*: 4K ([0-9.]+) / ([0-9.]+)", out)
+    assert paired is not None and float(paired[1]) > 0 and float(paired[2]) > 0, out
