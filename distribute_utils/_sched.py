@@ -29,12 +29,10 @@ class BehindPeers:
     def __enter__(self) -> BehindPeers:
         self._switched = False
         if _BATCH is not None:
-            try:
+            with contextlib.suppress(OSError):
                 if os.sched_getscheduler(0) == _OTHER:
                     os.sched_setscheduler(0, _BATCH, _PARAM)
                     self._switched = True
-            except OSError:
-                pass
         return self
 
     def __exit__(self, *exc: object) -> None:

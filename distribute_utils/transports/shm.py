@@ -362,7 +362,7 @@ class _SegmentPool:
         """A free pooled segment (marked busy), a new one, or None to use a fresh named one."""
         if nbytes < self.MIN_BYTES or not hasattr(os, "O_TMPFILE"):
             return None
-        if self._segments:
+        if self._segments and not self._fits(nbytes):  # a notice since the last send may free one
             self.heed(_NOTICES.take())
         with self._lock:
             free = [seg for seg in self._segments.values() if not seg.busy]
@@ -383,6 +383,10 @@ class _SegmentPool:
                 self._segments[seg.ident] = seg
             seg.busy, seg.looked = True, time.monotonic()
             return seg
+
+    def _fits(self, nbytes: int) -> bool:
+        with self._lock:
+            return any(not seg.busy and seg.size >= nbytes for seg in self._segments.values())
 
     def fit(self, seg: _Segment, nbytes: int, rank: int) -> None:
         """Make ``seg`` hold at least ``nbytes``, its pages reserved: a new segment is sized here, once
@@ -445,12 +449,12 @@ class _Notices:
     """This process's socket for "freed" notices, as a sender of pooled segments.
 
     A receiver's report that its views of a segment are gone otherwise reaches the sender in the
-    verdict of their next gather: a round late, so meanwhile the sender writes its other segment
-    (at 16 MiB such a round takes a third longer than one into the same warm segment). So a receiver
-    sends the report straight here when it can (an abstract Unix datagram address, named in the
-    receipt), and keeps it for a verdict only when it cannot: each report goes one way, never twice.
-    The sender reads its notices, never waiting, when it takes a segment and when it releases its
-    pool, and heeds one only from the process the segment was lent to (the kernel names a datagram's
+    verdict of their next gather: a round late, so meanwhile the sender writes its other segment, and
+    keeps two. So a receiver sends the report straight here when it can (an abstract Unix datagram
+    address, named in the receipt), and keeps it for a verdict only when it cannot: each report goes
+    one way, never twice. The sender reads its notices, never waiting, at every send
+    (:meth:`_SegmentPool.note_payload`), when no free segment fits a payload, and when it releases its
+    pool; it heeds one only from the process the segment was lent to (the kernel names a datagram's
     sender).
     """
 
