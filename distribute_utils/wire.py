@@ -106,6 +106,7 @@ _MAX_DIM = 2**63 - 1
 _ZEROS = bytes(ALIGN)
 _FEW_TENSORS = 2  # payloads with at most this many tensors view each with its own frombuffer
 _MAX_WRITE = 2**30  # split writes larger than 1 GiB
+_COPY_CHUNK = 2**25  # a copy into a buffer holds the GIL: 32 MiB (a few ms) at a time
 try:
     _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX")))
 except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
@@ -366,9 +367,10 @@ class EncodedPayload:
                 )
             pos = 0
             for seg in self._segments:
-                n = seg.nbytes
-                mv[pos : pos + n] = seg
-                pos += n
+                for start in range(0, seg.nbytes, _COPY_CHUNK):
+                    piece = seg[start : start + _COPY_CHUNK]
+                    mv[pos : pos + piece.nbytes] = piece
+                    pos += piece.nbytes
 
     def to_bytes(self) -> bytes:
         """The whole payload as one ``bytes`` object (one copy)."""

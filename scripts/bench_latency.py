@@ -7,10 +7,13 @@ On ``--nproc`` local ranks (gloo), every repetition runs every method once, in t
 Methods, per size (one float32 tensor per rank to rank 0):
 
 - ``ours``: :func:`distribute_utils.get_tensors_parallel` (default transport);
-- ``limit``: the physical limit on this host: each sender ``pwrite``\\ s into its own
-  pre-touched, reused ``/dev/shm`` segment and posts one store key; rank 0 waits for the
-  keys, maps each segment and views it (``torch.frombuffer``), no decoding, no checks;
-- ``fresh``: the same with a new segment per repetition (create, ``posix_fallocate``, write,
+- ``limit``: the physical limit on this host: each sender copies its bytes into its own
+  pre-touched, reused ``/dev/shm`` segment, through a shared map of it kept from the start (one
+  plain copy), and posts one store key; rank 0 waits for the keys, maps each segment and views it
+  (``torch.frombuffer``), no decoding, no checks;
+- ``pwrite``: the same, written with ``pwrite`` (what the limit was until the library's senders
+  copied into maps: up to twice as slow from 1 MiB, the kernel looks up every page);
+- ``fresh``: the same with a new segment per repetition (create, ``posix_fallocate``, ``pwrite``,
   map, unlink), what a first gather of that size costs;
 - ``gloo``: ``dist.gather`` into preallocated outputs;
 - ``modelopt``: ModelOpt's ``get_tensors_parallel`` (when ``nvidia-modelopt`` is installed);
@@ -149,28 +152,38 @@ def _modelopt() -> Any | None:
 
 
 class _Limit:
-    """The physical limit: a sender writes its bytes into /dev/shm, rank 0 maps and views them."""
+    """The physical limit: a sender writes its bytes into /dev/shm, rank 0 maps and views them.
 
-    def __init__(self, nbytes: int, reuse: bool) -> None:
-        self.nbytes, self.reuse = nbytes, reuse
+    ``how``: ``copy`` (into the sender's own shared map of its reused, pre-touched segment: one plain
+    copy, the least any transport through memory can do), ``pwrite`` (into the same kind of segment
+    with ``pwrite``, which looks up every page in the kernel) or ``fresh`` (a new segment per
+    repetition: create, ``posix_fallocate``, ``pwrite``, map, unlink)."""
+
+    def __init__(self, nbytes: int, how: str) -> None:
+        self.nbytes, self.how = nbytes, how
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.store = dist.distributed_c10d._get_default_store().clone()
         self.rep = 0
         self.fd = -1
-        self.path = f"/dev/shm/du-bench-limit-{os.getpid()}"
-        if reuse and self.rank != 0:
+        self.mapped: mmap.mmap | None = None
+        self.path = f"/dev/shm/du-bench-limit-{how}-{os.getpid()}"
+        if how != "fresh" and self.rank != 0:
             self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
             os.posix_fallocate(self.fd, 0, nbytes)
             os.pwrite(self.fd, bytes(nbytes), 0)  # pre-touched
+            if how == "copy":
+                self.mapped = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         pids = [int(p) for p in _all_gather_str(str(os.getpid()))]
-        self.paths = [f"/dev/shm/du-bench-limit-{p}" for p in pids]
+        self.paths = [f"/dev/shm/du-bench-limit-{how}-{p}" for p in pids]
 
     def run(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         self.rep += 1
-        tag = f"bench/limit/{self.reuse}/{self.nbytes}/{self.rep}"
+        tag = f"bench/limit/{self.how}/{self.nbytes}/{self.rep}"
         data = memoryview(tensor.numpy()).cast("B")
         if self.rank != 0:
-            if self.reuse:
+            if self.mapped is not None:
+                self.mapped[: self.nbytes] = data
+            elif self.how == "pwrite":
                 os.pwrite(self.fd, data, 0)
             else:
                 path = f"{self.path}-{self.rep}"
@@ -183,16 +196,18 @@ class _Limit:
         self.store.multi_get([f"{tag}/{r}" for r in range(1, self.world)])
         out = [tensor]
         for r in range(1, self.world):
-            path = self.paths[r] if self.reuse else f"{self.paths[r]}-{self.rep}"
+            path = self.paths[r] if self.how != "fresh" else f"{self.paths[r]}-{self.rep}"
             fd = os.open(path, os.O_RDONLY)
             buf = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             os.close(fd)
-            if not self.reuse:
+            if self.how == "fresh":
                 os.unlink(path)
             out.append(torch.frombuffer(buf, dtype=torch.float32))
         return out
 
     def close(self) -> None:
+        if self.mapped is not None:
+            self.mapped.close()
         if self.fd >= 0:
             os.close(self.fd)
             with contextlib.suppress(FileNotFoundError):
@@ -330,7 +345,7 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
         nbytes = CHOICES[name]
         tensor = torch.full((nbytes // 4,), float(rank))
         outputs = [torch.empty_like(tensor) for _ in ranks] if rank == 0 else None
-        limit, fresh = _Limit(nbytes, reuse=True), _Limit(nbytes, reuse=False)
+        limits = {how: _Limit(nbytes, how) for how in ("copy", "pwrite", "fresh")}
 
         def ours(tensor: torch.Tensor = tensor) -> list[torch.Tensor]:
             with get_tensors_parallel(tensor, ranks) as got:
@@ -342,8 +357,9 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
 
         methods: dict[str, Callable[[], Any]] = {
             "ours": ours,
-            "limit": lambda limit=limit, tensor=tensor: limit.run(tensor),
-            "fresh": lambda fresh=fresh, tensor=tensor: fresh.run(tensor),
+            "limit": lambda limit=limits["copy"], tensor=tensor: limit.run(tensor),
+            "pwrite": lambda limit=limits["pwrite"], tensor=tensor: limit.run(tensor),
+            "fresh": lambda limit=limits["fresh"], tensor=tensor: limit.run(tensor),
             "gloo": gloo,
         }
         if mo is not None:
@@ -360,8 +376,8 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
         for _ in range(_reps_for(nbytes, reps)):
             for method, fn in methods.items():
                 times[method].append(_timed(fn))
-        limit.close()
-        fresh.close()
+        for limit in limits.values():
+            limit.close()
         report[name] = {m: statistics.median(v) for m, v in times.items()}
         report[name]["load"] = os.getloadavg()[0]
         # Each repetition runs every method once, in turn: its ratios are a paired comparison.
@@ -385,7 +401,7 @@ def _cpu_rank(sizes: list[str], rounds: int, launcher: int) -> dict[str, Any]:
         nbytes = CHOICES[name]
         tensor = torch.full((nbytes // 4,), float(rank))
         outputs = [torch.empty_like(tensor) for _ in ranks] if rank == 0 else None
-        limit = _Limit(nbytes, reuse=True)
+        limit = _Limit(nbytes, "copy")
         methods: dict[str, Callable[[], Any]] = {
             "ours": lambda tensor=tensor: _gather_once(tensor, ranks),
             "limit": lambda limit=limit, tensor=tensor: limit.run(tensor),
@@ -792,13 +808,15 @@ def main(argv: list[str] | None = None) -> int:
         f"gather of one float32 tensor per rank to rank 0, {args.nproc} ranks, medians (ms), load {os.getloadavg()[0]:.1f}"
         + (f", {args.busy} spinning processes beside them" if args.busy else "")
     )
-    head = f"{'size':>6} {'ours':>8} {'limit':>8} {'fresh':>8} {'gloo':>8}" + (
+    head = f"{'size':>6} {'ours':>8} {'limit':>8} {'pwrite':>8} {'fresh':>8} {'gloo':>8}" + (
         f" {'modelopt':>9}" if has_mo else ""
     )
     print(head + f" {'ours/limit':>11} {'gloo/ours':>10}" + (f" {'mo/ours':>8}" if has_mo else ""))
     for name in args.sizes:
         row = report[name]
-        line = f"{name:>6} " + " ".join(f"{row[m] * 1e3:8.2f}" for m in ("ours", "limit", "fresh", "gloo"))
+        line = f"{name:>6} " + " ".join(
+            f"{row[m] * 1e3:8.2f}" for m in ("ours", "limit", "pwrite", "fresh", "gloo")
+        )
         if has_mo:
             line += f" {row['modelopt'] * 1e3:9.2f}"
         line += f" {row['ours'] / row['limit']:11.2f} {row['gloo'] / row['ours']:10.2f}"

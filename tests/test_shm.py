@@ -251,6 +251,38 @@ def mmap_of(nbytes: int) -> Any:
     return mmap.mmap(-1, nbytes)
 
 
+def test_a_sender_copies_into_its_own_map_of_a_pooled_segment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``pwrite`` for a pooled payload: the sender maps its segment once, shared, and copies into
+    it; the map closes with the segment, and a forked child holds neither."""
+    pool = shm._SegmentPool()
+    monkeypatch.setattr(shm, "_POOL", pool)
+    transport = shm.SharedMemoryTransport(pool=True)
+    big = torch.arange(2**20, dtype=torch.float32)
+
+    def no_pwrite(*args: Any) -> None:
+        raise AssertionError("a pooled payload was written with pwrite")
+
+    monkeypatch.setattr(wire, "pwrite_all", no_pwrite)
+    receipt = transport.publish("00000000000000c0", 1, wire.encode(big))
+    seg = pool._segments[receipt.split(":")[2]]
+    assert seg.mapped is not None and len(seg.mapped) == seg.size
+    got = wire.decode(transport.fetch("00000000000000c0", 1, receipt))
+    assert torch.equal(got, big)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        os.write(write, repr((pool.held(), seg.mapped.closed)).encode())
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 100) == b"((0, 0), True)", "the child closed its copies of the segments"
+    os.close(read)
+    assert os.waitpid(child, 0)[1] == 0
+    assert not seg.mapped.closed and pool.held() == (1, seg.size), "the parent's are untouched"
+    del got
+    assert pool.release() == seg.size
+    assert seg.mapped.closed
+
+
 def test_pool_never_grows_a_sent_segment() -> None:
     """A payload larger than every free segment gets a new one (the smallest free one is closed):
     a first rank may keep the old one's map, which must never come to hold more pages."""

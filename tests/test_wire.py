@@ -436,6 +436,17 @@ def test_write_into_and_to_bytes_agree() -> None:
         p.write_into(bytes(p.nbytes))
 
 
+def test_write_into_copies_large_buffers_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor larger than the copy chunk arrives whole, each piece in its place."""
+    monkeypatch.setattr(wire, "_COPY_CHUNK", 1000)
+    obj = {"big": torch.arange(2501, dtype=torch.int16), "small": torch.arange(3, dtype=torch.int64)}
+    p = encode(obj)
+    buf = bytearray(b"\xff" * p.nbytes)
+    p.write_into(buf)
+    assert bytes(buf) == p.to_bytes()
+    assert same(decode(buf), obj)
+
+
 def test_write_to_fd(tmp_path: Any) -> None:
     obj = {f"t{i}": torch.randn(i * 5 + 1) for i in range(20)}
     p = encode(obj, checksum=True)

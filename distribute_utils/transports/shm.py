@@ -102,7 +102,7 @@ class SharedMemoryTransport:
             try:
                 _POOL.fit(pooled, payload.nbytes, rank)
                 pooled.receiver = self._receiver
-                payload.write_to_fd(pooled.fd)
+                pooled.write(payload)
             except BaseException:
                 _POOL.discard(pooled)
                 raise
@@ -280,6 +280,20 @@ class _Segment:
     drop_when_freed: bool = False
     receiver: ProcessInfo | None = None  # who maps it while busy (a dead one never frees it)
     looked: float = 0.0  # when it was last taken, or its receiver last found alive (time.monotonic)
+    mapped: mmap.mmap | None = None  # the sender's own shared map, once sized (None: written with pwrite)
+
+    def write(self, payload: EncodedPayload) -> None:
+        """Copy ``payload`` in: into the sender's map (a plain copy, pages already mapped: up to twice as
+        fast as ``pwrite``, which looks up every page in the kernel), else with ``pwrite``."""
+        if self.mapped is not None:
+            payload.write_into(self.mapped)
+        else:
+            payload.write_to_fd(self.fd)
+
+    def close(self) -> None:
+        if self.mapped is not None:
+            self.mapped.close()
+        os.close(self.fd)
 
 
 class _SegmentPool:
@@ -328,7 +342,7 @@ class _SegmentPool:
             for seg in dropped:
                 del self._segments[seg.ident]
         for seg in dropped:
-            os.close(seg.fd)
+            seg.close()
 
     def _receiver_gone(self, seg: _Segment, now: float) -> bool:
         if seg.receiver is None or now - seg.looked < self.LOOK_EVERY_S:
@@ -350,7 +364,7 @@ class _SegmentPool:
             for seg in self._segments.values():
                 seg.drop_when_freed = True
         for seg in free:
-            os.close(seg.fd)
+            seg.close()
         return sum(s.size for s in free)
 
     def held(self) -> tuple[int, int]:
@@ -375,7 +389,7 @@ class _SegmentPool:
                         return None
                     # Never grown: a receiver may keep its map (only while the segment is small).
                     victim = self._segments.pop(min(free, key=lambda s: s.size).ident)
-                    os.close(victim.fd)
+                    victim.close()
                 if shm_space()[1] < 4 * nbytes:
                     return None
                 fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
@@ -395,6 +409,10 @@ class _SegmentPool:
         if seg.size < nbytes:
             _reserve(seg.fd, nbytes, rank)
             seg.size = nbytes
+            try:  # every page mapped now (MAP_POPULATE), so no copy into it ever faults
+                seg.mapped = mmap.mmap(seg.fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+            except OSError as exc:  # e.g. out of address space: pwrite needs none
+                logger.debug("pooled segment %s written with pwrite: %s", seg.ident, exc)
 
     def freed(self, idents: set[str]) -> None:
         """The receivers' maps of these segments are gone: they may be written again."""
@@ -407,7 +425,7 @@ class _SegmentPool:
                     if seg.drop_when_freed:
                         dropped.append(self._segments.pop(ident))
         for seg in dropped:
-            os.close(seg.fd)
+            seg.close()
 
     def heed(self, notices: Collection[tuple[int, str]]) -> None:
         """Free the segments of these notices ``(receiver pid, segment id)``: each from the process the
@@ -427,13 +445,19 @@ class _SegmentPool:
         with self._lock:
             seg = self._segments.pop(ident, None)
         if seg is not None:
-            os.close(seg.fd)
+            seg.close()
 
     def discard(self, seg: _Segment) -> None:
         """Drop ``seg`` from the pool (after a failed publish)."""
         with self._lock:
             self._segments.pop(seg.ident, None)
-        os.close(seg.fd)
+        seg.close()
+
+    def forked(self) -> None:
+        """A forked child must never write its parent's segments: it closes its copies of them."""
+        segments, self._segments, self._lock = self._segments, {}, threading.Lock()
+        for seg in segments.values():
+            seg.close()
 
 
 _NOTICE_NAME = re.compile(r"[0-9a-f]{16}")
@@ -508,6 +532,7 @@ class _Notices:
         self._lock, self._sock, self._name, self._tried = threading.Lock(), None, "", False
 
 
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _TRUNCATED = int(socket.MSG_TRUNC)
 _NO_WAIT = int(socket.MSG_DONTWAIT)
 _NOTICES = _Notices()
@@ -679,3 +704,4 @@ def segments_freed(idents: set[str]) -> None:
 # no name: the kernel frees them at exit).
 interrupts.on_interrupt(lambda: remove_segments_of(None, os.getpid()))
 os.register_at_fork(after_in_child=_NOTICES.forked)
+os.register_at_fork(after_in_child=lambda: _POOL.forked())
