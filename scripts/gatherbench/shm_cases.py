@@ -400,7 +400,7 @@ def write_costs(nbytes: int, repeats: int) -> list[dict[str, Any]]:
 
     record("sender: posix_fallocate of a fresh segment", fresh(lambda fd: os.posix_fallocate(fd, 0, nbytes)))
     record(
-        "sender: posix_fallocate + pwritev (ours)",
+        "sender: posix_fallocate + pwritev (ours when not pooled)",
         fresh(lambda fd: (os.posix_fallocate(fd, 0, nbytes), os.pwritev(fd, [data], 0))),
     )
     record("sender: pwritev alone (the file grows)", fresh(lambda fd: os.pwritev(fd, [data], 0)))
@@ -411,6 +411,14 @@ def write_costs(nbytes: int, repeats: int) -> list[dict[str, Any]]:
             os.pwritev(fd, [data], 0)
             times.append(time.perf_counter() - start)
         record("sender: pwritev into touched pages (a reused segment)", times)
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            mapped[:nbytes] = data
+            times.append(time.perf_counter() - start)
+        mapped.close()
+        record("sender: copy into its own shared map of the reused segment (ours)", times)
 
         def first_read(flags: int, populate: bool) -> list[float]:
             times = []
