@@ -106,7 +106,7 @@ _MAX_DIM = 2**63 - 1
 _ZEROS = bytes(ALIGN)
 _FEW_TENSORS = 2  # payloads with at most this many tensors view each with its own frombuffer
 _MAX_WRITE = 2**30  # split writes larger than 1 GiB
-_COPY_CHUNK = 2**25  # a copy into a buffer holds the GIL: 32 MiB (a few ms) at a time
+_COPY_CHUNK = 2**28  # a copy holds the GIL: 256 MiB (~25 ms) at a time (smaller pieces copy slower)
 try:
     _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX")))
 except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
