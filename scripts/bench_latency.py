@@ -1,8 +1,10 @@
 """Gather latency from 4 KiB to 256 MiB per rank: ours against the physical limit and the peers.
 
 On ``--nproc`` local ranks (gloo), every repetition runs every method once, in turn
-(interleaved, so that a change of load hits all methods alike), barrier to barrier: a
-``dist.barrier()``, then the time on rank 0 until it holds every rank's tensor.
+(interleaved, so that a change of load hits all methods alike; the order rotates at each
+repetition, so no method always follows the same one and pays for what it left running, such as
+our janitor deleting keys), barrier to barrier: a ``dist.barrier()``, then the time on rank 0 until
+it holds every rank's tensor.
 
 Methods, per size (one float32 tensor per rank to rank 0):
 
@@ -373,9 +375,12 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
         times: dict[str, list[float]] = {m: [] for m in methods}
         for fn in methods.values():  # warm-up: pools, connections, page cache
             _timed(fn)
-        for _ in range(_reps_for(nbytes, reps)):
-            for method, fn in methods.items():
-                times[method].append(_timed(fn))
+        names = list(methods)
+        for rep in range(_reps_for(nbytes, reps)):
+            turn = rep % len(names)  # rotated: no method always pays for what the one before left running
+            for method in names[turn:] + names[:turn]:
+                times[method].append(_timed(methods[method]))
+        dist.barrier()  # a sender's limit returns before rank 0 has opened its segment
         for limit in limits.values():
             limit.close()
         report[name] = {m: statistics.median(v) for m, v in times.items()}
