@@ -1,9 +1,9 @@
 """Gather latency from 4 KiB to 256 MiB per rank: ours against the physical limit and the peers.
 
 On ``--nproc`` local ranks (gloo), every repetition runs every method once, in turn
-(interleaved, so that a change of load hits all methods alike; the order rotates at each
+(interleaved, so that a change of load hits all methods alike; in an order shuffled at each
 repetition, so no method always follows the same one and pays for what it left running, such as
-our janitor deleting keys), barrier to barrier: a ``dist.barrier()``, then the time on rank 0 until
+ModelOpt's resource trackers unlinking its segments), barrier to barrier: a ``dist.barrier()``, then the time on rank 0 until
 it holds every rank's tensor.
 
 Methods, per size (one float32 tensor per rank to rank 0):
@@ -105,6 +105,7 @@ import itertools
 import json
 import mmap
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -139,9 +140,10 @@ LAYER_DTYPES = [torch.float32, torch.float16, torch.float32, torch.bfloat16]
 
 
 def _reps_for(nbytes: int, reps: int | None) -> int:
+    """``reps``, or by size: enough that a median of rounds that spread over two modes holds still."""
     if reps is not None:
         return reps
-    return 40 if nbytes <= 1 << 20 else 12 if nbytes <= 16 << 20 else 7 if nbytes <= 64 << 20 else 5
+    return 200 if nbytes <= 1 << 20 else 40 if nbytes <= 16 << 20 else 15 if nbytes <= 64 << 20 else 7
 
 
 def _modelopt() -> Any | None:
@@ -280,6 +282,12 @@ def _all_gather_str(value: str) -> list[str]:
     return out
 
 
+def _deciles(values: list[float]) -> tuple[float, float, float]:
+    """The 10th, 50th and 90th percentile of ``values``."""
+    cuts = statistics.quantiles(values, n=10) if len(values) > 1 else values * 9
+    return cuts[0], statistics.median(values), cuts[-1]
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     """Barrier, then the time rank 0 spends in ``fn`` (it returns once rank 0 holds the data)."""
     dist.barrier()
@@ -377,8 +385,9 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
             _timed(fn)
         names = list(methods)
         for rep in range(_reps_for(nbytes, reps)):
-            turn = rep % len(names)  # rotated: no method always pays for what the one before left running
-            for method in names[turn:] + names[:turn]:
+            # Shuffled (the same order on every rank): no method always follows the same one and pays
+            # for what it left running (ModelOpt's resource trackers unlinking, our janitor, ...).
+            for method in random.Random(rep).sample(names, len(names)):
                 times[method].append(_timed(methods[method]))
         dist.barrier()  # a sender's limit returns before rank 0 has opened its segment
         for limit in limits.values():
@@ -392,6 +401,8 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
         report[name]["paired gloo/ours"] = statistics.median(
             g / o for g, o in zip(times["gloo"], times["ours"])
         )
+        # Deciles: a median can sit in either of two modes (e.g. whether a third sender found a core).
+        report[name]["spread"] = {m: _deciles(times[m]) for m in ("ours", "limit")}
     report["small"] = _small_rank(reps)
     report["layer"] = _layer_rank(mo, reps)
     return report if rank == 0 else {}
@@ -604,9 +615,7 @@ def _against_rank(sizes: list[str], reps: int | None, path: str) -> dict[str, An
         times: dict[str, tuple[list[float], list[float], list[tuple[float, float]]]] = {
             v: ([], [], []) for v in versions
         }
-        count = reps if reps is not None else _reps_for(nbytes, None)
-        if reps is None and nbytes <= 1 << 20:
-            count = 200  # a ratio of small rounds needs more than the sweep's 40
+        count = _reps_for(nbytes, reps)
         for i in range(count + 10):
             order = list(versions.items())
             for version, gather in order if i % 2 else order[::-1]:
@@ -832,6 +841,17 @@ def main(argv: list[str] | None = None) -> int:
         "the same ratios paired (each repetition's own ratio, median over the repetitions): "
         + ", ".join(
             f"{name} {report[name]['paired ours/limit']:.2f} / {report[name]['paired gloo/ours']:.2f}"
+            for name in args.sizes
+        )
+    )
+    print(
+        "spread (10th / 50th / 90th percentile, ms): "
+        + ", ".join(
+            f"{name} "
+            + " · ".join(
+                f"{m} " + "/".join(f"{x * 1e3:.2f}" for x in report[name]["spread"][m])
+                for m in ("ours", "limit")
+            )
             for name in args.sizes
         )
     )
