@@ -348,7 +348,8 @@ class EncodedPayload:
     def write_into(self, buf: memoryview | bytearray | Any) -> None:
         """Copy the payload into the first :attr:`nbytes` bytes of a writable buffer.
 
-        Padding is written as zeros, so the buffer need not be zeroed first.
+        Padding is written as zeros, so the buffer need not be zeroed first. A plain copy holds the
+        GIL: it goes 256 MiB at a time, so that other threads run between the pieces.
 
         Args:
             buf: a writable bytes-like object (bytearray, memoryview, mmap) of at least
