@@ -283,6 +283,29 @@ def test_a_sender_copies_into_its_own_map_of_a_pooled_segment(monkeypatch: pytes
     assert seg.mapped.closed
 
 
+def test_a_sender_that_cannot_map_its_segment_writes_it_with_pwrite(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mapping the segment fails (e.g. no address space left): the payload still goes, with pwrite."""
+    pool = shm._SegmentPool()
+    monkeypatch.setattr(shm, "_POOL", pool)
+    real_mmap = shm.mmap.mmap
+
+    def no_sender_map(fd: int, length: int, flags: int = shm.mmap.MAP_SHARED, **kwargs: Any) -> Any:
+        if flags & shm._POPULATE:
+            raise OSError(12, "Cannot allocate memory")
+        return real_mmap(fd, length, flags=flags, **kwargs)
+
+    monkeypatch.setattr(shm.mmap, "mmap", no_sender_map)
+    transport = shm.SharedMemoryTransport(pool=True)
+    big = torch.arange(2**18, dtype=torch.int32)
+    receipt = transport.publish("00000000000000d0", 1, wire.encode(big))
+    seg = pool._segments[receipt.split(":")[2]]
+    assert seg.mapped is None, "no map: written with pwrite"
+    got = wire.decode(transport.fetch("00000000000000d0", 1, receipt))
+    assert torch.equal(got, big)
+    del got
+    pool.release()
+
+
 def test_pool_never_grows_a_sent_segment() -> None:
     """A payload larger than every free segment gets a new one (the smallest free one is closed):
     a first rank may keep the old one's map, which must never come to hold more pages."""
