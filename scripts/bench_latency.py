@@ -56,6 +56,12 @@ interleaved in blocks::
 
     python scripts/bench_latency.py --inline-threshold --sizes 32K 64K 1M
 
+``--first`` times first gathers: each repetition's payload is 4 KiB larger than the last, so no pooled
+segment holds it and every sender makes a new one (what the first gather of a size costs), against
+``fresh``, interleaved::
+
+    python scripts/bench_latency.py --first --sizes 1M 16M 64M
+
 ``--store-ops`` times single requests of one client (rank 1) to the job's store (served by the
 launching process, as torchrun's agent serves it), one at a time, nothing else running: what each
 store hop of a round costs at the least. A read that waits (``get``, ``multi_get``) is two
@@ -405,6 +411,33 @@ def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
         report[name]["spread"] = {m: _deciles(times[m]) for m in ("ours", "limit")}
     report["small"] = _small_rank(reps)
     report["layer"] = _layer_rank(mo, reps)
+    return report if rank == 0 else {}
+
+
+def _first_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
+    """First gathers: each repetition's payload is 4 KiB larger than the last, so no pooled segment
+    holds it and every sender makes a new one; against ``fresh`` (a new segment every time)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = list(range(world))
+    report: dict[str, Any] = {}
+    for name in sizes:
+        nbytes = CHOICES[name]
+        base = torch.full((nbytes // 4,), float(rank))
+        fresh = _Limit(nbytes, "fresh")
+        times: dict[str, list[float]] = {"ours": [], "fresh": []}
+        for rep in range(min(_reps_for(nbytes, reps), 40)):
+            grown = torch.full((nbytes // 4 + 1024 * (rep + 1),), float(rank))
+
+            def ours(tensor: torch.Tensor = grown) -> list[torch.Tensor]:
+                with get_tensors_parallel(tensor, ranks) as got:
+                    return got
+
+            methods = [("ours", ours), ("fresh", functools.partial(fresh.run, base))]
+            for method, fn in methods if rep % 2 else methods[::-1]:
+                times[method].append(_timed(fn))
+        dist.barrier()
+        fresh.close()
+        report[name] = {m: statistics.median(v) for m, v in times.items()}
     return report if rank == 0 else {}
 
 
@@ -784,6 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-ops", action="store_true", help="time single store requests (see above)")
     parser.add_argument("--busy", type=int, default=0, help="spinning processes beside the ranks (see above)")
     parser.add_argument("--against", metavar="REV", help="compare with the package at git revision REV")
+    parser.add_argument("--first", action="store_true", help="first gathers: new segments (see above)")
     args = parser.parse_args(argv)
     if args.cold and not args.steps:
         parser.error("--cold goes with --steps (it evicts the caches before each call that --steps splits)")
@@ -793,6 +827,17 @@ def main(argv: list[str] | None = None) -> int:
                 _copy_at(args.against, Path(tmp))
                 reports = run_local(_against_rank, args.nproc, args.sizes, args.reps, tmp)
             _print_against(reports, args.sizes, args.against)
+            return 0
+        if args.first:
+            first = run_local(_first_rank, args.nproc, args.sizes, args.reps)[0]
+            print(
+                f"first gathers (new segments), {args.nproc} ranks, medians (ms), load {os.getloadavg()[0]:.1f}"
+            )
+            print(f"{'size':>6} {'ours':>8} {'fresh':>8} {'ours/fresh':>11}")
+            for name, row in first.items():
+                print(
+                    f"{name:>6} {row['ours'] * 1e3:8.2f} {row['fresh'] * 1e3:8.2f} {row['ours'] / row['fresh']:11.2f}"
+                )
             return 0
         if args.store_ops:
             ops = run_local(_store_ops_rank, max(args.nproc, 2), args.reps or 5000)[1]

@@ -3,7 +3,8 @@
 The latency targets live in the benchmark and ``docs/performance.md``; these tests only keep its
 modes working: ``--against`` (this checkout and an older revision in the same ranks), ``--cpu``
 (every method back to back, the store-free ``direct`` one included), ``--steps --cold`` (one call's
-CPU split into steps, caches evicted before each call) and the sweep's paired ratios.
+CPU split into steps, caches evicted before each call), ``--first`` (gathers that need new segments) and
+the sweep's paired ratios and spread.
 """
 
 from __future__ import annotations
@@ -107,3 +108,17 @@ def test_the_sweep_reports_paired_ratios_beside_the_ratios_of_medians() -> None:
     assert float(row.split()[-3]) > 0, row  # ours/limit of the medians
     paired = re.search(r"paired .*: 4K ([0-9.]+) / ([0-9.]+)", out)
     assert paired is not None and float(paired[1]) > 0 and float(paired[2]) > 0, out
+    # The spread: the 10th, 50th and 90th percentile of ours and of the limit, in order.
+    spread = re.search(
+        r"spread .*: 4K ours ([0-9.]+)/([0-9.]+)/([0-9.]+) · limit ([0-9.]+)/([0-9.]+)/([0-9.]+)", out
+    )
+    assert spread is not None, out
+    ours, limit = [float(x) for x in spread.groups()[:3]], [float(x) for x in spread.groups()[3:]]
+    assert ours == sorted(ours) and limit == sorted(limit) and ours[0] > 0, out
+
+
+def test_first_mode_times_gathers_that_need_new_segments() -> None:
+    out = _bench("--first", "--sizes", "1M", "--reps", "3")
+    row = next(line.split() for line in out.splitlines() if line.strip().startswith("1M"))
+    ours, fresh, ratio = map(float, row[1:])
+    assert ours > 0 and fresh > 0 and abs(ratio - ours / fresh) < 0.02, out

@@ -252,21 +252,28 @@ def mmap_of(nbytes: int) -> Any:
 
 
 def test_a_sender_copies_into_its_own_map_of_a_pooled_segment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No ``pwrite`` for a pooled payload: the sender maps its segment once, shared, and copies into
-    it; the map closes with the segment, and a forked child holds neither."""
+    """A new segment's first payload goes with ``pwrite`` (fresh pages); from the second on, no ``pwrite``:
+    the sender maps the segment once, shared, and copies into it. The map closes with the segment, and a
+    forked child holds neither."""
     pool = shm._SegmentPool()
     monkeypatch.setattr(shm, "_POOL", pool)
     transport = shm.SharedMemoryTransport(pool=True)
     big = torch.arange(2**20, dtype=torch.float32)
+    first = transport.publish("00000000000000c0", 1, wire.encode(big * 2))
+    seg = pool._segments[first.split(":")[2]]
+    assert seg.mapped is None, "the first payload is written with pwrite"
+    got = wire.decode(transport.fetch("00000000000000c0", 1, first))
+    assert torch.equal(got, big * 2)
+    del got
 
     def no_pwrite(*args: Any) -> None:
         raise AssertionError("a pooled payload was written with pwrite")
 
     monkeypatch.setattr(wire, "pwrite_all", no_pwrite)
-    receipt = transport.publish("00000000000000c0", 1, wire.encode(big))
-    seg = pool._segments[receipt.split(":")[2]]
+    receipt = transport.publish("00000000000000c1", 1, wire.encode(big))
+    assert receipt.split(":")[2] == seg.ident, "the same warm segment"
     assert seg.mapped is not None and len(seg.mapped) == seg.size
-    got = wire.decode(transport.fetch("00000000000000c0", 1, receipt))
+    got = wire.decode(transport.fetch("00000000000000c1", 1, receipt))
     assert torch.equal(got, big)
     read, write = os.pipe()
     child = os.fork()
@@ -297,12 +304,14 @@ def test_a_sender_that_cannot_map_its_segment_writes_it_with_pwrite(monkeypatch:
     monkeypatch.setattr(shm.mmap, "mmap", no_sender_map)
     transport = shm.SharedMemoryTransport(pool=True)
     big = torch.arange(2**18, dtype=torch.int32)
-    receipt = transport.publish("00000000000000d0", 1, wire.encode(big))
-    seg = pool._segments[receipt.split(":")[2]]
-    assert seg.mapped is None, "no map: written with pwrite"
-    got = wire.decode(transport.fetch("00000000000000d0", 1, receipt))
-    assert torch.equal(got, big)
-    del got
+    for i, token in enumerate(("00000000000000d0", "00000000000000d1")):  # the map is tried at the second
+        receipt = transport.publish(token, 1, wire.encode(big + i))
+        seg = pool._segments[receipt.split(":")[2]]
+        assert seg.mapped is None, "no map: written with pwrite"
+        got = wire.decode(transport.fetch(token, 1, receipt))
+        assert torch.equal(got, big + i)
+        del got
+    assert len(pool._segments) == 1, "one warm segment, written twice"
     pool.release()
 
 

@@ -400,7 +400,7 @@ def write_costs(nbytes: int, repeats: int) -> list[dict[str, Any]]:
 
     record("sender: posix_fallocate of a fresh segment", fresh(lambda fd: os.posix_fallocate(fd, 0, nbytes)))
     record(
-        "sender: posix_fallocate + pwritev (ours when not pooled)",
+        "sender: posix_fallocate + pwritev (ours: a new segment's first payload)",
         fresh(lambda fd: (os.posix_fallocate(fd, 0, nbytes), os.pwritev(fd, [data], 0))),
     )
     record("sender: pwritev alone (the file grows)", fresh(lambda fd: os.pwritev(fd, [data], 0)))
