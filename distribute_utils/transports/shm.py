@@ -7,7 +7,8 @@ Segment ``/dev/shm/du_<token>_<rank>_<pid>``: ``token`` is unguessable and fresh
 - ``publish`` creates the segment exclusively, reserves its exact size with
   ``posix_fallocate`` (a full ``/dev/shm`` gives :class:`SpaceError` naming the size needed
   and the space free, never a SIGBUS later), then ``pwrite``s the payload into it. Large
-  payloads reuse warm pooled segments (see :class:`_SegmentPool`).
+  payloads reuse warm pooled segments (see :class:`_SegmentPool`), copied into the sender's own
+  map of them (:meth:`_Segment.write`).
 - ``fetch`` maps the segment copy-on-write, unlinks its name at once and returns the map:
   decoded tensors are views of it, valid for as long as they live. A pooled segment is mapped
   shared instead (nobody else reads it until its receiver lets it go), and a small one's map is
