@@ -309,8 +309,9 @@ class _Segment:
 class _SegmentPool:
     """Each sender's warm segments, reused once the receiver's views of them are gone.
 
-    Allocating fresh tmpfs pages costs more than copying into them (about 20 ms of the 30 ms
-    it takes to publish 64 MiB here). A large payload therefore goes into one of at most
+    Allocating fresh tmpfs pages costs more than copying into them (64 MiB here: 22 ms into a fresh
+    segment, 10 ms into a warm one through the sender's map; ``scripts/bench_gather.py
+    --write-costs``). A large payload therefore goes into one of at most
     :attr:`LIMIT` pooled segments: ``O_TMPFILE`` files in ``/dev/shm`` that never have a name,
     so nothing is ever visible there and the kernel frees them when the process exits, however
     it exits. The receiver opens one through ``/proc/<sender pid>/fd/<fd>`` (checking its
