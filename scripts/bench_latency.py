@@ -112,6 +112,7 @@ import json
 import mmap
 import os
 import random
+import secrets
 import socket
 import statistics
 import subprocess
@@ -161,6 +162,12 @@ def _modelopt() -> Any | None:
     return mo_dist, mo_config
 
 
+def _limit_prefix() -> str:
+    """Where this run's limit segments go: named by the launching process (``$DU_BENCH_RUN``, which its
+    ranks inherit), which removes them at the end (see :func:`_limits_removed_at_end`)."""
+    return f"/dev/shm/du-bench-limit-{os.environ.get('DU_BENCH_RUN', 'solo')}-"
+
+
 class _Limit:
     """The physical limit: a sender writes its bytes into /dev/shm, rank 0 maps and views them.
 
@@ -176,7 +183,7 @@ class _Limit:
         self.rep = 0
         self.fd = -1
         self.mapped: mmap.mmap | None = None
-        self.path = f"/dev/shm/du-bench-limit-{how}-{os.getpid()}"
+        self.path = f"{_limit_prefix()}{how}-{os.getpid()}"
         if how != "fresh" and self.rank != 0:
             self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
             os.posix_fallocate(self.fd, 0, nbytes)
@@ -184,7 +191,7 @@ class _Limit:
             if how == "copy":
                 self.mapped = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         pids = [int(p) for p in _all_gather_str(str(os.getpid()))]
-        self.paths = [f"/dev/shm/du-bench-limit-{how}-{p}" for p in pids]
+        self.paths = [f"{_limit_prefix()}{how}-{p}" for p in pids]
 
     def run(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         self.rep += 1
@@ -801,6 +808,19 @@ def _busy(n: int) -> Iterator[None]:
             proc.wait()
 
 
+@contextlib.contextmanager
+def _limits_removed_at_end() -> Iterator[None]:
+    """Name this run's limit segments, and remove them when it ends, however: ranks that failed never
+    closed theirs."""
+    os.environ["DU_BENCH_RUN"] = secrets.token_hex(4)
+    try:
+        yield
+    finally:
+        for path in glob.glob(f"{_limit_prefix()}*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -821,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cold and not args.steps:
         parser.error("--cold goes with --steps (it evicts the caches before each call that --steps splits)")
-    with _busy(args.busy):
+    with _busy(args.busy), _limits_removed_at_end():
         if args.against:
             with tempfile.TemporaryDirectory(prefix="du-against-") as tmp:
                 _copy_at(args.against, Path(tmp))

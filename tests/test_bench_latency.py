@@ -9,10 +9,13 @@ the sweep's paired ratios and spread.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from harness import SCRIPTS, load_script
 
@@ -122,3 +125,21 @@ def test_first_mode_times_gathers_that_need_new_segments() -> None:
     row = next(line.split() for line in out.splitlines() if line.strip().startswith("1M"))
     ours, fresh, ratio = map(float, row[1:])
     assert ours > 0 and fresh > 0 and abs(ratio - ours / fresh) < 0.02, out
+
+
+def test_a_failed_run_leaves_none_of_its_limit_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks that fail never close their limits: the launching process removes this run's segments (and
+    only this run's) however the run ends."""
+    monkeypatch.delenv("DU_BENCH_RUN", raising=False)
+    bench = load_script("bench_latency")
+    other = Path("/dev/shm/du-bench-limit-otherrun-copy-1")
+    other.write_bytes(b"x")
+    try:
+        with pytest.raises(RuntimeError, match="a rank failed"), bench._limits_removed_at_end():
+            mine = Path(f"{bench._limit_prefix()}copy-{os.getpid()}")
+            mine.write_bytes(b"x")
+            raise RuntimeError("a rank failed")
+        assert not mine.exists(), "this run's segment is removed"
+        assert other.exists(), "another run's is not"
+    finally:
+        other.unlink(missing_ok=True)
