@@ -3,8 +3,8 @@
 On ``--nproc`` local ranks (gloo), every repetition runs every method once, in turn
 (interleaved, so that a change of load hits all methods alike; in an order shuffled at each
 repetition, so no method always follows the same one and pays for what it left running, such as
-ModelOpt's resource trackers unlinking its segments), barrier to barrier: a ``dist.barrier()``, then the time on rank 0 until
-it holds every rank's tensor.
+ModelOpt's resource trackers unlinking its segments), barrier to barrier: a ``dist.barrier()``,
+then the time on rank 0 until it holds every rank's tensor.
 
 Methods, per size (one float32 tensor per rank to rank 0):
 
@@ -14,7 +14,7 @@ Methods, per size (one float32 tensor per rank to rank 0):
   plain copy), and posts one store key; rank 0 waits for the keys, maps each segment and views it
   (``torch.frombuffer``), no decoding, no checks;
 - ``pwrite``: the same, written with ``pwrite`` (what the limit was until the library's senders
-  copied into maps: up to twice as slow from 1 MiB, the kernel looks up every page);
+  copied into maps: up to twice as slow from 16 MiB, the kernel looks up every page);
 - ``fresh``: the same with a new segment per repetition (create, ``posix_fallocate``, ``pwrite``,
   map, unlink), what a first gather of that size costs;
 - ``gloo``: ``dist.gather`` into preallocated outputs;

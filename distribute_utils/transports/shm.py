@@ -301,9 +301,12 @@ class _Segment:
         self.written = True
 
     def close(self) -> None:
-        if self.mapped is not None:
-            self.mapped.close()
-        os.close(self.fd)
+        """Close the sender's map and descriptor (the pages go once no receiver maps them either)."""
+        try:
+            if self.mapped is not None:
+                self.mapped.close()
+        finally:
+            os.close(self.fd)
 
 
 class _SegmentPool:
@@ -464,7 +467,8 @@ class _SegmentPool:
         """A forked child must never write its parent's segments: it closes its copies of them."""
         segments, self._segments, self._lock = self._segments, {}, threading.Lock()
         for seg in segments.values():
-            seg.close()
+            with contextlib.suppress(BufferError, OSError):  # (a parent's thread was copying into it)
+                seg.close()
 
 
 _NOTICE_NAME = re.compile(r"[0-9a-f]{16}")
