@@ -297,7 +297,7 @@ def _all_gather_str(value: str) -> list[str]:
 
 def _deciles(values: list[float]) -> tuple[float, float, float]:
     """The 10th, 50th and 90th percentile of ``values``."""
-    cuts = statistics.quantiles(values, n=10) if len(values) > 1 else values * 9
+    cuts = statistics.quantiles(values, n=10, method="inclusive") if len(values) > 1 else values * 9
     return cuts[0], statistics.median(values), cuts[-1]
 
 
