@@ -431,6 +431,9 @@ def _first_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
         nbytes = CHOICES[name]
         base = torch.full((nbytes // 4,), float(rank))
         fresh = _Limit(nbytes, "fresh")
+        # Warm-up at the base size: a first call's set-up (connections, mailboxes) is no segment's cost.
+        for warm in (functools.partial(_gather_once, base, ranks), functools.partial(fresh.run, base)):
+            _timed(warm)
         times: dict[str, list[float]] = {"ours": [], "fresh": []}
         for rep in range(min(_reps_for(nbytes, reps), 40)):
             grown = torch.full((nbytes // 4 + 1024 * (rep + 1),), float(rank))
