@@ -58,7 +58,7 @@ interleaved in blocks::
 
 ``--first`` times first gathers: each repetition's payload is 4 KiB larger than the last, so no pooled
 segment holds it and every sender makes a new one (what the first gather of a size costs), against
-``fresh``, interleaved::
+``fresh``, interleaved, after one untimed call of each at the base size::
 
     python scripts/bench_latency.py --first --sizes 1M 16M 64M
 
