@@ -290,6 +290,50 @@ def test_a_sender_copies_into_its_own_map_of_a_pooled_segment(monkeypatch: pytes
     assert seg.mapped.closed
 
 
+def test_a_forked_child_lets_go_of_a_segment_a_parents_thread_was_copying_into(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fork while another thread of the parent holds a view of a pooled segment's map (it was copying a
+    payload in): the child cannot close that map (``BufferError``), but it still forgets the segment and
+    closes its descriptor, and every other segment; the parent's pool is untouched."""
+    pool = shm._SegmentPool()
+    monkeypatch.setattr(shm, "_POOL", pool)
+    transport = shm.SharedMemoryTransport(pool=True)
+    tensor = torch.arange(2**18, dtype=torch.float32)
+    first = transport.publish("00000000000000e0", 1, wire.encode(tensor))
+    got = wire.decode(transport.fetch("00000000000000e0", 1, first))
+    del got  # let go: the segment is free, and its next payload goes through the sender's map of it
+    busy = pool._segments[transport.publish("00000000000000e1", 1, wire.encode(tensor)).split(":")[2]]
+    other = pool._segments[transport.publish("00000000000000e2", 1, wire.encode(tensor)).split(":")[2]]
+    segments = [busy, other]  # the child meets the one in use first
+    assert busy.mapped is not None and list(pool._segments.values()) == segments
+    copying = memoryview(busy.mapped)  # what a copying thread holds while the fork happens
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        closed = []
+        for seg in segments:
+            try:
+                os.fstat(seg.fd)
+                closed.append(False)
+            except OSError:
+                closed.append(True)
+        os.write(write, repr((pool.held(), closed, busy.mapped.closed)).encode())
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 200) == b"((0, 0), [True, True], False)", (
+        "the child forgot both segments and closed their descriptors; the map in use stays open"
+    )
+    os.close(read)
+    assert os.waitpid(child, 0)[1] == 0
+    assert pool.held() == (2, sum(seg.size for seg in segments)), "the parent's pool is untouched"
+    os.fstat(busy.fd)  # (still open in the parent)
+    copying.release()
+    pool.release()  # (busy segments go once freed: nobody fetched these)
+    pool.freed({busy.ident, other.ident})
+    assert busy.mapped.closed and pool.held() == (0, 0)
+
+
 def test_a_sender_that_cannot_map_its_segment_writes_it_with_pwrite(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mapping the segment fails (e.g. no address space left): the payload still goes, with pwrite."""
     pool = shm._SegmentPool()
