@@ -359,14 +359,20 @@ def _process_cpu(pid: int) -> float:
     return total / 1e9
 
 
+def _each_size(sizes: list[str]) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """Per size: its name, its bytes, and this rank's float32 tensor of that size (its rank in every element)."""
+    rank = dist.get_rank()
+    for name in sizes:
+        nbytes = CHOICES[name]
+        yield name, nbytes, torch.full((nbytes // 4,), float(rank))
+
+
 def _sweep_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = list(range(world))
     mo = _modelopt()
     report: dict[str, Any] = {}
-    for name in sizes:
-        nbytes = CHOICES[name]
-        tensor = torch.full((nbytes // 4,), float(rank))
+    for name, nbytes, tensor in _each_size(sizes):
         outputs = [torch.empty_like(tensor) for _ in ranks] if rank == 0 else None
         limits = {how: _Limit(nbytes, how) for how in ("copy", "pwrite", "fresh")}
 
@@ -427,9 +433,7 @@ def _first_rank(sizes: list[str], reps: int | None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = list(range(world))
     report: dict[str, Any] = {}
-    for name in sizes:
-        nbytes = CHOICES[name]
-        base = torch.full((nbytes // 4,), float(rank))
+    for name, nbytes, base in _each_size(sizes):
         fresh = _Limit(nbytes, "fresh")
         # Warm-up at the base size: a first call's set-up (connections, mailboxes) is no segment's cost.
         for warm in (functools.partial(_gather_once, base, ranks), functools.partial(fresh.run, base)):
@@ -456,9 +460,7 @@ def _cpu_rank(sizes: list[str], rounds: int, launcher: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = list(range(world))
     report: dict[str, Any] = {}
-    for name in sizes:
-        nbytes = CHOICES[name]
-        tensor = torch.full((nbytes // 4,), float(rank))
+    for name, nbytes, tensor in _each_size(sizes):
         outputs = [torch.empty_like(tensor) for _ in ranks] if rank == 0 else None
         limit = _Limit(nbytes, "copy")
         methods: dict[str, Callable[[], Any]] = {
@@ -556,8 +558,7 @@ def _steps_rank(sizes: list[str], rounds: int, cold: bool = False) -> dict[str, 
     report: dict[str, Any] = {}
     lines = bytearray(16 << 20) if cold else bytearray()
     with _steps_timed(events):
-        for name in sizes:
-            tensor = torch.full((CHOICES[name] // 4,), float(rank))
+        for name, _, tensor in _each_size(sizes):
             per_round: dict[str, list[float]] = {}
             for i in range(rounds + 50):
                 if cold:
@@ -651,9 +652,7 @@ def _against_rank(sizes: list[str], reps: int | None, path: str) -> dict[str, An
     ranks = list(range(world))
     versions = {"ours": get_tensors_parallel, "then": du_against.get_tensors_parallel}
     report: dict[str, Any] = {}
-    for name in sizes:
-        nbytes = CHOICES[name]
-        tensor = torch.full((nbytes // 4,), float(rank))
+    for name, nbytes, tensor in _each_size(sizes):
         outputs = [torch.empty_like(tensor) for _ in ranks] if rank == 0 else None
         times: dict[str, tuple[list[float], list[float], list[tuple[float, float]]]] = {
             v: ([], [], []) for v in versions
