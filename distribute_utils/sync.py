@@ -87,6 +87,19 @@ _RECORDS_KEPT = 16  # calls a rank remembers for inquiries (its latest first)
 _ROOT = "distribute_utils"
 
 
+def _timeout_env() -> str | None:
+    """``$DISTRIBUTE_UTILS_TIMEOUT``: every call of every rank looks, and mostly finds it unset, where
+    ``os.environ.get`` raises and catches ``KeyError`` twice (~9 µs when cold). CPython's
+    ``os.environ`` keeps its variables in a dict, which says so without raising."""
+    data = getattr(os.environ, "_data", None)
+    if type(data) is dict and _TIMEOUT_KEY not in data:
+        return None
+    return os.environ.get(TIMEOUT_ENV)
+
+
+_TIMEOUT_KEY = os.environ.encodekey(TIMEOUT_ENV) if hasattr(os.environ, "encodekey") else None
+
+
 def resolve_timeout(timeout: float | timedelta | None) -> float:
     """Seconds to wait at most: ``timeout``, else ``$DISTRIBUTE_UTILS_TIMEOUT``, else 600.
 
@@ -95,7 +108,7 @@ def resolve_timeout(timeout: float | timedelta | None) -> float:
     """
     source = "timeout"
     if timeout is None:
-        env = os.environ.get(TIMEOUT_ENV)
+        env = _timeout_env()
         if env is None:
             return DEFAULT_TIMEOUT_S
         source = f"${TIMEOUT_ENV}"
