@@ -773,6 +773,7 @@ class _Gather:
             self.call.post({"c": self.claim("first", error).pack()})
         self.record("first")  # in a direct round, before waiting: a sender past the grace looks for it
         claims: dict[int, _Claim] = {}
+        found: dict[int, Any] = {}  # each rank's value (a direct round's attached ones, as they come)
         bulky: list[int] = []
         taken: set[int] = set()  # whose payloads were fetched: nothing of theirs is left to discard
         plan: _Plan | None = None
@@ -780,10 +781,14 @@ class _Gather:
             if error is not None:
                 _raise_from(error, "")
             target = torch.device(device) if device is not None else _CPU
+            decode_to = None if target is _CPU or target.type == "cpu" else target
             plan = self.plan_and_tell()
             direct = plan.direct
+            # What needs no claim is done before they come: after the last one, only its own part is left.
+            found[self.first] = _place(own, target) if self.place_own else own
+            notes = self.notes_for(self.ranks[1:])
             if self.direct:
-                self.claims_directly(direct, claims)
+                self.claims_directly(direct, claims, decode_to, found)
             else:
                 values = self.call.wait_for("c", direct, self.seconds, self.what)
                 claims.update((r, _Claim.unpack(v)) for r, v in zip(direct, values))
@@ -791,9 +796,9 @@ class _Gather:
                 for rank in direct:
                     self.check_claim(rank, claims[rank])
             self.tell_go(None, claims)
-            found: dict[int, Any] = {self.first: _place(own, target) if self.place_own else own}
-            decode_to = None if target.type == "cpu" else target
             for rank in direct:
+                if rank in found:  # attached to its claim: decoded as it came
+                    continue
                 value = self.decode(self.fetch(rank, plan, claims[rank].body), rank, decode_to)
                 taken.add(rank)
                 if rank in plan.hosts and len(plan.hosts[rank]) > 1:
@@ -818,7 +823,7 @@ class _Gather:
                     self.discard(rank, plan, claim.body)
             self.remove_leftovers_of(getattr(exc, "missing", ()))
             raise
-        notes = self.notes_for(self.ranks[1:]) + [note for c in claims.values() for note in c.notes or ()]
+        notes += [note for c in claims.values() for note in c.notes or ()]
         # A sender may have received from this rank in an earlier gather (other roles, other numbers).
         HostTransport.heed(self.me, notes)
         verdict = _Verdict(True, self.shown, self.digest, None, notes).pack() if notes else self.success()
@@ -831,9 +836,12 @@ class _Gather:
             self.call.post({"v": verdict}, ("c", bulky, overwrite))
         return [found[r] for r in self.ranks]
 
-    def claims_directly(self, senders: list[int], claims: dict[int, _Claim]) -> None:
+    def claims_directly(
+        self, senders: list[int], claims: dict[int, _Claim], decode_to: torch.device | None, found: dict[int, Any]
+    ) -> None:
         """The first rank of a direct round: its senders' claims, from its mailbox, each checked as it
-        comes (into ``claims``, so that a failure can discard what came)."""
+        comes (into ``claims``, so that a failure can discard what came). A payload attached to its
+        claim is decoded at once (into ``found``): only the last one is left when the last claim comes."""
 
         def arrived(rank: int, data: bytearray) -> None:
             message = memoryview(data)
@@ -846,6 +854,8 @@ class _Gather:
                 raise PayloadError(f"rank {rank} sent a malformed claim: {exc}") from None
             self._attached_in[rank] = message[_CLAIM_LENGTH.size + length :]
             self.check_claim(rank, claim)
+            if claim.body and _is_attached(claim.body[1]):
+                found[rank] = self.decode(self.fetch(rank, None, claim.body), rank, decode_to)
 
         self.call.receive_direct(_CLAIM, senders, self.seconds, self.what, self.judge_sender, arrived)
 
