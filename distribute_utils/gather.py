@@ -837,7 +837,11 @@ class _Gather:
         return [found[r] for r in self.ranks]
 
     def claims_directly(
-        self, senders: list[int], claims: dict[int, _Claim], decode_to: torch.device | None, found: dict[int, Any]
+        self,
+        senders: list[int],
+        claims: dict[int, _Claim],
+        decode_to: torch.device | None,
+        found: dict[int, Any],
     ) -> None:
         """The first rank of a direct round: its senders' claims, from its mailbox, each checked as it
         comes (into ``claims``, so that a failure can discard what came). A payload attached to its
