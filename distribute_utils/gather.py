@@ -100,24 +100,49 @@ _RAISABLE: dict[str, type[Exception]] = {
 }
 
 
-def _check_ranks(ranks: Sequence[int], members: tuple[int, ...]) -> list[int]:
-    """``ranks`` as a list, checked against the world and the group's ``members`` (raises ValueError).
+class _List:
+    """A checked ranks list, and what every gather call with it shares: its digest, how messages
+    show it, and the packed messages that come back call after call (:meth:`kept`). Made once per
+    list and group (:func:`_checked`); nothing else of it changes."""
 
-    The same lists come back call after call: a list checked once is remembered (by value).
+    __slots__ = ("_kept", "digest", "first", "ranks", "shown", "what")
+
+    def __init__(self, ranks: list[int], digest: str) -> None:
+        self.ranks, self.first, self.digest = ranks, ranks[0], digest
+        self.shown = ranks if len(ranks) <= 64 else None  # (in messages: a long list is left out)
+        self.what = f"gather to rank {self.first}"
+        self._kept: dict[tuple[Any, ...], bytes] = {}
+
+    def kept(self, key: tuple[Any, ...], make: Callable[[], bytes]) -> bytes:
+        """``make()``, kept under ``key`` (a message of this list: what it says besides the list)."""
+        found = self._kept.get(key)
+        if found is None:
+            if len(self._kept) >= 256:
+                self._kept.clear()
+            found = self._kept[key] = make()
+        return found
+
+
+def _checked(ranks: Sequence[int], companion: sync.GroupSync) -> _List:
+    """``ranks`` checked against the world and the members of ``companion``'s group (raises ValueError).
+
+    The same lists come back call after call: a list checked once is kept (by value, with its group's
+    members: a list of members is in the world).
     """
     if (type(ranks) is list or type(ranks) is tuple) and set(map(type, ranks)) == {int}:
-        key = (tuple(ranks), members)  # members are ranks of the world: a list of members is in it
-        if key in _CHECKED:
-            return list(key[0])
-        checked = _check_ranks_now(ranks, members, dist.get_world_size())
-        if len(_CHECKED) >= 256:
-            _CHECKED.clear()
-        _CHECKED.add(key)
-        return checked
-    return _check_ranks_now(ranks, members, dist.get_world_size())
+        key = (tuple(ranks), companion.ranks)
+        found = _LISTS.get(key)
+        if found is None:
+            checked = _check_ranks_now(ranks, companion.ranks, dist.get_world_size())
+            if len(_LISTS) >= 256:
+                _LISTS.clear()
+            found = _LISTS[key] = _List(checked, companion.digest(checked))
+        return found
+    checked = _check_ranks_now(ranks, companion.ranks, dist.get_world_size())
+    return _List(checked, companion.digest(checked))
 
 
-_CHECKED: set[tuple[tuple[Any, ...], tuple[int, ...]]] = set()
+_LISTS: dict[tuple[tuple[int, ...], tuple[int, ...]], _List] = {}
 
 
 def _check_ranks_now(ranks: Sequence[int], members: tuple[int, ...], world: int) -> list[int]:
@@ -315,17 +340,6 @@ def _plan(requested: str, ranks: list[int], domains: dict[int, str], has_workspa
 
 
 _CPU = torch.device("cpu")
-_KEPT: dict[tuple[Any, ...], bytes] = {}  # packed messages that come back call after call, by what they say
-
-
-def _kept(key: tuple[Any, ...], make: Callable[[], bytes]) -> bytes:
-    """``make()``, kept under ``key``: the same lists, payload sizes and verdicts come back call after call."""
-    found = _KEPT.get(key)
-    if found is None:
-        if len(_KEPT) >= 1024:
-            _KEPT.clear()
-        found = _KEPT[key] = make()
-    return found
 
 
 # -- one gather call on one rank ------------------------------------------------------------------------
@@ -336,7 +350,7 @@ class _Gather:
         self,
         companion: sync.GroupSync,
         call: sync.Call,
-        ranks: list[int],
+        listed: _List,
         *,
         transport: str,
         workspace_path: str | PathLike[str] | None,
@@ -344,14 +358,17 @@ class _Gather:
         group: dist.ProcessGroup | Sequence[int] | None,
         root: str,
     ) -> None:
-        self.companion, self.call, self.ranks = companion, call, ranks
-        self.me, self.first = companion.rank, ranks[0]
-        self.digest = companion.digest(ranks)
-        self.shown = ranks if len(ranks) <= 64 else None
+        self.companion, self.call, self.listed, self.ranks = companion, call, listed, listed.ranks
+        self.me, self.first, self.digest, self.shown = (
+            companion.rank,
+            listed.first,
+            listed.digest,
+            listed.shown,
+        )
         self.transport, self.workspace_path = transport, workspace_path
         self.mode = f"{transport}:{workspace_path is not None}"
         self.seconds, self.group, self.root = seconds, group, root
-        self.what = f"gather to rank {self.first}"
+        self.what = listed.what
         self._collective: dict[str, CollectiveTransport] = {}
         self._attached_in: dict[int, memoryview] = {}  # the first rank's: each sender's, as it came
         self._relayed: list[Any] = []  # a leader: its members' notes, for the first rank's verdict
@@ -402,12 +419,12 @@ class _Gather:
         return _Claim(kind, self.shown, self.digest, self.mode, error, body, notes or None)
 
     def marker(self) -> bytes:
-        return _kept(("marker", self.digest), lambda: _Verdict(False, self.shown, self.digest).pack())
+        return self.listed.kept(("marker",), lambda: _Verdict(False, self.shown, self.digest).pack())
 
     def success(self) -> bytes:
         """The first rank's verdict when all went well and it has no notes to pass on."""
-        return _kept(
-            ("success", self.digest), lambda: _Verdict(True, self.shown, self.digest, None, []).pack()
+        return self.listed.kept(
+            ("success",), lambda: _Verdict(True, self.shown, self.digest, None, []).pack()
         )
 
     def decide(self) -> None:
@@ -641,8 +658,8 @@ class _Gather:
                 # its members' notes). They travel on only in a successful verdict: see take_back_notes.
                 notes = self.notes_for(self.ranks) + self._relayed
                 if self._attached is not None and not notes:
-                    key = ("attached", self.digest, self.mode, self._attached.nbytes)
-                    claim = _kept(key, lambda: self.claim("send", None, body).pack())
+                    key = ("attached", self.mode, self._attached.nbytes)
+                    claim = self.listed.kept(key, lambda: self.claim("send", None, body).pack())
                 else:
                     claim = self.claim("send", None, body, notes).pack()
             else:
@@ -1031,13 +1048,13 @@ def gather_to_first(
     with companion.exclusive("a gather"):
         call = companion.new_call(seconds)
         try:
-            checked = _check_ranks(ranks, companion.ranks)
+            listed = _checked(ranks, companion)
         except ValueError as exc:
             # No list to route by: check in, so that nobody waits for this rank, and raise.
             _Gather(
                 companion,
                 call,
-                [companion.rank],
+                _List([companion.rank], companion.digest([companion.rank])),
                 transport=transport,
                 workspace_path=workspace_path,
                 seconds=seconds,
@@ -1051,10 +1068,11 @@ def gather_to_first(
             error = _error_of(
                 TypeError(f"get_tensors_parallel gathers a torch.Tensor; got {type(value).__name__}")
             )
+        checked = listed.ranks
         this = _Gather(
             companion,
             call,
-            checked,
+            listed,
             transport=transport,
             workspace_path=workspace_path,
             seconds=seconds,
