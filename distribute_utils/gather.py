@@ -790,7 +790,7 @@ class _Gather:
             self.call.post({"c": self.claim("first", error).pack()})
         self.record("first")  # in a direct round, before waiting: a sender past the grace looks for it
         claims: dict[int, _Claim] = {}
-        found: dict[int, Any] = {}  # each rank's value (a direct round's attached ones, as they come)
+        found: dict[int, Any] = {}  # each rank's value (in a direct round, as its claim comes)
         bulky: list[int] = []
         taken: set[int] = set()  # whose payloads were fetched: nothing of theirs is left to discard
         plan: _Plan | None = None
@@ -814,7 +814,7 @@ class _Gather:
                     self.check_claim(rank, claims[rank])
             self.tell_go(None, claims)
             for rank in direct:
-                if rank in found:  # attached to its claim: decoded as it came
+                if rank in found:  # a direct round's: decoded as its claim came
                     continue
                 value = self.decode(self.fetch(rank, plan, claims[rank].body), rank, decode_to)
                 taken.add(rank)
@@ -836,7 +836,7 @@ class _Gather:
                 self.call.post({"v": failed})
             self.take_back_notes()
             for rank, claim in claims.items():
-                if rank not in taken:
+                if rank not in taken and rank not in found:  # (found: fetched as its claim came)
                     self.discard(rank, plan, claim.body)
             self.remove_leftovers_of(getattr(exc, "missing", ()))
             raise
@@ -861,8 +861,8 @@ class _Gather:
         found: dict[int, Any],
     ) -> None:
         """The first rank of a direct round: its senders' claims, from its mailbox, each checked as it
-        comes (into ``claims``, so that a failure can discard what came). A payload attached to its
-        claim is decoded at once (into ``found``): only the last one is left when the last claim comes."""
+        comes (into ``claims``, so that a failure can discard what came), its payload fetched and decoded
+        at once (into ``found``): when the last claim comes, only its payload is left to read."""
 
         def arrived(rank: int, data: bytearray) -> None:
             message = memoryview(data)
@@ -875,8 +875,7 @@ class _Gather:
                 raise PayloadError(f"rank {rank} sent a malformed claim: {exc}") from None
             self._attached_in[rank] = message[_CLAIM_LENGTH.size + length :]
             self.check_claim(rank, claim)
-            if claim.body and _is_attached(claim.body[1]):
-                found[rank] = self.decode(self.fetch(rank, None, claim.body), rank, decode_to)
+            found[rank] = self.decode(self.fetch(rank, None, claim.body), rank, decode_to)
 
         self.call.receive_direct(_CLAIM, senders, self.seconds, self.what, self.judge_sender, arrived)
 

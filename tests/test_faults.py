@@ -366,7 +366,8 @@ def test_first_rank_killed_mid_read(tmp_path: Path, row: Row) -> None:
     row.lost = not _exited_cleanly(job, victim=0)
     row.leaked = bool(_segments_of(job.pids))
     assert not row.lost, job.explain()
-    assert job.notes[0] == {"fetched": 1}, "it died after fetching rank 1's payload, before rank 2's"
+    # It reads each payload as its claim comes: whichever came first, then it died before the other.
+    assert job.notes[0] in ({"fetched": 1}, {"fetched": 2}), "it died after fetching one sender's payload"
     for report in job.survivors(0):
         assert report["error_type"] == "PeerLostError" and report["missing"] == [0], report
     _check_named_within(job, victim=0, bound=TIMEOUT_S + 1)

@@ -719,3 +719,35 @@ def test_a_malformed_direct_claim_fails_every_rank_naming_its_sender() -> None:
     assert results[0]["error"] == "PayloadError" and "rank 1 sent a malformed claim" in results[0]["message"]
     for rank, r in enumerate(results):
         assert "rank 1 sent a malformed claim" in r["message"] and r["seconds"] < 10, (rank, r)
+
+
+def _reads_each_payload_as_its_claim_comes(elements: int) -> dict[str, Any]:
+    """Rank 3 enters only once the first rank has read the payloads of ranks 1 and 2 (it says so in the
+    store as it decodes them): the first rank must read each payload as its claim comes, not once every
+    claim has come."""
+    from distribute_utils import gather
+
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        decode = gather._Gather.decode
+
+        def decode_and_tell(buffer: Any, sender: int, target: Any) -> Any:
+            value = decode(buffer, sender, target)
+            store.set(f"test/decoded/{sender}", b"1")
+            return value
+
+        gather._Gather.decode = staticmethod(decode_and_tell)  # type: ignore[method-assign]
+    barrier(timeout=30)
+    if rank == 3:
+        store.wait(["test/decoded/1", "test/decoded/2"], datetime.timedelta(seconds=20))
+    with get_tensors_parallel(torch.full((elements,), float(rank)), [0, 1, 2, 3], timeout=40) as got:
+        return {"values": [float(t[-1]) for t in got]}
+
+
+@pytest.mark.parametrize("size", ["inline", "shm"])
+def test_the_first_rank_reads_each_payload_as_its_claim_comes(size: str) -> None:
+    from distribute_utils.launch import run_local
+
+    results = run_local(_reads_each_payload_as_its_claim_comes, 4, SIZES[size], timeout=120)
+    assert results[0]["values"] == [0.0, 1.0, 2.0, 3.0]

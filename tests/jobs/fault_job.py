@@ -20,7 +20,7 @@ Cases (the victim is the last rank unless the name says "first rank"):
 - ``sender_dies_while_reader_reads``: the victim dies right after posting its claim; the first
   rank fetches its payload only after it has died.
 - ``first_rank_dies_before_gather`` / ``first_rank_dies_mid_read``: rank 0 dies before
-  entering, or after fetching the first sender's payload.
+  entering, or after fetching the first payload it reads (the first claim to come).
 - ``workspace_sender_dies_mid_publish``: as ``sender_dies_mid_publish`` through the workspace
   (``$DU_WORKSPACE``), leaving a half-written temporary file.
 - ``workspace_rounds``: a healthy job, ``$DU_ROUNDS`` gathers through the workspace with the
