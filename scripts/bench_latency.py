@@ -84,6 +84,16 @@ costs in the sweep, several times its back-to-back cost::
 
     python scripts/bench_latency.py --steps --cold --sizes 4K 1M --rounds 500
 
+``--timeline`` follows cold calls of ours (caches evicted before each, as ``--cold``) on the clock all
+processes share: when each rank leaves the barrier, when each sender's claim has gone (and its thread
+CPU until then), when rank 0 takes the last claim and when it returns. Per call it prints how far apart
+the ranks left the barrier (which the sweep's time on rank 0 includes), the time from the last rank's
+start to rank 0's return, and that span's parts: the last sender until its claim is gone, the claim on
+its way until rank 0 has it, rank 0 from then to its return (direct rounds only: every rank on this
+host)::
+
+    python scripts/bench_latency.py --timeline --sizes 4K 1M --rounds 300
+
 ``--busy N`` runs N spinning processes beside the ranks for the whole run: a machine shared with
 other jobs (the load average then reaches about N plus the ranks' own share)::
 
@@ -585,6 +595,97 @@ def _steps_rank(sizes: list[str], rounds: int, cold: bool = False) -> dict[str, 
     return report if rank in (0, 1) else {}
 
 
+@contextlib.contextmanager
+def _claims_marked(marks: dict[str, int]) -> Iterator[None]:
+    """Mark when this rank's claim goes (``sent``, and its thread CPU then) and when a claim was
+    taken from the mailbox (``taken``: the last one's, on the first rank), by wrapping the two calls."""
+    from distribute_utils import gather, sync
+
+    send, take = sync.Call.send_direct, sync.Call._take
+
+    def send_direct(self: Any, rank: int, kind: int, parts: Any, timeout: float = 0.0) -> bool:
+        if kind == gather._CLAIM:  # (before: the woken first rank may take this sender's CPU in the call)
+            marks["sent"], marks["sent cpu"] = time.perf_counter_ns(), time.thread_time_ns()
+        return send(self, rank, kind, parts, timeout)
+
+    def taken(messages: list[Any], kind: int, *rest: Any) -> None:
+        if kind == gather._CLAIM and any(k == kind for _, k, _ in messages):
+            marks["taken"] = time.perf_counter_ns()
+        take(messages, kind, *rest)
+
+    sync.Call.send_direct, sync.Call._take = send_direct, staticmethod(taken)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        sync.Call.send_direct, sync.Call._take = send, staticmethod(take)  # type: ignore[method-assign]
+
+
+def _timeline_rank(sizes: list[str], rounds: int) -> dict[str, list[dict[str, int]]]:
+    """Per call, caches evicted first (as ``--steps --cold``): this rank's marks in ns, on the clock every
+    process shares (``perf_counter``: CLOCK_MONOTONIC) and on its thread's CPU clock."""
+    ranks = list(range(dist.get_world_size()))
+    lines = bytearray(16 << 20)
+    report: dict[str, list[dict[str, int]]] = {}
+    marks: dict[str, int] = {}
+    with _claims_marked(marks):
+        for name, _, tensor in _each_size(sizes):
+            calls = report[name] = []
+            for i in range(rounds + 20):
+                _evict(lines)
+                dist.barrier()
+                marks.clear()
+                marks["start"], marks["start cpu"] = time.perf_counter_ns(), time.thread_time_ns()
+                with get_tensors_parallel(tensor, ranks):
+                    marks["end"], marks["end cpu"] = time.perf_counter_ns(), time.thread_time_ns()
+                if i >= 20:
+                    calls.append(dict(marks))
+    return report
+
+
+_TIMELINE = {
+    "spread": "the ranks leave the barrier (first to last)",
+    "after": "from the last rank's start to rank 0's return",
+    "sender": "the last sender to start: from its start until its claim goes",
+    "on way": "from the last claim going to rank 0 taking it",
+    "rank 0": "from rank 0 taking the last claim to its return",
+    "cpu s": "a sender's thread CPU from its start until its claim goes",
+    "cpu 0": "rank 0's thread CPU in the call",
+}
+
+
+def _timeline_rows(calls: list[list[dict[str, int]]]) -> dict[str, list[float]]:
+    """The spans of :data:`_TIMELINE` of each call (``calls[rank][call]``: that rank's marks), in µs."""
+    rows: dict[str, list[float]] = {k: [] for k in _TIMELINE}
+    for marks in zip(*calls):
+        first, senders = marks[0], marks[1:]
+        last = max(senders, key=lambda m: m["start"])
+        last_sent = max(m["sent"] for m in senders)
+        spans = {
+            "spread": max(m["start"] for m in marks) - min(m["start"] for m in marks),
+            "after": first["end"] - max(m["start"] for m in marks),
+            "sender": last["sent"] - last["start"],
+            "on way": first["taken"] - last_sent,
+            "rank 0": first["end"] - first["taken"],
+            "cpu 0": first["end cpu"] - first["start cpu"],
+        }
+        for name, ns in spans.items():
+            rows[name].append(ns / 1e3)
+        rows["cpu s"] += [(m["sent cpu"] - m["start cpu"]) / 1e3 for m in senders]
+    return rows
+
+
+def _print_timeline(reports: list[dict[str, Any]], sizes: list[str]) -> None:
+    print(
+        f"where a cold call's wall time goes, {len(reports)} ranks, per call: median (10th-90th percentile), us"
+    )
+    for name in sizes:
+        rows = _timeline_rows([r[name] for r in reports])
+        print(f"{name}:")
+        for key, values in rows.items():
+            low, mid, high = _deciles(values)
+            print(f"  {key:>7} {mid:7.1f} ({low:6.1f}-{high:7.1f})  {_TIMELINE[key]}")
+
+
 def _inline_rank(sizes: list[str], rounds: int, blocks: int = 3) -> dict[str, Any]:
     """Wall seconds per back-to-back round (rank 0), per size and way: ``{size: {way: [block, ...]}}``."""
     from distribute_utils import gather, mailbox
@@ -835,6 +936,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1000, help="rounds per method with --cpu and --steps")
     parser.add_argument("--steps", action="store_true", help="one call's CPU split into steps (see above)")
     parser.add_argument("--cold", action="store_true", help="with --steps: caches evicted before each call")
+    parser.add_argument(
+        "--timeline", action="store_true", help="where a cold call's wall time goes (see above)"
+    )
     parser.add_argument("--inline-threshold", action="store_true", help="payloads in the claim vs pooled")
     parser.add_argument("--store-ops", action="store_true", help="time single store requests (see above)")
     parser.add_argument("--busy", type=int, default=0, help="spinning processes beside the ranks (see above)")
@@ -873,6 +977,11 @@ def main(argv: list[str] | None = None) -> int:
             for name, ways in report.items():
                 for way, blocks in ways.items():
                     print(f"{name:>5} {way:>15} " + " ".join(f"{b * 1e3:6.2f}" for b in blocks))
+            return 0
+        if args.timeline:
+            _print_timeline(
+                run_local(_timeline_rank, args.nproc, args.sizes, min(args.rounds, 500)), args.sizes
+            )
             return 0
         if args.steps:
             _print_steps(

@@ -3,8 +3,8 @@
 The latency targets live in the benchmark and ``docs/performance.md``; these tests only keep its
 modes working: ``--against`` (this checkout and an older revision in the same ranks), ``--cpu``
 (every method back to back, the store-free ``direct`` one included), ``--steps --cold`` (one call's
-CPU split into steps, caches evicted before each call), ``--first`` (gathers that need new segments) and
-the sweep's paired ratios and spread.
+CPU split into steps, caches evicted before each call), ``--timeline`` (where a cold call's wall time
+goes), ``--first`` (gathers that need new segments) and the sweep's paired ratios and spread.
 """
 
 from __future__ import annotations
@@ -101,6 +101,35 @@ def test_steps_mode_splits_a_cold_call_into_steps() -> None:
         assert spent["python"] > 0 and spent["wire"] > 0 and spent["call"] > 0, out
         # Medians of parts need not add up exactly; each part is within the call.
         assert max(spent[s] for s in ("python", "wire", "publish", "fetch")) <= spent["call"], out
+
+
+def test_timeline_mode_follows_cold_calls_on_the_shared_clock() -> None:
+    """``--timeline``: every span of a call is reported for each size, the parts within their whole."""
+    out = _bench("--timeline", "--sizes", "4K", "--rounds", "20")
+    assert "where a cold call's wall time goes" in out, out
+    spans = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^ +(\w+(?: \w+)?) +(-?[\d.]+) \(", out, flags=re.MULTILINE)
+    }
+    assert set(spans) == {"spread", "after", "sender", "on way", "rank 0", "cpu s", "cpu 0"}, out
+    assert spans["after"] > 0 and spans["sender"] > 0 and spans["rank 0"] > 0, out
+    assert spans["cpu s"] > 0 and spans["cpu 0"] > 0, out
+    assert spans["rank 0"] <= spans["after"], out
+
+
+def test_timeline_spans_are_worked_out_from_each_ranks_marks() -> None:
+    """The spans of one call, from made-up marks (ns): which rank started last, whose claim went last."""
+    bench = load_script("bench_latency")
+    rank0 = {"start": 1_000, "start cpu": 0, "taken": 9_000, "end": 12_000, "end cpu": 7_000}
+    early = {"start": 2_000, "start cpu": 100, "sent": 8_000, "sent cpu": 3_100}  # starts first, sends last
+    late = {"start": 4_000, "start cpu": 500, "sent": 6_000, "sent cpu": 2_000}
+    rows = bench._timeline_rows([[rank0], [early], [late]])
+    assert rows["spread"] == [3.0]  # 1 000 to 4 000 ns
+    assert rows["after"] == [8.0]  # from the last start (4 000) to rank 0's end (12 000)
+    assert rows["sender"] == [2.0]  # the last to start: 4 000 to its claim at 6 000
+    assert rows["on way"] == [1.0]  # the last claim to go (8 000) to rank 0 taking it (9 000)
+    assert rows["rank 0"] == [3.0] and rows["cpu 0"] == [7.0]
+    assert rows["cpu s"] == [3.0, 1.5]  # each sender's
 
 
 def test_cold_without_steps_is_refused() -> None:
