@@ -351,8 +351,9 @@ class _PeerDirectory:
         self._local: dict[int, ProcessInfo] = {}
         self._local_read = 0.0
         self._watch_client: dist.Store | None = None
-        store.multi_set([self._key(rank)], [msgpack.packb(me.to_wire())])
+        # Listed in its domain first: whoever has read a rank's info finds it there (see on_this_host).
         store.append(self._domain_key(me), f"{rank},".encode())
+        store.multi_set([self._key(rank)], [msgpack.packb(me.to_wire())])
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/info/{rank}"
@@ -378,6 +379,11 @@ class _PeerDirectory:
                 missing, _wait_values(store, [self._key(r) for r in missing], missing, timeout, what, None)
             )
         return [self._infos[r] for r in ranks]
+
+    def on_this_host(self, store: dist.Store) -> int:
+        """How many ranks have posted that they run in this process's domain (this one included; every
+        rank whose info this process has read among them)."""
+        return len({r for r in store.get(self._domain_key(self.me)).decode().split(",") if r})
 
     def posted(self, ranks: Sequence[int], store: dist.Store) -> dict[int, ProcessInfo]:
         """Infos of ``ranks`` without waiting: those not cached are read when all of them have posted
@@ -771,6 +777,7 @@ class GroupSync:
         self.infos: dict[int, ProcessInfo] = {}  # ranks of direct rounds (see direct())
         self._direct: dict[tuple[int, ...], bool] = {}
         self._mailbox: Mailbox | None = None
+        self._polling_decided = False
         if peers is not None and peers.me.direct_domain is not None:
             # Listening from the start: a peer's first claim then finds it (else it sends again).
             try:
@@ -802,6 +809,12 @@ class GroupSync:
                 found = domain is not None and all(i.direct_domain == domain for i in infos)
                 if found:
                     self.infos.update(zip(key, infos))
+                    if self._mailbox is not None and not self._polling_decided:
+                        # Waits poll before they sleep where this host has a core for each of the job's
+                        # ranks on it: every rank of this list is counted now (see on_this_host).
+                        cores = len(os.sched_getaffinity(0))
+                        self._mailbox.poll(self.directory.on_this_host(self.store) <= cores)
+                        self._polling_decided = True
             if len(self._direct) > 4096:
                 self._direct.clear()
             self._direct[key] = found

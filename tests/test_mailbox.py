@@ -173,3 +173,48 @@ def test_a_forked_child_cannot_read_its_parents_mailbox(parent_box: Mailbox) -> 
 
     pid, _ = _in_child(body)
     assert _reap(pid) == 0
+
+
+def _voluntary_switches() -> int:
+    """How often this thread has slept (given up its core to wait), as the kernel counts."""
+    with open("/proc/thread-self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches:"))
+
+
+@pytest.mark.parametrize("poll", [True, False])
+def test_a_wait_polls_before_it_sleeps_only_when_told_to(
+    parent_box: Mailbox, monkeypatch: pytest.MonkeyPatch, poll: bool
+) -> None:
+    """A child waits for the parent's message, which comes 0.3 s into its wait: told to poll (for longer
+    than that) it reads it without ever sleeping; else it sleeps until it comes."""
+    from distribute_utils import mailbox
+
+    monkeypatch.setattr(mailbox, "POLL_S", 30.0)
+    parent = pickle.loads(bytes.fromhex(os.environ["PARENT_INFO"]))
+    results_r, results_w = os.pipe()
+
+    def receiver(fd: int) -> None:
+        box = Mailbox(NS, this_process())
+        box.poll(poll)
+        _announce(fd)
+        before = _voluntary_switches()
+        os.write(results_w, b"w")  # waiting from now on
+        got = box.receive(9, {1: parent}, 10.0)
+        slept = _voluntary_switches() - before
+        os.write(results_w, msgpack.packb([slept, [[rank, kind, bytes(data)] for rank, kind, data in got]]))
+
+    pid, child = _in_child(receiver)
+    try:
+        assert os.read(results_r, 1) == b"w"
+        time.sleep(0.3)  # the child is in its wait by now
+        assert parent_box.send(child, 9, 1, 0, [b"hello"], timeout=5)
+        slept, got = msgpack.unpackb(os.read(results_r, 4096))
+    finally:
+        assert _reap(pid) == 0
+        os.close(results_r)
+        os.close(results_w)
+    assert got == [[1, 0, b"hello"]]
+    if poll:
+        assert slept == 0, "it slept although told to poll"
+    else:
+        assert slept >= 1, "it never slept: it cannot have waited for the message"

@@ -751,3 +751,20 @@ def test_the_first_rank_reads_each_payload_as_its_claim_comes(size: str) -> None
 
     results = run_local(_reads_each_payload_as_its_claim_comes, 4, SIZES[size], timeout=120)
     assert results[0]["values"] == [0.0, 1.0, 2.0, 3.0]
+
+
+def _polls_with(cores: int) -> dict[str, Any]:
+    """A gather of both ranks, this process allowed ``cores`` cores: do its group's waits poll?"""
+    os.sched_getaffinity = lambda pid: set(range(cores))  # type: ignore[assignment]
+    with get_tensors_parallel(torch.full((4,), float(dist.get_rank())), [0, 1], timeout=30) as got:
+        values = [float(t[0]) for t in got]
+    return {"values": values, "polls": sync.companion(None).mailbox().polls}
+
+
+@pytest.mark.parametrize(("cores", "polls"), [(2, True), (64, True), (1, False)])
+def test_waits_poll_before_they_sleep_only_where_each_rank_has_a_core(cores: int, polls: bool) -> None:
+    from distribute_utils.launch import run_local
+
+    results = run_local(_polls_with, 2, cores, timeout=120)
+    assert results[0]["values"] == [0.0, 1.0]
+    assert [r["polls"] for r in results] == [polls, polls]
