@@ -62,8 +62,8 @@ must travel another way. Each socket's send buffer is made large enough for it (
 there: Linux's default ``net.core.wmem_max`` allows ~416 KiB)."""
 POLL_S = 200e-6
 """How long a wait polls (reads without sleeping, yielding its core to any other runnable task between
-tries) before it sleeps, in a mailbox told to (:meth:`Mailbox.poll`). On 2 ranks with a core each, a 4 KiB
-gather went from 0.19-0.20 to 0.16-0.17 ms, 1 MiB from 0.39-0.42 to 0.32-0.36 (``docs/performance.md``).
+tries) before it sleeps, in a mailbox told to (:meth:`Mailbox.poll`). With 2 ranks on 2 cores, the
+first rank's time for a gather of 4 KiB to 1 MiB is 0.74-0.86x what it is without (``docs/performance.md``).
 It costs at most this much CPU per wait; where processes outnumber cores it would take CPU from them."""
 ANSWER = 255
 """The kind of an answer to :meth:`Mailbox.inquire`: ``[entry]``, ``[None]`` or ``["past"]``."""
