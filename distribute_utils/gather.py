@@ -19,8 +19,9 @@ One call (:class:`distribute_utils.sync.Call`), one hop each way:
    for one answer: its first rank's verdict.
 2. the first rank reads only its own participants' claims, checks that they name the same list
    and transport and carry no error, fetches each payload from the transport that carried it
-   (handing back the receipt unread), decodes it (zero-copy), and sends its verdict (with the
-   host transport's notes for its senders). Any disagreement or error ends up in the verdict,
+   (handing back the receipt unread), decodes it (zero-copy; in a direct round as each claim
+   comes, so that only the last one's payload is left when it comes), and sends its verdict (with
+   the host transport's notes for its senders). Any disagreement or error ends up in the verdict,
    so every rank of that gather raises, and nobody waits for a rank that will not come.
 3. a sender releases what it published as soon as it has the verdict.
 
@@ -359,12 +360,8 @@ class _Gather:
         root: str,
     ) -> None:
         self.companion, self.call, self.listed, self.ranks = companion, call, listed, listed.ranks
-        self.me, self.first, self.digest, self.shown = (
-            companion.rank,
-            listed.first,
-            listed.digest,
-            listed.shown,
-        )
+        self.me, self.first = companion.rank, listed.first
+        self.digest, self.shown = listed.digest, listed.shown
         self.transport, self.workspace_path = transport, workspace_path
         self.mode = f"{transport}:{workspace_path is not None}"
         self.seconds, self.group, self.root = seconds, group, root

@@ -810,15 +810,23 @@ class GroupSync:
                 if found:
                     self.infos.update(zip(key, infos))
                     if self._mailbox is not None and not self._polling_decided:
-                        # Waits poll before they sleep where this host has a core for each of the job's
-                        # ranks on it: every rank of this list is counted now (see on_this_host).
-                        cores = len(os.sched_getaffinity(0))
-                        self._mailbox.poll(self.directory.on_this_host(self.store) <= cores)
-                        self._polling_decided = True
+                        self._decide_polling(self._mailbox)
             if len(self._direct) > 4096:
                 self._direct.clear()
             self._direct[key] = found
         return found
+
+    def _decide_polling(self, mailbox: Mailbox) -> None:
+        """Waits poll before they sleep where this host has a core for each of the job's ranks on it
+        (at a group's first direct round, every rank of its list is counted: see on_this_host)."""
+        assert self.directory is not None
+        self._polling_decided = True
+        try:
+            here = self.directory.on_this_host(self.store)
+        except Exception as exc:  # (polling only saves time: trouble with the store shows in the round)
+            logger.debug("could not count the ranks on this host, so waits sleep at once: %s", exc)
+            return
+        mailbox.poll(here <= len(os.sched_getaffinity(0)))
 
     def mailbox(self) -> Mailbox:
         """This rank's mailbox of this group (listening from the group's first use here).
