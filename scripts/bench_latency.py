@@ -85,10 +85,10 @@ costs in the sweep, several times its back-to-back cost::
     python scripts/bench_latency.py --steps --cold --sizes 4K 1M --rounds 500
 
 ``--timeline`` follows cold calls of ours (caches evicted before each, as ``--cold``) on the clock all
-processes share: when each rank leaves the barrier, when each sender's claim has gone (and its thread
-CPU until then), when rank 0 takes the last claim and when it returns. Per call it prints how far apart
+processes share: when each rank leaves the barrier, when each sender's claim goes (and its thread CPU
+until then), when rank 0 takes the last claim and when it returns. Per call it prints how far apart
 the ranks left the barrier (which the sweep's time on rank 0 includes), the time from the last rank's
-start to rank 0's return, and that span's parts: the last sender until its claim is gone, the claim on
+start to rank 0's return, and that span's parts: the last sender until its claim goes, the claim on
 its way until rank 0 has it, rank 0 from then to its return (direct rounds only: every rank on this
 host)::
 
@@ -933,7 +933,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="repetitions per size (default: by size)")
     parser.add_argument("--json", help="write the medians here")
     parser.add_argument("--cpu", action="store_true", help="CPU time per round instead (see above)")
-    parser.add_argument("--rounds", type=int, default=1000, help="rounds per method with --cpu and --steps")
+    parser.add_argument("--rounds", type=int, default=1000, help="rounds per method with --cpu, --steps, --timeline")
     parser.add_argument("--steps", action="store_true", help="one call's CPU split into steps (see above)")
     parser.add_argument("--cold", action="store_true", help="with --steps: caches evicted before each call")
     parser.add_argument(
