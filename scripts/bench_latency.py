@@ -933,7 +933,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="repetitions per size (default: by size)")
     parser.add_argument("--json", help="write the medians here")
     parser.add_argument("--cpu", action="store_true", help="CPU time per round instead (see above)")
-    parser.add_argument("--rounds", type=int, default=1000, help="rounds per method with --cpu, --steps, --timeline")
+    parser.add_argument(
+        "--rounds", type=int, default=1000, help="rounds per method with --cpu, --steps, --timeline"
+    )
     parser.add_argument("--steps", action="store_true", help="one call's CPU split into steps (see above)")
     parser.add_argument("--cold", action="store_true", help="with --steps: caches evicted before each call")
     parser.add_argument(
