@@ -753,18 +753,65 @@ def test_the_first_rank_reads_each_payload_as_its_claim_comes(size: str) -> None
     assert results[0]["values"] == [0.0, 1.0, 2.0, 3.0]
 
 
-def _polls_with(cores: int) -> dict[str, Any]:
-    """A gather of both ranks, this process allowed ``cores`` cores: do its group's waits poll?"""
-    os.sched_getaffinity = lambda pid: set(range(cores))  # type: ignore[assignment]
+def _polls_with(cores: int | None) -> dict[str, Any]:
+    """A gather of both ranks, this process allowed ``cores`` cores (None: 64, but the ranks on this host
+    cannot be counted): do its group's waits poll?"""
+    if cores is None:
+
+        def unreadable(self: Any, store: Any) -> int:
+            raise RuntimeError("the store cannot be read (the test)")
+
+        sync._PeerDirectory.on_this_host = unreadable  # type: ignore[method-assign]
+    os.sched_getaffinity = lambda pid: set(range(cores or 64))  # type: ignore[assignment]
     with get_tensors_parallel(torch.full((4,), float(dist.get_rank())), [0, 1], timeout=30) as got:
         values = [float(t[0]) for t in got]
     return {"values": values, "polls": sync.companion(None).mailbox().polls}
 
 
-@pytest.mark.parametrize(("cores", "polls"), [(2, True), (64, True), (1, False)])
-def test_waits_poll_before_they_sleep_only_where_each_rank_has_a_core(cores: int, polls: bool) -> None:
+@pytest.mark.parametrize(("cores", "polls"), [(2, True), (64, True), (1, False), (None, False)])
+def test_waits_poll_before_they_sleep_only_where_each_rank_has_a_core(cores: int | None, polls: bool) -> None:
     from distribute_utils.launch import run_local
 
     results = run_local(_polls_with, 2, cores, timeout=120)
     assert results[0]["values"] == [0.0, 1.0]
     assert [r["polls"] for r in results] == [polls, polls]
+
+
+def _a_corrupt_direct_payload(elements: int) -> dict[str, Any]:
+    """Rank 1's first payload has a wrong magic number (in its claim, or in its pooled segment): the first
+    rank reads it as its claim comes and fails the gather at once, on every rank; the next gather works."""
+    from distribute_utils import gather, wire
+
+    rank = dist.get_rank()
+    if rank == 1:
+        encode = gather._Gather.encode
+
+        def corrupt_once(self: Any, value: Any, checksum: bool, keep_device: bool) -> Any:
+            gather._Gather.encode = encode  # type: ignore[method-assign]
+            good = encode(self, value, checksum, keep_device)
+            return wire.EncodedPayload(good.nbytes, b"\x00" + good.head[1:], good.chunks)
+
+        gather._Gather.encode = corrupt_once  # type: ignore[method-assign]
+    barrier(timeout=60)
+    start = time.monotonic()
+    try:
+        with get_tensors_parallel(torch.full((elements,), float(rank)), [0, 1, 2, 3], timeout=30):
+            pass
+        outcome: dict[str, Any] = {"error": None}
+    except Exception as exc:
+        outcome = {"error": type(exc).__name__, "message": str(exc)}
+    outcome["seconds"] = time.monotonic() - start
+    with get_tensors_parallel(torch.full((elements,), float(rank)), [0, 1, 2, 3], timeout=30) as got:
+        outcome["next"] = [float(t[-1]) for t in got]
+    return outcome
+
+
+@pytest.mark.parametrize("size", ["inline", "shm"])
+def test_a_corrupt_payload_in_a_direct_round_fails_every_rank_naming_its_sender(size: str) -> None:
+    from distribute_utils.launch import run_local
+
+    results = run_local(_a_corrupt_direct_payload, 4, SIZES[size], timeout=120)
+    assert results[0]["error"] == "PayloadError", results[0]
+    for rank, r in enumerate(results):
+        assert "rank 1" in r["message"] and "magic" in r["message"] and r["seconds"] < 10, (rank, r)
+    assert results[0]["next"] == [0.0, 1.0, 2.0, 3.0]
