@@ -92,7 +92,7 @@ def _timeout_env() -> str | None:
     ``os.environ.get`` raises and catches ``KeyError`` twice (~9 µs when cold). CPython's
     ``os.environ`` keeps its variables in a dict, which says so without raising."""
     data = getattr(os.environ, "_data", None)
-    if type(data) is dict and _TIMEOUT_KEY not in data:
+    if _TIMEOUT_KEY is not None and type(data) is dict and _TIMEOUT_KEY not in data:
         return None
     return os.environ.get(TIMEOUT_ENV)
 

@@ -489,6 +489,11 @@ def test_timeout_precedence_and_validation(monkeypatch: pytest.MonkeyPatch, row:
     assert sync.resolve_timeout(None) == 2.5
     assert sync.resolve_timeout(7) == 7.0, "the argument wins over the environment"
     assert sync.resolve_timeout(timedelta(minutes=1)) == 60.0
+    with monkeypatch.context() as plain:  # an os.environ without CPython's dict: os.environ.get alone
+        plain.setattr(sync, "_TIMEOUT_KEY", None)
+        assert sync.resolve_timeout(None) == 2.5
+        plain.delenv(sync.TIMEOUT_ENV)
+        assert sync.resolve_timeout(None) == 600.0
     monkeypatch.setenv(sync.TIMEOUT_ENV, "soon")
     with pytest.raises(ValueError, match=r"\$DISTRIBUTE_UTILS_TIMEOUT='soon' is not a number of seconds"):
         sync.resolve_timeout(None)
