@@ -232,16 +232,21 @@ def test_maps_of_large_segments_are_not_kept_and_kept_ones_are_bounded() -> None
     assert shm._KEPT.held() == (0, 0), "a segment over 4 MiB is unmapped once its views are gone"
     kept = shm._KeptMaps()
     maps = [shm._Map(mmap_of(2**20), 0, 2**20) for _ in range(kept.MAX_TOTAL_BYTES // 2**20 + 3)]
-    for i, item in enumerate(maps):
-        kept.keep((1, str(i)), item, kept.epoch)
+    for i, item in enumerate(maps):  # one segment each of many senders
+        kept.keep((i, "s"), item, kept.epoch)
     assert kept.held() == (64, 64 * 2**20), "least recently kept given up first"
-    kept.keep((1, "10"), maps[10], kept.epoch)
+    kept.keep((10, "s"), maps[10], kept.epoch)
     assert kept.held() == (64, 64 * 2**20), "kept again under its key: counted once"
-    assert kept.take(1, "0", 0, 10) is None and kept.take(1, "3", 0, 10) is maps[3]
-    assert kept.take(1, "4", 1, 10) is None, "another inode: not this map"
-    assert kept.take(1, "5", 0, 2**20 + 1) is None, "a payload larger than the map"
+    assert kept.take(0, "s", 0, 10) is None and kept.take(3, "s", 0, 10) is maps[3]
+    assert kept.take(4, "s", 1, 10) is None, "another inode: not this map"
+    assert kept.take(5, "s", 0, 2**20 + 1) is None, "a payload larger than the map"
     kept.keep((1, "x"), maps[0], kept.epoch - 1)
     assert kept.take(1, "x", 0, 10) is None, "lent before a release: not kept"
+    kept.forget()
+    for i, item in enumerate(maps[:5]):  # five segments of one sender: it never holds more than two at once
+        kept.keep((7, str(i)), item, kept.epoch)
+    assert kept.held() == (kept.PER_SENDER, kept.PER_SENDER * 2**20), "one sender: the last two"
+    assert kept.take(7, "4", 0, 10) is maps[4] and kept.take(7, "2", 0, 10) is None
     _empty_pools()
 
 

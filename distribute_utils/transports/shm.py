@@ -233,7 +233,7 @@ def _map_pooled(path: str, rank: int, inode: int, nbytes: int) -> _Map:
         mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    return _Map(mapping, inode, info.st_size)
+    return _Map(mapping, inode, info.st_size, path)
 
 
 def _check_owned(info: os.stat_result, path: str, rank: int) -> None:
@@ -579,6 +579,7 @@ class _Map:
     mapping: mmap.mmap
     inode: int
     size: int
+    source: str = ""  # /proc/<sender pid>/fd/<fd>: the segment while its sender holds it
 
     def lend(self, nbytes: int, report: tuple[int, str], notice: str) -> _View:
         """The first ``nbytes`` as a buffer of their own. Once it (and every tensor viewing it) is gone,
@@ -605,29 +606,63 @@ class _KeptMaps:
     per payload cold, a sixth of the first rank's call at 1 MiB. A map whose views are gone is kept
     here, and the segment's next payload is lent from it: a shared map shows what the sender wrote
     since.
-    Only segments of at most :attr:`MAX_BYTES`, at most :attr:`MAX_TOTAL_BYTES` in all, least
-    recently used given up first: a kept map holds its segment's pages even after the sender has
-    let it go. :func:`release_shared_memory` forgets them all.
+    Only segments of at most :attr:`MAX_BYTES`, at most :attr:`PER_SENDER` per sender process and
+    :attr:`MAX_TOTAL_BYTES` in all, least recently used given up first: a kept map holds its
+    segment's pages (and a descriptor: ``mmap`` dups it) even after the sender has let the segment
+    go. A sender holds at most :attr:`_SegmentPool.LIMIT` segments at once, so a map beyond that is
+    one it let go; and when a sender's new segment comes, its other kept maps whose segment it no
+    longer holds are given up at once. :func:`release_shared_memory` forgets them all.
     """
 
     MAX_BYTES = 4 * 2**20
     MAX_TOTAL_BYTES = 64 * 2**20
+    PER_SENDER = _SegmentPool.LIMIT
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._maps: collections.OrderedDict[tuple[int, str], _Map] = collections.OrderedDict()
+        self._senders: dict[int, list[str]] = {}  # each sender's kept segment ids, least recent first
         self._bytes = 0
         self.epoch = 0  # maps lent before the last release are not kept
 
+    def _pop(self, key: tuple[int, str]) -> _Map | None:
+        """Forget the kept map ``key`` (with the lock held); returns it."""
+        kept = self._maps.pop(key, None)
+        if kept is not None:
+            self._bytes -= kept.size
+            idents = self._senders[key[0]]
+            idents.remove(key[1])
+            if not idents:
+                del self._senders[key[0]]
+        return kept
+
     def take(self, pid: int, ident: str, inode: int, nbytes: int) -> _Map | None:
-        """The kept map of segment ``ident`` of process ``pid``, if it holds ``nbytes``."""
+        """The kept map of segment ``ident`` of process ``pid``, if it holds ``nbytes``. None for a
+        segment new to it: its sender's other kept maps are then looked up and dropped if it let
+        their segment go (it may have, to make this one)."""
         with self._lock:
-            kept = self._maps.pop((pid, ident), None)
-            if kept is not None:
-                self._bytes -= kept.size
+            kept = self._pop((pid, ident))
+            others = [] if kept else [(i, self._maps[(pid, i)]) for i in self._senders.get(pid, ())]
+        if others:
+            self._drop_let_go(pid, others)
         if kept is None or kept.inode != inode or kept.size < nbytes:
             return None
         return kept
+
+    def _drop_let_go(self, pid: int, maps: list[tuple[str, _Map]]) -> None:
+        gone = []
+        for ident, kept in maps:
+            try:
+                held = not kept.source or os.stat(kept.source).st_ino == kept.inode
+            except OSError:  # the sender closed it, or exited
+                held = False
+            if not held:
+                gone.append((ident, kept))
+        if gone:
+            with self._lock:
+                for ident, kept in gone:
+                    if self._maps.get((pid, ident)) is kept:
+                        self._pop((pid, ident))  # unmapped once unreferenced
 
     def keep(self, key: tuple[int, str], kept: _Map, epoch: int) -> None:
         """Keep ``kept`` for the next payload of segment ``key`` (called as its last view goes, from
@@ -635,11 +670,15 @@ class _KeptMaps:
         if epoch != self.epoch or kept.size > self.MAX_BYTES or not self._lock.acquire(blocking=False):
             return
         try:
-            replaced = self._maps.pop(key, None)
-            self._bytes += kept.size - (replaced.size if replaced is not None else 0)
+            self._pop(key)
+            idents = self._senders.get(key[0], [])
+            for ident in idents[: len(idents) - self.PER_SENDER + 1]:  # the least recent beyond the bound
+                self._pop((key[0], ident))
+            self._senders.setdefault(key[0], []).append(key[1])
             self._maps[key] = kept
+            self._bytes += kept.size
             while self._bytes > self.MAX_TOTAL_BYTES:
-                self._bytes -= self._maps.popitem(last=False)[1].size  # unmapped once unreferenced
+                self._pop(next(iter(self._maps)))  # unmapped once unreferenced
         finally:
             self._lock.release()
 
@@ -648,6 +687,7 @@ class _KeptMaps:
         with self._lock:
             self.epoch += 1
             self._maps.clear()
+            self._senders.clear()
             self._bytes = 0
 
     def held(self) -> tuple[int, int]:
