@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from .consolidate import consolidate_checkpoint
     from .errors import (
         DistributeError,
+        ForkedProcessError,
         GatherError,
         PayloadError,
         PeerLostError,
@@ -29,6 +30,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "TIMEOUT_ENV",
     "DistributeError",
+    "ForkedProcessError",
     "GatherError",
     "MeshLayout",
     "NFSWorkspace",
@@ -53,6 +55,7 @@ __all__ = [
 _HOMES = {
     "consolidate_checkpoint": ".consolidate",
     "DistributeError": ".errors",
+    "ForkedProcessError": ".errors",
     "GatherError": ".errors",
     "PayloadError": ".errors",
     "PeerLostError": ".errors",

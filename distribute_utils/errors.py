@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "DistributeError",
+    "ForkedProcessError",
     "GatherError",
     "LaunchError",
     "PayloadError",
@@ -31,6 +32,11 @@ class DistributeError(Exception):
 
 class GatherError(DistributeError, RuntimeError):
     """A gather round failed on some rank (the message names which and why)."""
+
+
+class ForkedProcessError(DistributeError, RuntimeError):
+    """Called in a process forked after its parent joined the default process group: the group's
+    connections are the parent's (start the child with spawn, or gather in the parent)."""
 
 
 class PeerLostError(DistributeError, TimeoutError):

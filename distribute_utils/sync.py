@@ -55,7 +55,7 @@ import msgpack
 import torch.distributed as dist
 
 from ._host import ProcessInfo, process_alive, this_process
-from .errors import PeerLostError
+from .errors import ForkedProcessError, PeerLostError
 from .mailbox import ANSWER, Mailbox, MailboxError, answer_inquiries
 
 __all__ = [
@@ -475,14 +475,40 @@ def _run_reset_hooks() -> None:
             logger.debug("a reset hook failed", exc_info=True)
 
 
+# In a process forked while its parent had a default process group: (the parent's pid, that group).
+_INHERITED: tuple[int, weakref.ref[dist.ProcessGroup]] | None = None
+
+
+def _note_fork() -> None:
+    """A forked child: the default group it inherits is its parent's (the store's and gloo's connections,
+    this package's sockets), and nothing here may use it (see :func:`_incarnation`)."""
+    global _INHERITED
+    _INHERITED = None
+    if dist.is_available() and dist.is_initialized():
+        _INHERITED = (os.getppid(), weakref.ref(dist.distributed_c10d._get_default_group()))
+
+
+os.register_at_fork(after_in_child=_note_fork)
+
+
 def _incarnation() -> _Incarnation:
-    """The state of the current default process group, made anew after re-initialisation."""
+    """The state of the current default process group, made anew after re-initialisation.
+
+    Raises:
+        ForkedProcessError: the default group is one this process inherited by a fork.
+    """
     global _CURRENT
     try:
         pg = dist.distributed_c10d._get_default_group()
     except (ValueError, RuntimeError, AttributeError):
         require_initialized()  # says what to call
         raise
+    if _INHERITED is not None and _INHERITED[1]() is pg:
+        raise ForkedProcessError(
+            f"distribute_utils called in a process (pid {os.getpid()}) forked after its parent (pid "
+            f"{_INHERITED[0]}) joined the default process group, whose store and sockets stay the "
+            "parent's; gather in the parent or start the child with spawn"
+        )
     current = _CURRENT
     if current is not None and current.pg() is pg:
         return current
