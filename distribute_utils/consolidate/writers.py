@@ -46,6 +46,7 @@ __all__ = [
     "describe_unreadable",
     "load_safetensors",
     "open_writer",
+    "output_paths",
     "parse_size",
     "read_safetensors_metadata",
     "read_safetensors_specs",
@@ -246,12 +247,7 @@ class CheckpointWriter:
         self.max_shard_size = None if max_shard_size is None else parse_size(max_shard_size)
         self.directory, self.stem = _split_target(path_or_dir, self.suffix, self.default_stem)
         self.shards = _plan_shards(self.specs, self.max_shard_size)
-        n = len(self.shards)
-        if n == 1:
-            self.filenames = [f"{self.stem}{self.suffix}"]
-        else:
-            self.filenames = [f"{self.stem}-{i:05d}-of-{n:05d}{self.suffix}" for i in range(1, n + 1)]
-        self.index_name: str | None = f"{self.stem}{self.suffix}.index.json" if n > 1 else None
+        self.filenames, self.index_name = self.names(self.stem, len(self.shards))
         self._shard_of: dict[str, int] = {s.name: i for i, shard in enumerate(self.shards) for s in shard}
         self._written: set[str] = set()
         self._closed = False
@@ -259,6 +255,21 @@ class CheckpointWriter:
         # Every output file (index last) under a temporary name until close() renames them into place.
         self._held = Temporaries(self.paths)
         self._temps: list[Path] = self._held.temps[: len(self.filenames)]
+
+    @classmethod
+    def names(cls, stem: str, n: int) -> tuple[list[str], str | None]:
+        """The file names of ``n`` shards (``stem.ext``, or ``stem-0000k-of-0000N.ext``) and of the index
+        (``stem.ext.index.json`` when ``n > 1``, else ``None``)."""
+        if n == 1:
+            return [f"{stem}{cls.suffix}"], None
+        files = [f"{stem}-{i:05d}-of-{n:05d}{cls.suffix}" for i in range(1, n + 1)]
+        return files, f"{stem}{cls.suffix}.index.json"
+
+    @classmethod
+    def scheme(cls, stem: str) -> str:
+        """A regular expression matching every name :meth:`names` gives for ``stem``, whatever the split."""
+        s, x = re.escape(stem), re.escape(cls.suffix)
+        return rf"{s}(-\d{{5}}-of-\d{{5}})?{x}|{s}{x}\.index\.json"
 
     @property
     def paths(self) -> list[Path]:
@@ -629,9 +640,52 @@ def open_writer(
     """
     if format == "safetensors":
         return SafetensorsWriter(out, specs, max_shard_size, metadata=metadata)
-    if format == "torch":
-        return TorchSaveWriter(out, specs, max_shard_size)
-    raise ValueError(f"unknown checkpoint format {format!r}; valid: safetensors, torch")
+    return _writer_class(format)(out, specs, max_shard_size)
+
+
+def _writer_class(format: str) -> type[CheckpointWriter]:
+    writers: dict[str, type[CheckpointWriter]] = {"safetensors": SafetensorsWriter, "torch": TorchSaveWriter}
+    if format not in writers:
+        raise ValueError(f"unknown checkpoint format {format!r}; valid: {', '.join(writers)}")
+    return writers[format]
+
+
+def output_paths(
+    format: str,
+    out: str | os.PathLike[str],
+    specs: Sequence[TensorSpec] | None = None,
+    max_shard_size: int | str | None = None,
+) -> tuple[list[Path], str]:
+    """The files :func:`open_writer` would write for these arguments, without creating anything, and a
+    regular expression matching the names of that naming scheme under any split (what loaders would mix
+    with them: for a directory written in torch format also ``model*.safetensors``, which Hugging Face
+    loaders prefer).
+
+    ``specs`` are needed only with ``max_shard_size`` (they decide the split).
+
+    Raises:
+        ValueError: unknown format; ``out`` ends in the other format's extension; ``max_shard_size``
+            without ``specs``.
+    """
+    cls = _writer_class(format)
+    suffix = Path(out).suffix
+    if suffix in (".safetensors", ".bin") and suffix != cls.suffix and not Path(out).is_dir():
+        raise ValueError(
+            f"output '{out}' ends in {suffix}, but the {format} format writes {cls.suffix} files; give a "
+            f"file name ending in {cls.suffix}, or a directory"
+        )
+    directory, stem = _split_target(out, cls.suffix, cls.default_stem)
+    if max_shard_size is None:
+        n = 1
+    elif specs is None:
+        raise ValueError("output_paths: max_shard_size needs the specs (they decide the split)")
+    else:
+        n = len(_plan_shards(specs, parse_size(max_shard_size)))
+    files, index = cls.names(stem, n)
+    scheme = cls.scheme(stem)
+    if cls is not SafetensorsWriter and stem == cls.default_stem:
+        scheme += "|" + SafetensorsWriter.scheme(SafetensorsWriter.default_stem)
+    return [directory / f for f in files + ([index] if index else [])], scheme
 
 
 # --------------------------------------------------------------------------------------------------------
