@@ -24,7 +24,9 @@ from .errors import LaunchError, one_line
 
 if TYPE_CHECKING:
     from .consolidate.formats import Checkpoint
+    from .consolidate.layouts import MergePlanEntry
     from .consolidate.tp_pp import ConsolidationReport
+    from .outputs import OutputTarget
 
 __all__ = ["main"]
 
@@ -42,12 +44,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if not args.size_mb > 0:
         raise _UsageError(f"--size-mb must be positive, got {args.size_mb}")
     if args.keep is not None:
-        from .outputs import prepare_output
+        from .demo import check_keep
 
-        keep = Path(args.keep)
         try:
-            for target in (keep / "checkpoint", keep / "consolidated") if keep.exists() else (keep,):
-                prepare_output(target, args.overwrite)
+            check_keep(args.keep, args.tp, args.pp, args.overwrite)
         except ValueError as exc:
             raise _UsageError(f"--keep: {exc}") from None
     result = run_demo(
@@ -128,9 +128,42 @@ def _consolidate_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _prepare_output(args: argparse.Namespace, plan: list[MergePlanEntry] | None) -> OutputTarget:
+    """Checks OUTPUT against the exact files this run writes (``plan`` decides them with
+    ``--max-shard-size``); what is in the way is a usage error naming the files."""
+    from .consolidate.writers import output_paths
+    from .outputs import prepare_output
+
+    specs = None if plan is None else [e.spec for e in plan]
+    try:
+        files, scheme = output_paths(args.format, args.output, specs, args.max_shard_size)
+        target = prepare_output(args.output, args.overwrite, files, scheme)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    args.target = target
+    return target
+
+
+def _plan(args: argparse.Namespace) -> tuple[Checkpoint, list[MergePlanEntry]]:
+    """INPUT opened and planned with the command's options (metadata only)."""
+    from .consolidate.tp_pp import plan_checkpoint
+
+    return plan_checkpoint(
+        args.input, args.rules, quant_format=args.quant_format, swiglu=args.swiglu, names=args.megatron_names
+    )
+
+
+def _plan_if_needed(args: argparse.Namespace, needed: bool) -> list[MergePlanEntry] | None:
+    """The merge plan, when the output's file names (``--max-shard-size``) or a fail-fast check need it."""
+    return _plan(args)[1] if needed or args.max_shard_size is not None else None
+
+
 def _print_consolidation(report: ConsolidationReport, args: argparse.Namespace) -> None:
-    """The report, with the whole command's wall time (``wall_s``) beside the work's (``seconds``)."""
+    """The report, with the whole command's wall time (``wall_s``) beside the work's (``seconds``), and
+    the files of the same names that the run replaced (``--overwrite``)."""
     wall = time.perf_counter() - args.started
+    if args.target is not None:
+        report.replaced = [os.fspath(p) for p in args.target.replaced]
     if args.json:
         print(json.dumps({**report.to_dict(), "wall_s": wall}, indent=2))
     else:
@@ -157,14 +190,9 @@ def _consolidate_as_torchrun_rank(
         )
     import torch.distributed as dist
 
-    from .outputs import prepare_output
-
     target = None
     if os.environ["RANK"] == "0":  # the writer: its output folder is checked (and made) on its host
-        try:
-            args.target = target = prepare_output(args.output, args.overwrite)
-        except ValueError as exc:
-            raise _UsageError(str(exc)) from None
+        target = _prepare_output(args, _plan_if_needed(args, False))
     undo = interrupts.on_interrupt(target.abandon if target is not None else lambda: None)
     created = not dist.is_initialized()
     if created:
@@ -184,8 +212,6 @@ def _consolidate_as_torchrun_rank(
         if created:
             dist.destroy_process_group()
     undo.cancel()
-    if target is not None:
-        target.finish(report.files)
     if report.rank == 0:
         _print_consolidation(report, args)
     return 0
@@ -193,11 +219,7 @@ def _consolidate_as_torchrun_rank(
 
 def _print_plan(args: argparse.Namespace) -> int:
     """``--dry-run``: the rule, shape and dtype of every output tensor, and the output size; writes nothing."""
-    from .consolidate.tp_pp import plan_checkpoint
-
-    layout, plan = plan_checkpoint(
-        args.input, args.rules, quant_format=args.quant_format, swiglu=args.swiglu, names=args.megatron_names
-    )
+    layout, plan = _plan(args)
     total = sum(e.spec.nbytes for e in plan)
     if args.json:
         rows = [
@@ -222,9 +244,8 @@ def _print_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from .consolidate.tp_pp import consolidate_local, plan_checkpoint
+    from .consolidate.tp_pp import consolidate_local
     from .launch import under_torchrun
-    from .outputs import prepare_output
 
     options = _consolidate_options(args)
     layout = _open_input(args.input, args.megatron_names)
@@ -239,22 +260,11 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
             f"--nproc {nproc} does not fit '{args.input}': {layout.describe_grid()} "
             f"needs {needed} ranks (or 1 to consolidate in this process)"
         )
-    try:
-        args.target = target = prepare_output(args.output, args.overwrite)
-    except ValueError as exc:
-        raise _UsageError(str(exc)) from None
+    target = _prepare_output(args, _plan_if_needed(args, nproc > 1))  # nproc > 1: fail before spawning
     undo = interrupts.on_interrupt(target.abandon)
     try:
-        if nproc > 1:
-            plan_checkpoint(  # fail fast, before spawning
-                args.input,
-                options["rules"],
-                quant_format=args.quant_format,
-                swiglu=args.swiglu,
-                names=args.megatron_names,
-            )
-            if not args.quiet:
-                print(f"starting {nproc} local ranks ...", file=sys.stderr)
+        if nproc > 1 and not args.quiet:
+            print(f"starting {nproc} local ranks ...", file=sys.stderr)
         report = consolidate_local(args.input, args.output, nproc=nproc, **options)
     except (LaunchError, OSError, ValueError, RuntimeError) as exc:
         undo.cancel()
@@ -262,9 +272,6 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
         _fail(args, exc)
         return 1
     undo.cancel()  # (an Interrupted leaves it to interrupts.end)
-    stale = target.finish(report.files)
-    if stale:
-        logger.info("--overwrite: removed %d checkpoint files of the previous output", len(stale))
     _print_consolidation(report, args)
     return 0
 
@@ -363,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--overwrite",
         action="store_true",
-        help="with --keep: replace DIR/checkpoint and DIR/consolidated if they exist",
+        help="with --keep: replace the files of DIR/checkpoint and DIR/consolidated that the demo writes "
+        "(nothing else is removed)",
     )
     demo.set_defaults(handler=_cmd_demo)
 
@@ -463,8 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument(
         "--overwrite",
         action="store_true",
-        help="OUTPUT may hold files: the new checkpoint replaces the checkpoint files there once complete "
-        "(others are left alone); without it a non-empty OUTPUT is refused",
+        help="replace the files of OUTPUT that this run writes (the same names: model.safetensors, or "
+        "model-0000k-of-0000N.safetensors + index, or the file named), each once the new one is complete; "
+        "nothing else is ever removed. Without it such files are refused, named; files of the same naming "
+        "scheme that this run would not write (another split) are always refused, named; other files are "
+        "left alone",
     )
     cons.add_argument(
         "--dry-run",

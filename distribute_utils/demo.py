@@ -20,14 +20,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from . import interrupts
 
-__all__ = ["DemoResult", "format_demo", "mesh_rank", "run_demo"]
+if TYPE_CHECKING:
+    from .outputs import OutputTarget
+
+__all__ = ["DemoResult", "check_keep", "format_demo", "mesh_rank", "run_demo"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,31 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def check_keep(keep: str | os.PathLike[str], tp: int, pp: int, overwrite: bool = False) -> list[OutputTarget]:
+    """Checks ``--keep DIR`` before anything is written: ``DIR/checkpoint`` (``mesh.json`` +
+    ``rank_NNNNN.safetensors``) and ``DIR/consolidated`` (``model.safetensors``) as any output is checked
+    (:func:`~.outputs.prepare_output`): files of the names the demo writes are replaced only with
+    ``overwrite``, files of those naming schemes it would not write (a larger grid's shards) are refused,
+    other files are left alone. A missing ``DIR`` needs an existing parent.
+
+    Raises:
+        OutputError: what is in the way, named.
+    """
+    from .consolidate.writers import output_paths
+    from .outputs import prepare_output
+
+    root = Path(keep)
+    if not root.exists():
+        return [prepare_output(root, overwrite, [root / "checkpoint"])]  # the parent is all to check
+    ckpt = [root / "checkpoint" / "mesh.json"]
+    ckpt += [root / "checkpoint" / f"rank_{r:05d}.safetensors" for r in range(tp * pp)]
+    files, scheme = output_paths("safetensors", root / "consolidated")
+    return [
+        prepare_output(root / "checkpoint", overwrite, ckpt, r"mesh\.json|rank_\d{5}\.safetensors"),
+        prepare_output(root / "consolidated", overwrite, files, scheme),
+    ]
+
+
 def run_demo(
     nproc: int = 4,
     tp: int = 2,
@@ -128,12 +156,14 @@ def run_demo(
         pp: pipeline-parallel size.
         size_mb: approximate model size in MB (10**6 bytes).
         keep: keep the sharded checkpoint (``DIR/checkpoint``) and the output (``DIR/consolidated``) here;
-            ``None``: a temporary directory, removed at the end. Either existing and not empty is an error
-            unless ``overwrite`` (then they are replaced): the demo never deletes what it did not write.
-        overwrite: with ``keep``: replace existing ``DIR/checkpoint`` and ``DIR/consolidated``.
+            ``None``: a temporary directory, removed at the end. Files there of the names the demo writes
+            are refused unless ``overwrite`` (see :func:`check_keep`): the demo never deletes what it did
+            not write.
+        overwrite: with ``keep``: replace the files of those names.
 
     Raises:
-        ValueError: ``tp * pp != nproc`` or a non-positive size.
+        ValueError: ``tp * pp != nproc`` or a non-positive size; OutputError: ``keep`` holds files in the
+            way (named).
         ConsolidationError: the consolidation failed (cause and rank named).
         RuntimeError: never expected: the output differs from the original (tensor named).
     """
@@ -151,24 +181,19 @@ def run_demo(
     if not size_mb > 0:
         raise ValueError(f"size_mb must be positive, got {size_mb}")
     start = time.perf_counter()
+    if keep is not None:
+        check_keep(keep, tp, pp, overwrite)
     root = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="du_demo_"))
     ckpt, out = root / "checkpoint", root / "consolidated"
-    # An interrupt removes what this run made: the temporary root, or the two kept directories.
-    made = [root] if keep is None else [p for p in (root, ckpt, out) if not p.exists() or p in (ckpt, out)]
+    # An interrupt removes what this run made: the temporary root, or the kept directories it created
+    # (existing ones keep what they held; the files are published complete or not at all).
+    made = [root] if keep is None else [p for p in (root, ckpt, out) if not p.exists()]
     undo = interrupts.on_interrupt(functools.partial(_remove_made, made))
     try:
         num_layers = max(8, pp)
         dims = synthetic_size_for(int(size_mb * 1e6), num_layers=num_layers)
         original = make_gpt_state_dict(**dims.as_kwargs())  # type: ignore[arg-type]
         layers = balanced_layers_per_stage(num_layers, pp)
-        for d in (ckpt, out):
-            if d.exists() and any(d.iterdir()):
-                if not overwrite:
-                    raise ValueError(
-                        f"'{d}' exists and is not empty; choose another --keep directory, or overwrite=True "
-                        "to replace it"
-                    )
-                shutil.rmtree(d)
         write_own_layout(
             ckpt, shard_state_dict(original, tp, pp, layers_per_stage=layers), layers_per_stage=layers
         )

@@ -1,11 +1,18 @@
-"""Output directories of the command line: never mix two checkpoints, never delete what a command did not write.
+"""Outputs of the command line: never mix two checkpoints, never delete what a command did not write.
 
-:func:`prepare_output` is called before anything is written: the output's parent must exist (a typo is
-not silently created), and a directory that already holds files is refused unless the user passes
-``--overwrite``. With ``--overwrite`` the new files replace same-named old ones atomically when complete
-(the writers rename into place), and :meth:`OutputTarget.finish` then removes the *checkpoint* files of
-the previous run that the new one did not rewrite (a stale ``model.safetensors`` beside new
-``model-0000k-of-0000N`` files is what Hugging Face loaders would pick); other files are left alone.
+A command that writes files calls :func:`prepare_output` before anything is written, with the exact
+paths it will write (for a consolidation: :func:`~.consolidate.writers.output_paths`) and the naming
+scheme they belong to. The output's parent must exist (a typo is not silently created). Then:
+
+* a file of those paths that already exists is refused, named, unless the user passes ``--overwrite``:
+  then the new file replaces it, atomically, once complete (the writers rename into place); nothing else
+  is ever removed, whatever its name;
+* a file of the same naming scheme that the command would *not* write (``model-00001-of-00003.safetensors``
+  of an earlier split beside a new ``model.safetensors``) is always refused, named: loaders would read it
+  with (or instead of) the new files, and it is not the command's to delete;
+* files of other names (``llama.safetensors``, ``config.json``, notes) are left alone and do not matter.
+
+:attr:`OutputTarget.replaced` lists the files that will be replaced (the report names them);
 :meth:`OutputTarget.abandon` removes the directory after a failure only if the command created it and it
 is still empty.
 """
@@ -13,29 +20,20 @@ is still empty.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
+import re
 import time
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DistributeError
 
-__all__ = ["CHECKPOINT_PATTERNS", "OutputError", "OutputTarget", "prepare_output"]
-
-#: Names of the files a consolidation writes (what ``--overwrite`` may replace).
-CHECKPOINT_PATTERNS: tuple[str, ...] = (
-    "*.safetensors",
-    "*.safetensors.index.json",
-    "pytorch_model*.bin",
-    "pytorch_model*.bin.index.json",
-)
-_FILE_SUFFIXES = (".safetensors", ".bin")
+__all__ = ["OutputError", "OutputTarget", "prepare_output"]
 
 
 class OutputError(DistributeError, ValueError):
-    """The output path cannot be used as asked (missing parent, not empty, not a directory)."""
+    """The output path cannot be used as asked (missing parent, not a directory, files in the way)."""
 
 
 @dataclass
@@ -45,29 +43,23 @@ class OutputTarget:
     Attributes:
         directory: the output directory.
         created: whether the command creates it (it did not exist).
-        previous: checkpoint files found there before (``--overwrite`` only).
+        files: the paths the command writes.
+        replaced: those of ``files`` that existed before (``--overwrite``), replaced when the run completes.
     """
 
     directory: Path
     created: bool
-    previous: list[Path] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+    replaced: list[Path] = field(default_factory=list)
     started_ns: int = field(default_factory=time.time_ns)
 
     def written_since(self) -> bool:
-        """Whether checkpoint files were published in the directory since :func:`prepare_output`."""
-        try:
-            entries = list(self.directory.iterdir())
-        except OSError:
-            return False
-        return any(_is_checkpoint_file(p) and p.stat().st_mtime_ns >= self.started_ns for p in entries)
-
-    def finish(self, written: Iterable[str | os.PathLike[str]]) -> list[Path]:
-        """After a complete run: removes the previous checkpoint files that were not rewritten; returns them."""
-        keep = {Path(p).resolve() for p in written}
-        stale = [p for p in self.previous if p.resolve() not in keep and p.exists()]
-        for p in stale:
-            p.unlink()
-        return stale
+        """Whether any of :attr:`files` was published since :func:`prepare_output`."""
+        for p in self.files:
+            with contextlib.suppress(OSError):
+                if p.stat().st_mtime_ns >= self.started_ns:
+                    return True
+        return False
 
     def abandon(self) -> None:
         """After a failed run: removes the directory if this command created it and it is empty."""
@@ -76,23 +68,33 @@ class OutputTarget:
                 self.directory.rmdir()
 
 
-def _is_checkpoint_file(path: Path) -> bool:
-    return path.is_file() and any(fnmatch.fnmatch(path.name, pat) for pat in CHECKPOINT_PATTERNS)
+def _names(paths: Sequence[Path]) -> str:
+    return ", ".join(p.name for p in paths)
 
 
-def prepare_output(path: str | os.PathLike[str], overwrite: bool = False) -> OutputTarget:
-    """Checks an output path before anything is written (see the module docstring).
+def prepare_output(
+    path: str | os.PathLike[str],
+    overwrite: bool,
+    files: Sequence[str | os.PathLike[str]],
+    scheme: str | None = None,
+) -> OutputTarget:
+    """Checks an output before anything is written (see the module docstring); creates nothing.
 
     Args:
-        path: an output directory, or a file path ending in ``.safetensors`` / ``.bin``.
-        overwrite: allow a directory that already holds files (its checkpoint files are replaced).
+        path: the output as the user gave it (a directory, or a file path), for the messages.
+        overwrite: replace those of ``files`` that exist.
+        files: every path the command will write, all in one directory.
+        scheme: a regular expression (full match) for names of the same checkpoint naming scheme, under any
+            split; existing files it matches that are not in ``files`` are refused. ``None``: none.
 
     Raises:
-        OutputError: the parent does not exist, the path is not a directory, or it is not empty and
-            ``overwrite`` is false (the message names what is there and how to proceed).
+        OutputError: the parent does not exist, the directory is not a directory, files of the scheme would
+            be left beside the new ones, or ``files`` exist and ``overwrite`` is false (each named).
     """
-    target = Path(path)
-    directory = target.parent if target.suffix in _FILE_SUFFIXES else target
+    paths = [Path(f) for f in files]
+    directory = paths[0].parent if paths else Path(path)
+    if any(p.parent != directory for p in paths):
+        raise ValueError(f"prepare_output: the files must be in one directory, got {_names(paths)}")
     if not directory.parent.is_dir():
         raise OutputError(
             f"the parent of output '{directory}' ('{directory.parent}') does not exist; create it first "
@@ -101,12 +103,22 @@ def prepare_output(path: str | os.PathLike[str], overwrite: bool = False) -> Out
     if directory.exists() and not directory.is_dir():
         raise OutputError(f"output '{directory}' exists and is not a directory")
     existing = sorted(directory.iterdir()) if directory.exists() else []
-    clash = [target] if directory is not target and target.exists() else existing
-    if clash and not overwrite:
-        names = ", ".join(p.name for p in clash[:3]) + (", ..." if len(clash) > 3 else "")
+    ours = set(paths)
+    in_the_way = [p for p in existing if p in ours and not p.is_file()]
+    if in_the_way:
+        raise OutputError(f"output '{path}': {_names(in_the_way)} exists and is not a file")
+    pattern = re.compile(scheme) if scheme else None
+    stale = [p for p in existing if p not in ours and pattern is not None and pattern.fullmatch(p.name)]
+    if stale:
         raise OutputError(
-            f"output '{target}' is not empty ({len(clash)} entr{'y' if len(clash) == 1 else 'ies'}: {names}); "
-            "give a new or empty directory, or --overwrite to replace the checkpoint files in it"
+            f"output '{directory}' holds {_names(stale)}: files of the same naming scheme that this run would "
+            f"not replace (it writes {_names(paths)}); loaders would read them with or instead of the new "
+            "files, and they are not deleted for you: remove them yourself, or choose another output"
         )
-    previous = [p for p in existing if _is_checkpoint_file(p)] if overwrite else []
-    return OutputTarget(directory, not directory.exists(), previous)
+    clash = [p for p in existing if p in ours]
+    if clash and not overwrite:
+        raise OutputError(
+            f"output '{path}' already has {_names(clash)}, which this run would replace; pass --overwrite to "
+            "replace exactly these (nothing else is removed), or choose another output"
+        )
+    return OutputTarget(directory, not directory.exists(), paths, clash)

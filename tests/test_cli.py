@@ -346,27 +346,119 @@ def test_doctor_and_clean_help_name_their_options(capsys) -> None:
 # Output folders: never mixed, never deleted unless asked; scripting.
 
 
-def test_non_empty_output_is_refused_and_left_untouched(ckpt: Path, tmp_path: Path, capsys) -> None:
+def _names(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+def _others(d: Path) -> dict[str, bytes]:
+    """Files of other names beside an output (a user's checkpoint among them), to check they survive."""
+    d.mkdir(exist_ok=True)
+    mine = {"llama.safetensors": b"someone's model", "NOTES.txt": b"mine", "model.bin": b"other scheme"}
+    for name, data in mine.items():
+        (d / name).write_bytes(data)
+    return mine
+
+
+def _assert_untouched(d: Path, mine: dict[str, bytes]) -> None:
+    for name, data in mine.items():
+        assert (d / name).read_bytes() == data, name
+
+
+def _consolidate(capsys, *argv: str) -> tuple[int, str, str]:
+    code = _exit_code(["consolidate", *argv, "-q"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_file_output_replaces_only_that_file(model, ckpt: Path, tmp_path: Path, capsys) -> None:
+    """OUTPUT m/new.safetensors beside other checkpoints: only that file is ever written or replaced."""
+    m = tmp_path / "m"
+    mine = _others(m)
+    new = m / "new.safetensors"
+    assert _consolidate(capsys, str(ckpt), str(new))[0] == 0  # other files are no reason to refuse
+    assert _names(m) == sorted([*mine, "new.safetensors"])
+    new.write_bytes(b"an older new.safetensors")
+    code, _, err = _consolidate(capsys, str(ckpt), str(new))
+    assert code == 2 and "already has new.safetensors, which this run would replace" in err
+    assert "--overwrite" in err and "not empty" not in err and "llama" not in err
+    assert new.read_bytes() == b"an older new.safetensors"
+    code, out, _ = _consolidate(capsys, str(ckpt), str(new), "--overwrite", "--json")
+    assert code == 0 and json.loads(out)["replaced"] == [str(new)]
+    assert _names(m) == sorted([*mine, "new.safetensors"])
+    _assert_untouched(m, mine)
+    _assert_bit_exact(load_safetensors(new), model)
+    code, out, _ = _consolidate(capsys, str(ckpt), str(new), "--overwrite")
+    assert code == 0 and f"replaced:   {new} (the older files of these names)" in out
+
+
+def test_sharded_file_output_replaces_only_its_shards(ckpt: Path, tmp_path: Path, capsys) -> None:
+    m = tmp_path / "m"
+    mine = _others(m)
+    out = m / "new.safetensors"
+    assert _consolidate(capsys, str(ckpt), str(out), "--max-shard-size", "200KB")[0] == 0
+    written = [n for n in _names(m) if n not in mine]
+    assert len(written) > 2 and "new.safetensors.index.json" in written
+    code, _, err = _consolidate(capsys, str(ckpt), str(out), "--max-shard-size", "200KB")
+    assert code == 2 and ", ".join(written) in err  # exactly the files that would be replaced
+    code, stdout, _ = _consolidate(
+        capsys, str(ckpt), str(out), "--max-shard-size", "200KB", "--overwrite", "--json"
+    )
+    assert code == 0 and sorted(Path(f).name for f in json.loads(stdout)["replaced"]) == written
+    assert _names(m) == sorted([*mine, *written])
+    _assert_untouched(m, mine)
+
+
+def test_directory_output_single_and_sharded(model, ckpt: Path, tmp_path: Path, capsys) -> None:
+    """A directory OUTPUT: model.safetensors (or its shards + index) replaced with --overwrite, others kept;
+    a previous run's files of another split are refused, named, never deleted."""
+    out = tmp_path / "out"
+    mine = _others(out)
+    assert _consolidate(capsys, str(ckpt), str(out))[0] == 0
+    assert _names(out) == sorted([*mine, "model.safetensors"])
+    code, _, err = _consolidate(capsys, str(ckpt), str(out))
+    assert code == 2 and "already has model.safetensors, which this run would replace" in err
+    code, stdout, _ = _consolidate(capsys, str(ckpt), str(out), "--overwrite", "--json")
+    assert code == 0 and json.loads(stdout)["replaced"] == [str(out / "model.safetensors")]
+    # Another split (sharded) beside model.safetensors: refused even with --overwrite, naming it.
+    code, _, err = _consolidate(capsys, str(ckpt), str(out), "--max-shard-size", "200KB", "--overwrite")
+    assert code == 2 and "holds model.safetensors: files of the same naming scheme" in err
+    assert "remove them yourself" in err
+    assert _names(out) == sorted([*mine, "model.safetensors"])
+    (out / "model.safetensors").unlink()  # the user removes it, as told
+    assert _consolidate(capsys, str(ckpt), str(out), "--max-shard-size", "200KB")[0] == 0
+    shards = [n for n in _names(out) if n not in mine]
+    assert len(shards) > 2 and "model.safetensors.index.json" in shards
+    code, stdout, _ = _consolidate(
+        capsys, str(ckpt), str(out), "--max-shard-size", "200KB", "--overwrite", "--json"
+    )
+    assert code == 0 and sorted(Path(f).name for f in json.loads(stdout)["replaced"]) == shards
+    # Back to one file: the shards and index of the previous run are named, and left in place.
+    code, _, err = _consolidate(capsys, str(ckpt), str(out), "--overwrite")
+    assert code == 2 and f"holds {', '.join(shards)}: files of the same naming scheme" in err
+    assert _names(out) == sorted([*mine, *shards])
+    _assert_untouched(out, mine)
+    _assert_bit_exact(_load_dir_shards(out, shards), model)
+
+
+def _load_dir_shards(out: Path, shards: list[str]) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for name in shards:
+        if name.endswith(".safetensors"):
+            found.update(load_safetensors(out / name))
+    return found
+
+
+def test_torch_directory_output_refuses_a_stale_safetensors(ckpt: Path, tmp_path: Path, capsys) -> None:
+    """Hugging Face loaders prefer model.safetensors over pytorch_model.bin: an old one is named, not kept
+    silently beside a new torch output; a file OUTPUT of the other format's extension is a usage error."""
     out = tmp_path / "out"
     out.mkdir()
-    (out / "model.safetensors").write_bytes(b"an older checkpoint")
-    assert _exit_code(["consolidate", str(ckpt), str(out), "-q"]) == 2
-    err = capsys.readouterr().err
-    assert "is not empty (1 entry: model.safetensors)" in err and "--overwrite" in err
-    assert "usage: distribute-utils consolidate" in err  # the subcommand's usage
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
-    assert (out / "model.safetensors").read_bytes() == b"an older checkpoint"
-
-
-def test_overwrite_replaces_the_checkpoint_files_only(model, ckpt: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    assert _exit_code(["consolidate", str(ckpt), str(out), "-q", "--max-shard-size", "200KB"]) == 0
-    sharded = sorted(p.name for p in out.iterdir())
-    assert len(sharded) > 2 and "model.safetensors.index.json" in sharded
-    (out / "NOTES.txt").write_text("mine")
-    assert _exit_code(["consolidate", str(ckpt), str(out), "-q", "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["NOTES.txt", "model.safetensors"]  # no stale shards
-    _assert_bit_exact(_load_dir(out), model)
+    (out / "model.safetensors").write_bytes(b"old")
+    code, _, err = _consolidate(capsys, str(ckpt), str(out), "--format", "torch", "--overwrite")
+    assert code == 2 and "holds model.safetensors" in err and "pytorch_model.bin" in err
+    code, _, err = _consolidate(capsys, str(ckpt), str(out / "x.safetensors"), "--format", "torch")
+    assert code == 2 and "ends in .safetensors, but the torch format writes .bin files" in err
+    assert _names(out) == ["model.safetensors"]
 
 
 def test_missing_output_parent_is_a_usage_error(ckpt: Path, tmp_path: Path) -> None:
@@ -387,11 +479,15 @@ def test_a_failed_run_leaves_no_output_folder(ckpt: Path, tmp_path: Path) -> Non
 def test_json_on_failure_prints_an_error_object(ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    (out / "x").write_text("")
+    (out / "model.safetensors").write_text("")
     proc = _cli("consolidate", str(ckpt), str(out), "--json")
     assert proc.returncode == 2
     error = json.loads(proc.stdout)
-    assert error["exit_code"] == 2 and error["kind"] == "UsageError" and "not empty" in error["error"]
+    assert (
+        error["exit_code"] == 2
+        and error["kind"] == "UsageError"
+        and "already has model.safetensors" in error["error"]
+    )
     proc = _cli("consolidate", str(tmp_path / "out"), str(tmp_path / "new"), "--json")
     assert proc.returncode == 2 and json.loads(proc.stdout)["error"].startswith("input")
 
@@ -409,10 +505,15 @@ def test_dry_run_prints_the_plan_and_writes_nothing(model, ckpt: Path, tmp_path:
     assert not out.exists()
 
 
-def test_demo_keep_never_deletes_user_files(tmp_path: Path) -> None:
+def test_demo_keep_never_deletes_user_files(tmp_path: Path, capsys) -> None:
     proj = tmp_path / "myproj"
     (proj / "checkpoint").mkdir(parents=True)
     (proj / "checkpoint" / "my_real_ckpt.pt").write_bytes(b"precious")
+    (proj / "checkpoint" / "mesh.json").write_text("{}")  # the name of a file the demo writes
     assert _exit_code(["demo", "--keep", str(proj), "--size-mb", "1"]) == 2
+    assert "already has mesh.json" in capsys.readouterr().err
     assert (proj / "checkpoint" / "my_real_ckpt.pt").read_bytes() == b"precious"
     assert sorted(p.name for p in proj.iterdir()) == ["checkpoint"]
+    assert _exit_code(["demo", "--keep", str(proj), "--size-mb", "1", "--overwrite"]) == 0
+    assert (proj / "checkpoint" / "my_real_ckpt.pt").read_bytes() == b"precious"
+    assert _names(proj / "consolidated") == ["model.safetensors"]

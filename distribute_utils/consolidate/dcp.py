@@ -41,10 +41,18 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..errors import DistributeError
 from .layouts import LayoutError, MergePlanEntry
 from .rules import Unknown
 from .safe_load import safe_torch_load
-from .writers import SafetensorsWriter, TensorSpec, tensor_bytes
+from .writers import (
+    CheckpointFormatError,
+    SafetensorsWriter,
+    TensorSpec,
+    _cause,
+    describe_unreadable,
+    tensor_bytes,
+)
 
 __all__ = ["DCP_METADATA", "MEGATRON_NAMES", "DcpCheckpoint"]
 
@@ -105,7 +113,10 @@ class DcpCheckpoint:
         try:
             self._metadata = self._reader.read_metadata()
         except Exception as exc:
-            raise LayoutError(f"{self.root / DCP_METADATA}: not readable DCP metadata ({exc})") from None
+            meta = self.root / DCP_METADATA
+            problem = describe_unreadable(meta, exc, "DCP metadata file")
+            raise LayoutError(f"{meta}: not readable DCP metadata: the file {problem}") from None
+        self._check_files()
         self.megatron = _is_megatron(self.root)
         self.args = _common_args(self.root) if self.megatron else None
         impl = getattr(self.args, "transformer_impl", None)
@@ -113,6 +124,23 @@ class DcpCheckpoint:
         self.grouped_experts = bool(getattr(self.args, "moe_grouped_gemm", False))
         self._regions: dict[str, _Region] = {}
         self._plan: list[MergePlanEntry] | None = None
+
+    def _check_files(self) -> None:
+        """Every ``.distcp`` file the metadata names exists and is long enough for its items (a missing or
+        truncated one is named before anything is read)."""
+        needed: dict[str, int] = {}
+        for info in self._metadata.storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in sorted(needed.items()):
+            path = self.root / name
+            if not path.is_file():
+                raise FileNotFoundError(f"checkpoint file '{path}' (named by {DCP_METADATA}) does not exist")
+            size = path.stat().st_size
+            if size < end:
+                raise CheckpointFormatError(
+                    f"checkpoint file '{path}' is truncated ({size} bytes; {DCP_METADATA} places items up to "
+                    f"byte {end}); copy or save it again (it cannot be consolidated as it is)"
+                )
 
     @property
     def kind(self) -> str:
@@ -235,7 +263,10 @@ class DcpCheckpoint:
         if not getattr(self._reader, "storage_data", None):
             self._reader.set_up_storage_reader(self._metadata, True)
         planner = _IntoBuffers(buffers)
-        self._reader.read_data(LoadPlan(items), planner).wait()
+        try:
+            self._reader.read_data(LoadPlan(items), planner).wait()
+        except Exception as exc:
+            raise self._damaged([item.storage_index for item in items], exc) from None
         expected = sum(math.prod(b.shape) for b in out)
         if planner.elements != expected:
             raise LayoutError(
@@ -291,6 +322,21 @@ class DcpCheckpoint:
                 f"{self.root}: the stored chunks do not cover tensors {short[:3]}; the checkpoint is incomplete"
             )
 
+    def _damaged(self, keys: Sequence[Any], exc: Exception) -> Exception:
+        """The error for a failed read of stored items: the first item that cannot be loaded, file named."""
+        if isinstance(exc, DistributeError):
+            return exc
+        loader = _ChunkLoader(self.root, self._reader.storage_data)
+        try:
+            for key in dict.fromkeys(keys):
+                try:
+                    loader.load(key)
+                except CheckpointFormatError as found:
+                    return found
+        finally:
+            loader.close()
+        return exc
+
     def _overlaps(
         self, entry: MergePlanEntry
     ) -> list[tuple[Any, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
@@ -336,7 +382,14 @@ class _ChunkLoader:
         f = self._files.get(info.relative_path)
         if f is None:
             f = self._files[info.relative_path] = open(self._root / info.relative_path, "rb")  # noqa: SIM115
-        chunk = torch.load(_FileView(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        try:
+            chunk = torch.load(_FileView(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        except Exception as exc:  # a damaged item: torch raises anything (RuntimeError, EOFError, ...)
+            raise CheckpointFormatError(
+                f"checkpoint file '{self._root / info.relative_path}' is corrupt: item '{key.fqn}' (bytes "
+                f"{info.offset} to {info.offset + info.length}) cannot be read ({_cause(exc)}); copy or save "
+                "it again (it cannot be consolidated as it is)"
+            ) from None
         if not isinstance(chunk, torch.Tensor):
             raise LayoutError(f"{self._root}: '{key.fqn}' is stored as {type(chunk).__name__}, not a tensor")
         self._key, self._chunk = key, chunk

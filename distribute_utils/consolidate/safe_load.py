@@ -9,6 +9,10 @@ themselves. Any other global is refused, naming it.
 
 Callers that take tensors from a loaded object must check it holds no stand-in where a tensor is expected
 (:func:`find_stand_ins`): a stand-in is never a weight.
+
+A file that cannot be read at all (empty, truncated, text, another format) raises
+:class:`~.writers.CheckpointFormatError` naming the file and what is wrong with it
+(:func:`~.writers.unreadable_file`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,15 @@ from typing import Any
 import torch
 
 from ..errors import DistributeError
+from .writers import unreadable_file
 
-__all__ = ["STAND_IN_MODULES", "StandIn", "UnsafeCheckpointError", "find_stand_ins", "safe_torch_load"]
+__all__ = [
+    "STAND_IN_MODULES",
+    "StandIn",
+    "UnsafeCheckpointError",
+    "find_stand_ins",
+    "safe_torch_load",
+]
 
 #: Globals from these packages are rebuilt as inert :class:`StandIn` records.
 STAND_IN_MODULES: tuple[str, ...] = ("megatron.", "nemo.", "transformer_engine.", "modelopt.")
@@ -126,6 +137,8 @@ def safe_torch_load(path: str | os.PathLike[str]) -> Any:
     Raises:
         FileNotFoundError: no such file.
         UnsafeCheckpointError: the file holds other objects (named in the message); nothing was run.
+        CheckpointFormatError: the file cannot be read (empty, truncated, corrupt, not a ``torch.save`` file);
+            the message names it and says which.
     """
     p = Path(path)
     if not p.is_file():
@@ -145,14 +158,17 @@ def safe_torch_load(path: str | os.PathLike[str]) -> Any:
                 for n in torch.serialization.get_unsafe_globals_in_checkpoint(p)
                 if not n.startswith(STAND_IN_MODULES)
             ]
-        except Exception:
+        except Exception:  # not a readable archive: corrupt, not unsafe
             unsafe = []
-        named = ", ".join(unsafe) if unsafe else str(exc).splitlines()[0]
+        if not unsafe:
+            raise unreadable_file(p, exc) from None
         raise UnsafeCheckpointError(
-            f"'{p}' holds Python objects that cannot be loaded without running pickled code ({named}); "
-            "distribute_utils never unpickles arbitrary objects. In a trusted environment, re-save just the "
-            "tensors, e.g. torch.save({'model': torch.load(path, weights_only=False)['model']}, path)"
+            f"'{p}' holds Python objects that cannot be loaded without running pickled code "
+            f"({', '.join(unsafe)}); distribute_utils never unpickles arbitrary objects. Save the model's "
+            "tensors alone (a state dict of tensors) where the model is defined, and consolidate that"
         ) from None
+    except Exception as exc:  # torch raises anything on a damaged file: EOFError, KeyError, RuntimeError
+        raise unreadable_file(p, exc) from None
 
 
 def find_stand_ins(tree: Any, prefix: str = "") -> Iterator[str]:

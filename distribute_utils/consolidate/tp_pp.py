@@ -141,6 +141,8 @@ class ConsolidationReport:
         peak_rss_bytes: rank 0's peak resident set (``VmHWM``) at the end, 0 where unknown.
         files: the output files (index last when sharded).
         rank: the rank that returned this report.
+        replaced: files of the same names that existed before and were replaced (the command line fills
+            it in from its output check, ``--overwrite``); nothing else is ever removed.
     """
 
     input_dir: str
@@ -159,6 +161,7 @@ class ConsolidationReport:
     peak_rss_bytes: int
     files: list[str] = field(default_factory=list)
     rank: int = 0
+    replaced: list[str] = field(default_factory=list)
 
     @property
     def mib_per_s(self) -> float:
@@ -190,6 +193,8 @@ class ConsolidationReport:
             f"rank 0 peak memory (VmHWM): {_mib(self.peak_rss_bytes)}",
             f"output:     {files}",
         ]
+        if self.replaced:
+            lines.append(f"replaced:   {', '.join(self.replaced)} (the older files of these names)")
         if wall_seconds is not None:
             lines.append(f"wall time:  {wall_seconds:.2f} s (the whole command, start-up included)")
         return "\n".join(lines)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DistributeError
+from ..errors import DistributeError, one_line
 from ..temporaries import Temporaries
 from ..wire import pwrite_all, tensor_buffer
 
@@ -43,14 +43,17 @@ __all__ = [
     "SafetensorsWriter",
     "TensorSpec",
     "TorchSaveWriter",
+    "describe_unreadable",
     "load_safetensors",
     "open_writer",
+    "output_paths",
     "parse_size",
     "read_safetensors_metadata",
     "read_safetensors_specs",
     "safetensors_dtype",
     "standalone",
     "tensor_bytes",
+    "unreadable_file",
 ]
 
 logger = logging.getLogger(__name__)
@@ -244,12 +247,7 @@ class CheckpointWriter:
         self.max_shard_size = None if max_shard_size is None else parse_size(max_shard_size)
         self.directory, self.stem = _split_target(path_or_dir, self.suffix, self.default_stem)
         self.shards = _plan_shards(self.specs, self.max_shard_size)
-        n = len(self.shards)
-        if n == 1:
-            self.filenames = [f"{self.stem}{self.suffix}"]
-        else:
-            self.filenames = [f"{self.stem}-{i:05d}-of-{n:05d}{self.suffix}" for i in range(1, n + 1)]
-        self.index_name: str | None = f"{self.stem}{self.suffix}.index.json" if n > 1 else None
+        self.filenames, self.index_name = self.names(self.stem, len(self.shards))
         self._shard_of: dict[str, int] = {s.name: i for i, shard in enumerate(self.shards) for s in shard}
         self._written: set[str] = set()
         self._closed = False
@@ -257,6 +255,21 @@ class CheckpointWriter:
         # Every output file (index last) under a temporary name until close() renames them into place.
         self._held = Temporaries(self.paths)
         self._temps: list[Path] = self._held.temps[: len(self.filenames)]
+
+    @classmethod
+    def names(cls, stem: str, n: int) -> tuple[list[str], str | None]:
+        """The file names of ``n`` shards (``stem.ext``, or ``stem-0000k-of-0000N.ext``) and of the index
+        (``stem.ext.index.json`` when ``n > 1``, else ``None``)."""
+        if n == 1:
+            return [f"{stem}{cls.suffix}"], None
+        files = [f"{stem}-{i:05d}-of-{n:05d}{cls.suffix}" for i in range(1, n + 1)]
+        return files, f"{stem}{cls.suffix}.index.json"
+
+    @classmethod
+    def scheme(cls, stem: str) -> str:
+        """A regular expression matching every name :meth:`names` gives for ``stem``, whatever the split."""
+        s, x = re.escape(stem), re.escape(cls.suffix)
+        return rf"{s}(-\d{{5}}-of-\d{{5}})?{x}|{s}{x}\.index\.json"
 
     @property
     def paths(self) -> list[Path]:
@@ -627,13 +640,145 @@ def open_writer(
     """
     if format == "safetensors":
         return SafetensorsWriter(out, specs, max_shard_size, metadata=metadata)
-    if format == "torch":
-        return TorchSaveWriter(out, specs, max_shard_size)
-    raise ValueError(f"unknown checkpoint format {format!r}; valid: safetensors, torch")
+    return _writer_class(format)(out, specs, max_shard_size)
+
+
+def _writer_class(format: str) -> type[CheckpointWriter]:
+    writers: dict[str, type[CheckpointWriter]] = {"safetensors": SafetensorsWriter, "torch": TorchSaveWriter}
+    if format not in writers:
+        raise ValueError(f"unknown checkpoint format {format!r}; valid: {', '.join(writers)}")
+    return writers[format]
+
+
+def output_paths(
+    format: str,
+    out: str | os.PathLike[str],
+    specs: Sequence[TensorSpec] | None = None,
+    max_shard_size: int | str | None = None,
+) -> tuple[list[Path], str]:
+    """The files :func:`open_writer` would write for these arguments, without creating anything, and a
+    regular expression matching the names of that naming scheme under any split (what loaders would mix
+    with them: for a directory written in torch format also ``model*.safetensors``, which Hugging Face
+    loaders prefer).
+
+    ``specs`` are needed only with ``max_shard_size`` (they decide the split).
+
+    Raises:
+        ValueError: unknown format; ``out`` ends in the other format's extension; ``max_shard_size``
+            without ``specs``.
+    """
+    cls = _writer_class(format)
+    suffix = Path(out).suffix
+    if suffix in (".safetensors", ".bin") and suffix != cls.suffix and not Path(out).is_dir():
+        raise ValueError(
+            f"output '{out}' ends in {suffix}, but the {format} format writes {cls.suffix} files; give a "
+            f"file name ending in {cls.suffix}, or a directory"
+        )
+    directory, stem = _split_target(out, cls.suffix, cls.default_stem)
+    if max_shard_size is None:
+        n = 1
+    elif specs is None:
+        raise ValueError("output_paths: max_shard_size needs the specs (they decide the split)")
+    else:
+        n = len(_plan_shards(specs, parse_size(max_shard_size)))
+    files, index = cls.names(stem, n)
+    scheme = cls.scheme(stem)
+    if cls is not SafetensorsWriter and stem == cls.default_stem:
+        scheme += "|" + SafetensorsWriter.scheme(SafetensorsWriter.default_stem)
+    return [directory / f for f in files + ([index] if index else [])], scheme
 
 
 # --------------------------------------------------------------------------------------------------------
 # Reading safetensors.
+
+
+_ZIP_START = b"PK\x03\x04"  # torch.save (1.6+) writes a zip archive
+_ZIP_END = b"PK\x05\x06"  # its end-of-central-directory record, within the last 64 KiB + 22 bytes
+_ZIP_TAIL = 65536 + 22
+_SAFETENSORS_HEADER_MAX = 100 << 20  # what safetensors itself accepts
+
+
+def _cause(exc: BaseException | str) -> str:
+    """The informative part of a reader's message (torch's advice about ``weights_only`` left out)."""
+    text = exc if isinstance(exc, str) else str(exc) or type(exc).__name__
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1].strip().split("\n\n", 1)[0]
+    elif isinstance(exc, BaseException) and not isinstance(exc, (OSError, RuntimeError, ValueError)):
+        text = f"{type(exc).__name__}: {text}"  # KeyError: 101, EOFError from a pickle reader
+    text = one_line(text).split(". ", 1)[0]
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _safetensors_end(head: bytes) -> int:
+    """The file size a safetensors header describes (8 + header + data), or 0 when it cannot tell."""
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > _SAFETENSORS_HEADER_MAX:
+        return 0
+    if len(head) < 8 + n:
+        return 8 + n  # the header itself is cut
+    try:
+        header = json.loads(head[8 : 8 + n])
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return 0
+    return 8 + n + max(ends, default=0) if all(isinstance(e, int) for e in ends) else 0
+
+
+def describe_unreadable(
+    path: str | os.PathLike[str], cause: BaseException | str, what: str = "torch.save file"
+) -> str:
+    """What is wrong with a checkpoint file a reader failed on, judged from its bytes: ``"is empty (0
+    bytes)"``, ``"is truncated (...)"``, ``"is not a torch.save file (it begins with ...)"``, ...
+
+    ``cause`` is the reader's exception (a short form of it is quoted where the bytes do not explain it);
+    ``what`` names the format expected. Never advises loading with ``weights_only=False``.
+    """
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            head = f.read(16)
+            f.seek(max(0, size - _ZIP_TAIL))
+            tail = f.read()
+            if what == "safetensors file" and size >= 8:  # the header, to compare the size it describes
+                f.seek(0)
+                head = f.read(8 + min(struct.unpack("<Q", head[:8])[0], _SAFETENSORS_HEADER_MAX))
+    except OSError as exc:
+        return f"cannot be read: {one_line(exc)}"
+    if size == 0:
+        problem = "is empty (0 bytes)"
+    elif head.startswith(_ZIP_START) and _ZIP_END not in tail:
+        problem = f"is truncated ({size} bytes: a zip archive without its end record)"
+    elif head.startswith(_ZIP_START):
+        problem = f"is corrupt (a zip archive of {size} bytes that cannot be read: {_cause(cause)})"
+    elif size < 22 and _ZIP_START.startswith(head):
+        problem = f"is truncated ({size} byte{'' if size == 1 else 's'})"
+    elif what == "safetensors file" and size < 8:
+        problem = f"is not a valid safetensors file: {size} bytes, truncated or corrupt ({_cause(cause)})"
+    elif what == "safetensors file" and _safetensors_end(head) > size:
+        problem = (
+            f"is not a valid safetensors file: truncated ({size} of the {_safetensors_end(head)} bytes its "
+            f"header describes; {_cause(cause)})"
+        )
+    elif what == "safetensors file":
+        problem = f"is not a valid safetensors file: corrupt ({_cause(cause)})"
+    elif head.startswith(b"\x80"):  # a pickle: torch.save's pre-1.6 format, or DCP's .metadata
+        kind = "a pre-1.6 torch.save file" if what == "torch.save file" else f"a {what}"
+        problem = f"is truncated or corrupt ({kind} that cannot be read: {_cause(cause)})"
+    else:
+        problem = f"is not a {what} (it begins with {head!r})"
+    return problem
+
+
+def unreadable_file(
+    path: str | os.PathLike[str], cause: BaseException | str, what: str = "torch.save file"
+) -> CheckpointFormatError:
+    """The error for a checkpoint file a reader failed on: names it and says what is wrong with it (see
+    :func:`describe_unreadable`)."""
+    return CheckpointFormatError(
+        f"checkpoint file '{path}' {describe_unreadable(path, cause, what)}; copy or save it again "
+        "(it cannot be consolidated as it is)"
+    )
 
 
 def _open_safetensors(path: str | os.PathLike[str]) -> Any:
@@ -645,7 +790,7 @@ def _open_safetensors(path: str | os.PathLike[str]) -> Any:
     try:
         return safe_open(os.fspath(path), framework="pt")
     except SafetensorError as exc:
-        raise CheckpointFormatError(f"'{path}' is not a valid safetensors file: {exc}") from None
+        raise unreadable_file(path, exc, "safetensors file") from None
 
 
 def read_safetensors_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
