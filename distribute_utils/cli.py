@@ -302,7 +302,8 @@ ranks:
 
 merge rules (built-in, Megatron names): column-parallel weights/biases concat:0 (a gated MLP's linear_fc1:
   swiglu, from args or --swiglu), row-parallel weights concat:1, norms/routers/position embeddings same;
-  any other tensor split across TP ranks is an error naming it. --rules FILE adds patterns first.
+  any other tensor split across TP ranks is an error naming it. --rules FILE adds patterns first; its
+  catch-all ('* RULE') comes after the built-in rules and decides only what they do not name.
 
 exit codes:
   0  ok; the report goes to stdout (--json for JSON)
@@ -415,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         default=None,
         help="merge rules file (lines 'PATTERN RULE', first match wins), tried before the built-in "
-        "Megatron rules (default: built-in rules only)",
+        "Megatron rules, except a catch-all line ('* RULE'), which is tried after them: it decides only "
+        "tensors no other rule names (default: built-in rules only)",
     )
     cons.add_argument(
         "--quant-format",

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from .. import sync
-from ..errors import DistributeError, PeerLostError, one_line
+from ..errors import DistributeError, PeerLostError, one_line, plural_list
 from ..gather import gather_configs
 from ..mesh import ProcessGroupMesh
 from .dcp import DcpCheckpoint
@@ -236,7 +236,8 @@ def resolve_rules(
     """The rule table to use.
 
     Args:
-        rules: a table (used as is), a rules file (its patterns first, then the defaults), or ``None``
+        rules: a table (used as is), a rules file (its patterns first, then the defaults, then its catch-all
+            ``*`` line if any: :meth:`RuleTable.then`), or ``None``
             (the defaults).
         quant_format: ``None``, ``"fp8"``, ``"int8_sq"`` or ``"int4_awq"``: picks the default table.
         gated: whether the MLP is gated (SwiGLU), ``None`` if unknown (see :meth:`RuleTable.default`).
@@ -646,7 +647,7 @@ class _Job:
                 _Failure(
                     differing[0],
                     "ValueError",
-                    f"ranks {differing} planned a different consolidation than rank 0; pass the same "
+                    f"{plural_list('rank', differing)} planned a different consolidation than rank 0; pass the same "
                     "checkpoint and options on every rank",
                 )
             ]
