@@ -50,6 +50,7 @@ import queue
 import re
 import threading
 import time
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -448,7 +449,7 @@ def _progress(total: int, enabled: bool, desc: str) -> Any:
         unit_scale=True,
         unit_divisor=1024,
         desc=desc,
-        disable=not enabled,
+        disable=not enabled or not sys.stderr.isatty(),  # a bar is for a terminal, not a log
         dynamic_ncols=True,
         leave=False,
     )
@@ -944,7 +945,7 @@ def consolidate_checkpoint(
         transport: as in :func:`~distribute_utils.gather.gather_configs` (``"auto"``: shared memory within
             a host).
         timeout: bound on every wait, in seconds (default ``$DISTRIBUTE_UTILS_TIMEOUT`` or 600).
-        progress: show a progress bar on rank 0 (tqdm, on stderr).
+        progress: show a progress bar on rank 0 (tqdm, on stderr, when stderr is a terminal).
         batch_bytes: merged bytes per stage and round; rank 0 holds about one batch per stage.
         layers_per_stage: overrides the layer count per PP stage.
         iteration: Megatron only: the iteration (or ``"release"``) to read.
