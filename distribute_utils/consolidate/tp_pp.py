@@ -48,9 +48,9 @@ import logging
 import os
 import queue
 import re
+import sys
 import threading
 import time
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
