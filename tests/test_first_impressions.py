@@ -47,7 +47,8 @@ def test_reported_wall_time_is_what_an_outside_clock_measures(ckpt: Path, tmp_pa
     wall = json.loads(done.stdout)["wall_s"]
     assert wall <= outside + 0.1, (wall, outside)  # the process started after `start` (clock ticks: 10 ms)
     # Before: the imports before main() (~1.5 s) and torch's teardown (~0.5 s) were left out.
-    assert outside - wall < max(0.5, 0.3 * outside), f"reported {wall:.2f} s, measured {outside:.2f} s"
+    # Now only starting the process (fork, exec) and reaping it are outside: a few ms, plus room for load.
+    assert outside - wall < 0.3 + 0.05 * outside, f"reported {wall:.2f} s, measured {outside:.2f} s"
 
 
 def test_no_progress_bar_unless_stderr_is_a_terminal(ckpt: Path, tmp_path: Path) -> None:
