@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import functools
 import json
 import logging
@@ -35,8 +37,6 @@ logger = logging.getLogger("distribute_utils.cli")
 
 # -- demo ------------------------------------------------------------------------------------------
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import format_demo, run_demo
-
     if args.tp < 1 or args.pp < 1 or args.tp * args.pp != args.nproc:
         raise _UsageError(
             f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp}, but --nproc is {args.nproc}"
@@ -50,10 +50,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             check_keep(args.keep, args.tp, args.pp, args.overwrite)
         except ValueError as exc:
             raise _UsageError(f"--keep: {exc}") from None
+    from .demo import demo_header, format_demo, run_demo
+
+    print(demo_header(args.nproc, args.tp, args.pp), flush=True)  # at once: the rest takes seconds
+
+    def say(line: str) -> None:
+        if not args.quiet:
+            print(line, file=sys.stderr, flush=True)
+
     result = run_demo(
-        args.nproc, args.tp, args.pp, size_mb=args.size_mb, keep=args.keep, overwrite=args.overwrite
+        args.nproc, args.tp, args.pp, size_mb=args.size_mb, keep=args.keep, overwrite=args.overwrite, say=say
     )
-    print(format_demo(result))
+    print(format_demo(result, header=False))
     return 0
 
 
@@ -309,7 +317,8 @@ ranks:
 
 merge rules (built-in, Megatron names): column-parallel weights/biases concat:0 (a gated MLP's linear_fc1:
   swiglu, from args or --swiglu), row-parallel weights concat:1, norms/routers/position embeddings same;
-  any other tensor split across TP ranks is an error naming it. --rules FILE adds patterns first.
+  any other tensor split across TP ranks is an error naming it. --rules FILE adds patterns first; its
+  catch-all ('* RULE') comes after the built-in rules and decides only what they do not name.
 
 exit codes:
   0  ok; the report goes to stdout (--json for JSON)
@@ -380,11 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="merge a TP x PP sharded checkpoint into one checkpoint",
         description=textwrap.fill(
             "Merge a tensor-parallel x pipeline-parallel checkpoint into one safetensors (or torch.save) "
-            "checkpoint. Every rank reads only its own shard (memory-mapped); each TP group gathers its "
-            "shards to its first rank, which merges them by rule; stages send their tensors to rank 0, which "
-            "writes each one as it arrives (layers renumbered), so no rank ever holds the model. Started "
-            "under torchrun, this process is one rank of that job; otherwise it spawns N local ranks (gloo, "
-            "shared memory).",
+            "checkpoint, written tensor by tensor (layers renumbered), so that the model is never held in "
+            "memory. By default this one process does it, streaming every shard (memory-mapped). --nproc "
+            "TPxPP spawns one local rank per shard (gloo, shared memory): each rank reads only its own "
+            "shard, each TP group gathers its shards to its first rank, which merges them by rule, and the "
+            "stages send their tensors to rank 0, which writes each one as it arrives. Started under "
+            "torchrun, this process is one rank of such a job.",
             width=100,
         ),
         epilog=_CONSOLIDATE_EPILOG,
@@ -423,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         default=None,
         help="merge rules file (lines 'PATTERN RULE', first match wins), tried before the built-in "
-        "Megatron rules (default: built-in rules only)",
+        "Megatron rules, except a catch-all line ('* RULE'), which is tried after them: it decides only "
+        "tensors no other rule names (default: built-in rules only)",
     )
     cons.add_argument(
         "--quant-format",
@@ -531,9 +542,37 @@ def _configure_logging(verbose: int, quiet: bool) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
 
+def _seconds_since_start() -> float:
+    """How long ago this process started, by the kernel's count (0 where ``/proc`` cannot tell): the
+    reported wall time then includes the interpreter's start and the imports, as ``time`` measures."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, ticks after boot
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``distribute-utils``; returns the exit code."""
-    started = time.perf_counter()
+    """Entry point of ``distribute-utils``; returns the exit code.
+
+    As the command (``argv`` is ``None``: the console script, ``python -m distribute_utils``) it exits
+    the process itself once the command is done: exit handlers run and output is flushed, but the
+    interpreter's teardown of torch (about 0.5 s) is skipped, so the reported wall time is what the
+    shell's ``time`` measures."""
+    code = _main(argv)
+    if argv is None:
+        atexit._run_exitfuncs()  # logging, multiprocessing's temporary folder, workspace namespaces
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to say
+                stream.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    started = time.perf_counter() - _seconds_since_start()
     parser = build_parser()
     args = parser.parse_args(argv)
     args.started = started
@@ -567,15 +606,6 @@ def _handle_interrupts(args: argparse.Namespace) -> Callable[[], None]:
         return lambda: None
 
 
-def _progress_shown() -> bool:
-    """Whether a progress bar may be half drawn on stderr (runs beside the main thread: never raises)."""
-    tqdm = sys.modules.get("tqdm")
-    try:
-        return tqdm is not None and any(not bar.disable for bar in list(tqdm.tqdm._instances))
-    except Exception:  # the main thread changed the set meanwhile
-        return True
-
-
 def _say_interrupted(args: argparse.Namespace, signum: int) -> None:
     """The one line an interrupted command prints (stderr; with ``--json`` also the error object).
 
@@ -590,10 +620,9 @@ def _say_interrupted(args: argparse.Namespace, signum: int) -> None:
                 what = f"the output in '{target.directory}' was already complete"
         except Exception:
             logger.debug("could not look at the output", exc_info=True)
-    # Over a half-drawn bar: this process's, or one its ranks drew on the same stderr (it cannot see
-    # theirs, so a command that shows bars starts a new line on a non-terminal).
-    bars = args.command in ("consolidate", "demo") and not getattr(args, "quiet", False)
-    clear = "\r\x1b[2K" if sys.stderr.isatty() else "\n" if bars or _progress_shown() else ""
+    # Over a half-drawn bar (this process's, or one its ranks drew on the same stderr); bars are drawn
+    # only on a terminal.
+    clear = "\r\x1b[2K" if sys.stderr.isatty() else ""
     os.write(2, f"{clear}distribute-utils {args.command}: interrupted; {what}\n".encode())
     if getattr(args, "json", False):
         error = {

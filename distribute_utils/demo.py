@@ -18,19 +18,19 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
 from . import interrupts
 
 if TYPE_CHECKING:
+    import torch
+
     from .outputs import OutputTarget
 
-__all__ = ["DemoResult", "check_keep", "format_demo", "mesh_rank", "run_demo"]
+__all__ = ["DemoResult", "check_keep", "demo_header", "format_demo", "mesh_rank", "run_demo"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,9 @@ def mesh_rank(tp: int, pp: int) -> dict[str, Any]:
         On rank 0 ``{"layout": str, "reports": [one dict per rank]}``; elsewhere the same with
         ``reports == []``.
     """
+    import torch
+    import torch.distributed as dist
+
     from .gather import gather_configs
     from .mesh import ProcessGroupMesh
 
@@ -112,6 +115,8 @@ class DemoResult:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -147,6 +152,7 @@ def run_demo(
     size_mb: float = 64.0,
     keep: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
+    say: Callable[[str], object] | None = None,
 ) -> DemoResult:
     """Runs the demo on ``nproc`` freshly spawned local ranks; call it in a plain process.
 
@@ -160,6 +166,7 @@ def run_demo(
             are refused unless ``overwrite`` (see :func:`check_keep`): the demo never deletes what it did
             not write.
         overwrite: with ``keep``: replace the files of those names.
+        say: called with a short progress line before each slow step (the CLI prints them on stderr).
 
     Raises:
         ValueError: ``tp * pp != nproc`` or a non-positive size; OutputError: ``keep`` holds files in the
@@ -167,6 +174,14 @@ def run_demo(
         ConsolidationError: the consolidation failed (cause and rank named).
         RuntimeError: never expected: the output differs from the original (tensor named).
     """
+    if tp < 1 or pp < 1 or tp * pp != nproc:
+        raise ValueError(f"--tp {tp} x --pp {pp} = {tp * pp}, but --nproc is {nproc}")
+    if not size_mb > 0:
+        raise ValueError(f"size_mb must be positive, got {size_mb}")
+    say = say or (lambda line: None)
+    say(f"writing a ~{size_mb:g} MB synthetic model sharded TP {tp} x PP {pp} ...")
+    import torch
+
     from .consolidate import load_safetensors, write_own_layout
     from .consolidate.synthetic import (
         balanced_layers_per_stage,
@@ -176,10 +191,6 @@ def run_demo(
     )
     from .consolidate.tp_pp import consolidate_on_local_ranks
 
-    if tp < 1 or pp < 1 or tp * pp != nproc:
-        raise ValueError(f"--tp {tp} x --pp {pp} = {tp * pp}, but --nproc is {nproc}")
-    if not size_mb > 0:
-        raise ValueError(f"size_mb must be positive, got {size_mb}")
     start = time.perf_counter()
     if keep is not None:
         check_keep(keep, tp, pp, overwrite)
@@ -199,6 +210,7 @@ def run_demo(
         )
         options = {"progress": False, "timeout": 120}
         before = functools.partial(mesh_rank, tp, pp)
+        say(f"starting {nproc} local ranks ...")
         report, befores = consolidate_on_local_ranks(
             ckpt, out, nproc, before=before, launch_timeout=600, **options
         )
@@ -246,13 +258,16 @@ def _remove_made(made: list[Path]) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def format_demo(result: DemoResult) -> str:
-    """The demo's printed report."""
+def demo_header(nproc: int, tp: int, pp: int) -> str:
+    """The report's first line, which the command prints before it starts the ranks (no torch import)."""
+    return f"distribute-utils demo: {nproc} local ranks (gloo + shared memory), TP {tp} x PP {pp}"
+
+
+def format_demo(result: DemoResult, header: bool = True) -> str:
+    """The demo's printed report; ``header=False`` leaves out :func:`demo_header` (printed already)."""
     r = result.report
     lines = [
-        f"distribute-utils demo: {result.nproc} local ranks (gloo + shared memory), "
-        f"TP {result.tp} x PP {result.pp}",
-        "",
+        *([demo_header(result.nproc, result.tp, result.pp), ""] if header else []),
         "[1/2] mesh: groups, a collective and a barrier per axis",
         *_mesh_lines(result.mesh),
         "",

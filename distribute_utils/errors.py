@@ -7,6 +7,8 @@ All of them survive pickling, so a worker's error can be re-raised in its parent
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "DistributeError",
     "ForkedProcessError",
@@ -18,12 +20,21 @@ __all__ = [
     "TransportUnavailableError",
     "WorkspaceError",
     "one_line",
+    "plural_list",
 ]
 
 
 def one_line(error: BaseException | str) -> str:
     """An error message on one line (what the command line prints and ranks report)."""
     return " ".join(str(error).split())
+
+
+def plural_list(noun: str, items: Sequence[object]) -> str:
+    """``rank 1``, ``ranks 1 and 2``, ``ranks 1, 2 and 3``: a list of things for a message."""
+    words = [str(i) for i in items]
+    if len(words) == 1:
+        return f"{noun} {words[0]}"
+    return f"{noun}s {', '.join(words[:-1])} and {words[-1]}"
 
 
 class DistributeError(Exception):

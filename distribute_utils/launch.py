@@ -12,9 +12,11 @@ import contextlib
 import datetime
 import logging
 import multiprocessing as mp
+import multiprocessing.util
 import os
 import pickle
 import select
+import shutil
 import signal
 import sys
 import threading
@@ -155,6 +157,7 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | N
     # Ranks fork from a server that imported torch once: on 2 cores, four processes each
     # importing torch at the same time cost ~10 s before any work starts.
     ctx = mp.get_context("forkserver")
+    _remove_temp_dir_on_interrupt()
     ctx.set_forkserver_preload(["torch", "torch.distributed", "distribute_utils.gather", fn.__module__])
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
     level = logging.getLogger().getEffectiveLevel()
@@ -170,6 +173,20 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | N
     finally:
         for conn in conns:
             conn.close()
+
+
+#: multiprocessing temporary folders whose removal on an interrupt is registered.
+_TEMP_DIRS: set[str] = set()
+
+
+def _remove_temp_dir_on_interrupt() -> None:
+    """multiprocessing keeps the forkserver's socket in a ``pymp-*`` folder (its ranks share it) that it
+    removes at exit; an interrupt leaves with ``os._exit`` (no atexit), so it is removed as an undo action
+    (registered once, before the ranks' stop: undo actions run newest first)."""
+    tempdir = multiprocessing.util.get_temp_dir()
+    if tempdir not in _TEMP_DIRS:
+        _TEMP_DIRS.add(tempdir)
+        interrupts.on_interrupt(lambda: shutil.rmtree(tempdir, ignore_errors=True))
 
 
 def _run(

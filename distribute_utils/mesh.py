@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import sync
+from .errors import plural_list
 from .mesh_layout import AxisSpec, MeshLayout, RavelMode
 
 __all__ = ["ProcessGroupMesh"]
@@ -84,9 +85,10 @@ class ProcessGroupMesh:
         first, differing = sync.companion(None).agree(mine, timeout, what="checking the mesh layout")
         if differing:
             rank, other = next(iter(differing.items()))
+            verb = "differs" if len(differing) == 1 else "differ"
             raise ValueError(
                 f"ranks disagree on the mesh: rank 0 has (shape, names, offset, backend) "
-                f"{tuple(msgpack.unpackb(first))}, rank(s) {sorted(differing)} differ (rank {rank} has "
+                f"{tuple(msgpack.unpackb(first))}, {plural_list('rank', sorted(differing))} {verb} (rank {rank} has "
                 f"{tuple(msgpack.unpackb(other))}); construct the mesh with the same arguments on every rank"
             )
 

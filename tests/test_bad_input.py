@@ -73,7 +73,7 @@ TABLE: list[tuple[str, str, list[str]]] = [
     ),
     (
         "callers passing different `ranks` lists",
-        "``ValueError: ranks passed different `ranks` lists: rank 0 passed [...], rank(s) [1] differ``, on every rank",
+        "`ValueError: ranks disagree on a gather: rank 0 passed ranks=[...], but rank 1, which it names, passed ranks=[...]`, on every rank",
         ["tests/test_gather.py::test_bad_ranks_raise_value_error_on_every_rank"],
     ),
     (
@@ -217,7 +217,7 @@ TABLE: list[tuple[str, str, list[str]]] = [
     ),
     (
         "mesh shapes that disagree across ranks",
-        "`ValueError: ranks disagree on the mesh ...: rank(s) [2] differ`, on every rank (detected, not a hang)",
+        "`ValueError: ranks disagree on the mesh ...: rank 2 differs`, on every rank (detected, not a hang)",
         ["tests/test_mesh.py::test_mesh_shapes_that_disagree_raise_everywhere"],
     ),
 ]

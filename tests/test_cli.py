@@ -183,7 +183,7 @@ def test_data_mismatch_in_process_exit_1(
     write_own_layout(inp, shards, layers_per_stage=LPS)
     assert _exit_code(["consolidate", str(inp), str(out), "--nproc", "1", "-q"]) == 1
     line = _one_error_line(capsys)
-    assert f"tensor '{norm}'" in line and "rank 3 differ from rank 2" in line
+    assert f"tensor '{norm}'" in line and "rank 3 differs from rank 2;" in line
     assert not out.exists()  # nothing left, not even the folder the run created
 
 

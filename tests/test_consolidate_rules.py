@@ -94,9 +94,9 @@ def test_max_and_sum_on_float8_are_exact() -> None:
 def test_same_is_bitwise_and_names_differing_ranks() -> None:
     a = torch.tensor([1.0, float("nan")])
     assert Same().merge("n", [a, a.clone()]) is a  # NaN == NaN bit for bit
-    with pytest.raises(MergeError, match=r"'n'.*rank 9, rank 11 differ from rank 8"):
+    with pytest.raises(MergeError, match=r"'n'.*but ranks 9 and 11 differ from rank 8;"):
         Same().merge("n", [a, a + 1, a.clone(), a - 1], ranks=[8, 9, 10, 11])
-    with pytest.raises(MergeError, match=r"shard 1 differ from shard 0"):
+    with pytest.raises(MergeError, match=r"but shard 1 differs from shard 0;"):
         Same().merge("z", [torch.tensor([0.0]), torch.tensor([-0.0])])
     f8 = torch.ones(3).to(torch.float8_e4m3fn)
     assert Same().merge("f8", [f8, f8.clone()]) is f8
@@ -212,6 +212,19 @@ def test_table_then_and_to_text_round_trip() -> None:
     assert RuleTable.from_text(text, fallback=Unknown()) == RuleTable(
         [*combined, ("*", Unknown())], fallback=Unknown()
     )
+
+
+def test_a_users_catch_all_is_tried_after_the_defaults() -> None:
+    """A ``*`` line cannot shadow the built-in rules: it decides only what nothing else names."""
+    user = RuleTable.from_text("*.router.weight first\n* same\n*.extra.weight concat:1\n")
+    combined = user.then(RuleTable.default())
+    assert combined.match("embedding.word_embeddings.weight") == ("*.word_embeddings.weight", Concat(0))
+    assert combined.rule_for("decoder.layers.0.mlp.router.weight") == First()  # named: before the defaults
+    assert combined.rule_for("decoder.layers.0.extra.weight") == Concat(1)  # non-catch-alls keep their turn
+    assert combined.match("something.new") == ("*", Same())  # instead of the defaults' unknown
+    assert [p for p, _ in combined][-1] == "*"
+    # without a catch-all the defaults' fallback stays
+    assert RuleTable.from_text("*.x max\n").then(RuleTable.default()).rule_for("y") == Unknown()
 
 
 def test_from_mapping_errors_name_the_pattern() -> None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable
@@ -37,7 +39,7 @@ from harness import torchrun_argv
 
 MESSAGE = "distribute-utils consolidate: interrupted; nothing written"
 CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
-BAR = "consolidating:"  # tqdm's progress bar (left on stderr when it is not a terminal)
+BAR = "consolidating:"  # tqdm's progress bar (drawn only when stderr is a terminal)
 
 
 # -- processes, observed through /proc ---------------------------------------------------------------
@@ -147,12 +149,15 @@ class Command:
             Path(os.environ.get("TMPDIR", "/tmp")) / f"du-interrupt-{os.getpid()}-{time.time_ns()}"
         )
         self._err = open(self.err_path, "w+b")  # noqa: SIM115 - read while the command runs
+        # Its own TMPDIR: what multiprocessing leaves there (pymp-*) is seen, and only that.
+        self.tmp = Path(tempfile.mkdtemp(prefix="du-interrupt-tmp-"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "distribute_utils", *args],
             stdout=subprocess.PIPE,
             stderr=self._err,
             start_new_session=True,
             cwd=cwd,
+            env={**os.environ, "TMPDIR": str(self.tmp)},
         )
         self.sid = self.proc.pid
         self.seen: set[int] = set()
@@ -194,6 +199,11 @@ class Command:
             os.kill(pid, signal.SIGKILL)
         self._err.close()
         self.err_path.unlink(missing_ok=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def temporaries_left(self) -> list[str]:
+        """What the command left in its TMPDIR (multiprocessing's pymp-* folders, ...)."""
+        return sorted(p.name for p in self.tmp.iterdir())
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +232,7 @@ def _check_clean_end(
     assert not out.exists(), f"the output folder it created is left: {list(out.iterdir())}"
     assert not _segments(cmd.seen), _segments(cmd.seen)
     assert _records() <= records_before, "a temporaries record was left"
+    assert not cmd.temporaries_left(), f"left in TMPDIR: {cmd.temporaries_left()}"
 
 
 # -- the interrupt machinery in a small real process -------------------------------------------------
@@ -377,6 +388,28 @@ def test_interrupt_mid_write(
         assert isinstance(temp, Path)
         _signal_while_stopped(writer, target, cmd, sig, writer)  # held mid-write while the signal is sent
         _check_clean_end(cmd, sig, out, records, f"(nproc {nproc}, {target}, mid-write)")
+    finally:
+        cmd.close()
+
+
+def test_interrupt_of_the_demo_while_its_ranks_run(tmp_path: Path) -> None:
+    """The demo's first line comes before the ranks start; SIGINT then ends everything, leaving nothing."""
+    cmd = Command("demo", "--size-mb", "8")
+    try:
+        assert cmd.proc.stdout is not None
+        first = cmd.proc.stdout.readline().decode()  # printed at once, not at the end
+        assert first.startswith("distribute-utils demo: 4 local ranks"), first
+        _until("4 ranks", lambda: len(_ranks(cmd.proc.pid)) == 4, cmd.proc)
+        cmd.watch()
+        os.kill(cmd.proc.pid, signal.SIGINT)
+        code, _, stderr, _ = cmd.finish()
+        assert code == 130, stderr
+        assert stderr.strip().splitlines()[-1] == "distribute-utils demo: interrupted; nothing written", (
+            stderr
+        )
+        assert not cmd.others_gone(), "processes left"
+        assert not cmd.temporaries_left(), f"left in TMPDIR: {cmd.temporaries_left()}"
+        assert not _segments(cmd.seen)
     finally:
         cmd.close()
 

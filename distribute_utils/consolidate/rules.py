@@ -28,7 +28,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..errors import DistributeError
+from ..errors import DistributeError, plural_list
 from ..wire import as_uint8
 from .writers import CheckpointWriter, SafetensorsWriter, TensorSpec, tensor_bytes
 
@@ -49,6 +49,7 @@ __all__ = [
     "ScalarMax",
     "Sum",
     "Unknown",
+    "is_catch_all",
     "parse_rule",
     "quantized_rule",
     "write_merged",
@@ -411,11 +412,13 @@ class Same(MergeRule):
         first = as_uint8(shards[0])
         differ = [i for i in range(1, len(shards)) if not torch.equal(first, as_uint8(shards[i]))]
         if differ:
-            labels = _labels(len(shards), ranks)
+            noun, ids = ("rank", list(ranks)) if ranks is not None else ("shard", list(range(len(shards))))
+            verb = "differs" if len(differ) == 1 else "differ"
             raise MergeError(
                 f"tensor '{name}' should be identical on every shard (rule 'same'), but "
-                f"{', '.join(labels[i] for i in differ)} differ from {labels[0]}; if this tensor is really "
-                "split or reduced across ranks, give it a rule (concat:<dim>, max, sum, first)"
+                f"{plural_list(noun, [ids[i] for i in differ])} {verb} from {noun} {ids[0]}; "
+                "if this tensor is really split or reduced across ranks, give it a rule "
+                "(concat:<dim>, max, sum, first)"
             )
         return shards[0]
 
@@ -689,6 +692,11 @@ def _default_entries(quant_format: str | None) -> list[tuple[str, MergeRule]]:
 # Rule tables.
 
 
+def is_catch_all(pattern: str) -> bool:
+    """Whether a pattern matches every tensor name (it is made of ``*`` only): see :meth:`RuleTable.then`."""
+    return bool(pattern) and set(pattern) == {"*"}
+
+
 @dataclass(frozen=True)
 class _Entry:
     pattern: str
@@ -749,12 +757,17 @@ class RuleTable:
         return self.match(name)[1]
 
     def then(self, other: RuleTable) -> RuleTable:
-        """A table trying this table's patterns first, then ``other``'s; ``other``'s fallback is kept.
+        """A table trying this table's patterns first, then ``other``'s, then this table's catch-alls.
 
-        Typical use: ``RuleTable.from_file(path).then(RuleTable.default())`` lets a user file override or
-        extend the defaults.
+        A *catch-all* is a pattern made of ``*`` only (it matches every name): it would shadow every pattern
+        of ``other``, so it is tried after them and decides only the names that neither this table's other
+        patterns nor ``other``'s name. The result's fallback is ``other``'s (reached only when this table
+        has no catch-all). Typical use: ``RuleTable.from_file(path).then(RuleTable.default())`` lets a user
+        file override or extend the defaults, and a ``* same`` line there replaces the defaults' ``unknown``.
         """
-        return RuleTable([*self, *other], fallback=other.fallback)
+        catch_alls = [(p, r) for p, r in self if is_catch_all(p)]
+        mine = [(p, r) for p, r in self if not is_catch_all(p)]
+        return RuleTable([*mine, *other, *catch_alls], fallback=other.fallback)
 
     def to_text(self) -> str:
         """The table in rules-file format (readable back with :meth:`from_text`)."""

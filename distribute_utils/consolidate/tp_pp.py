@@ -48,6 +48,7 @@ import logging
 import os
 import queue
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -62,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from .. import sync
-from ..errors import DistributeError, PeerLostError, one_line
+from ..errors import DistributeError, PeerLostError, one_line, plural_list
 from ..gather import gather_configs
 from ..mesh import ProcessGroupMesh
 from .dcp import DcpCheckpoint
@@ -241,7 +242,8 @@ def resolve_rules(
     """The rule table to use.
 
     Args:
-        rules: a table (used as is), a rules file (its patterns first, then the defaults), or ``None``
+        rules: a table (used as is), a rules file (its patterns first, then the defaults, then its catch-all
+            ``*`` line if any: :meth:`RuleTable.then`), or ``None``
             (the defaults).
         quant_format: ``None``, ``"fp8"``, ``"int8_sq"`` or ``"int4_awq"``: picks the default table.
         gated: whether the MLP is gated (SwiGLU), ``None`` if unknown (see :meth:`RuleTable.default`).
@@ -452,7 +454,7 @@ def _progress(total: int, enabled: bool, desc: str) -> Any:
         unit_scale=True,
         unit_divisor=1024,
         desc=desc,
-        disable=not enabled,
+        disable=not enabled or not sys.stderr.isatty(),  # a bar is for a terminal, not a log
         dynamic_ncols=True,
         leave=False,
     )
@@ -651,7 +653,7 @@ class _Job:
                 _Failure(
                     differing[0],
                     "ValueError",
-                    f"ranks {differing} planned a different consolidation than rank 0; pass the same "
+                    f"{plural_list('rank', differing)} planned a different consolidation than rank 0; pass the same "
                     "checkpoint and options on every rank",
                 )
             ]
@@ -948,7 +950,7 @@ def consolidate_checkpoint(
         transport: as in :func:`~distribute_utils.gather.gather_configs` (``"auto"``: shared memory within
             a host).
         timeout: bound on every wait, in seconds (default ``$DISTRIBUTE_UTILS_TIMEOUT`` or 600).
-        progress: show a progress bar on rank 0 (tqdm, on stderr).
+        progress: show a progress bar on rank 0 (tqdm, on stderr, when stderr is a terminal).
         batch_bytes: merged bytes per stage and round; rank 0 holds about one batch per stage.
         layers_per_stage: overrides the layer count per PP stage.
         iteration: Megatron only: the iteration (or ``"release"``) to read.
