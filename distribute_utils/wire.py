@@ -53,6 +53,8 @@ __all__ = [
     "MAX_DEPTH",
     "PREFIX_SIZE",
     "SUPPORTED_DTYPES",
+    "TABLE_BYTES_CONSTANT",
+    "TABLE_BYTES_PER_BYTE",
     "VERSION",
     "EncodedPayload",
     "PayloadPrefix",
@@ -1111,8 +1113,12 @@ def _tensor_table(raw: memoryview, header_end: int, total_len: int) -> tuple[_Sl
 # unpacks into is small too. A short one is unpacked in one call (the same checks; faster for the
 # tables of real payloads), which costs at most ~64 bytes per byte of it (a msgpack byte can be an
 # empty list): part of the constant.
-TABLE_BYTES_PER_BYTE = 8
-TABLE_BYTES_CONSTANT = 2 * 2**20
+TABLE_BYTES_PER_BYTE: int = 8
+"""Reading and checking a payload's header holds at most this many bytes of Python objects per payload
+byte (plus :data:`TABLE_BYTES_CONSTANT`) until it is refused or its tensors are built."""
+TABLE_BYTES_CONSTANT: int = 2 * 2**20
+"""The constant part of that bound (4096 empty tensors are allowed in any payload; a short table is
+unpacked in one call)."""
 _MAX_ENTRY_BYTES = 1024  # a valid entry takes at most ~620 bytes (a 64-dim shape of uint64 values)
 _STREAM_FROM = 16384  # longer tables are read entry by entry
 _ENTRY_LIMITS = {  # in a valid entry: a dtype name, at most 64 dims; maps, bins and exts never
@@ -1158,10 +1164,6 @@ def _stream(up: msgpack.Unpacker, n: int) -> Iterator[Any]:
             entry = up.unpack()
         except PayloadError:
             raise
-        except msgpack.OutOfData:
-            raise PayloadError(
-                f"malformed header: the tensor table ends after {i} of its {n} entries"
-            ) from None
         except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
             raise _malformed(e, f"malformed header: tensor {i}") from None
         yield entry
@@ -1172,19 +1174,23 @@ def _skim(raw: memoryview) -> None:
     other fault to the entry's reading."""
     skim = msgpack.Unpacker(None, max_buffer_size=len(raw))
     skim.feed(raw)
-    with contextlib.suppress(ValueError, msgpack.UnpackException):
+    i, length = -1, 0
+    with contextlib.suppress(ValueError, msgpack.UnpackException):  # (reported where the entry is read)
         n = skim.read_array_header()
         skip, tell = skim.skip, skim.tell
         start = tell()
-        for i in range(n):
+        for index in range(n):
             skip()
-            end = tell()
-            if end - start > _MAX_ENTRY_BYTES:
-                raise PayloadError(
-                    f"tensor {i}: its entry takes {end - start} bytes, more than any valid "
-                    f"[dtype, shape, offset, nbytes] ({_MAX_ENTRY_BYTES})"
-                )
-            start = end
+            length = tell() - start
+            if length > _MAX_ENTRY_BYTES:
+                i = index
+                break
+            start += length
+    if length > _MAX_ENTRY_BYTES:
+        raise PayloadError(
+            f"tensor {i}: its entry takes {length} bytes, more than any valid [dtype, shape, offset, nbytes] "
+            f"({_MAX_ENTRY_BYTES})"
+        )
 
 
 def _msgpack_kind(first: int) -> str:
