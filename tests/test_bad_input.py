@@ -172,6 +172,14 @@ TABLE: list[tuple[str, str, list[str]]] = [
         ],
     ),
     (
+        "a crafted header nesting arrays 1,000+ deep, or a huge tensor table (200,000 empty tensors)",
+        "`PayloadError` saying what is wrong (`containers nested deeper than msgpack's limit of 1024 levels`, `more than N empty tensors in a payload of M bytes`), never a `RecursionError`; refused while the table is read, holding at most 8 bytes per payload byte + 2 MiB",
+        [
+            "tests/test_wire.py::test_crafted_deep_headers_are_refused_clearly",
+            "tests/test_wire.py::test_crafted_table_costs_a_small_multiple_of_its_size",
+        ],
+    ),
+    (
         "a workspace weights file crafted to run code when unpickled (`NFSWorkspace`)",
         "`PayloadError: refusing to load weights ...: they are not a plain state dict` (`torch.load(weights_only=True)`); the code never runs",
         ["tests/test_workspace.py::test_nfs_workspace_refuses_code_in_weights"],
@@ -521,9 +529,11 @@ def _too_deep_rounds(cases: list[tuple[str, int, str]]) -> dict[str, Any]:
     pids = _pool_pids()
     seen: list[dict[str, Any]] = []
     for kind, who, entry in cases:
-        value: Any = (
-            _nested(kind, 10_000, torch.ones(2)) if rank == who else {"rank": rank, "w": torch.ones(100)}
-        )
+        value: Any = {"rank": rank, "w": torch.ones(100)}
+        if rank == who and kind == "cycle":
+            value["loop"] = [value]
+        elif rank == who:
+            value = _nested(kind, 10_000, torch.ones(2))
         gather = modelopt.get_configs_parallel if entry == "modelopt" else get_configs_parallel
         out: dict[str, Any] = {"case": (kind, who, entry), "error_type": None}
         start = time.monotonic()
@@ -554,9 +564,15 @@ def _too_deep_rounds(cases: list[tuple[str, int, str]]) -> dict[str, Any]:
 def test_too_deep_config_refused_on_every_rank(ranks4: RankPool, row: Row) -> None:
     """A config 10,000 containers deep, of each kind, on a sender or on the first rank (whose own value is
     never encoded), through our entry point and ModelOpt's: every rank raises the same TypeError naming
-    the level and the limit, fast, with nothing written; the next gathers are exact."""
+    the level and the limit, fast, with nothing written (a reference cycle: naming the cycle); the next
+    gathers are exact."""
     cases = [(kind, who, "ours") for kind in (*NESTINGS, "mixed") for who in (0, 2)]
-    cases += [("dict", 0, "modelopt"), ("dataclass", 3, "modelopt")]
+    cases += [
+        ("dict", 0, "modelopt"),
+        ("dataclass", 3, "modelopt"),
+        ("cycle", 0, "ours"),
+        ("cycle", 1, "ours"),
+    ]
     results = ranks4.run(_too_deep_rounds, cases, timeout=300)
     limit = f"containers nested deeper than {wire.MAX_DEPTH} levels"
     row.leaked = any(r["seen"] for res in results for r in res["rounds"])
@@ -566,9 +582,16 @@ def test_too_deep_config_refused_on_every_rank(ranks4: RankPool, row: Row) -> No
             what = f"rank {rank}, {kind} on rank {who} ({entry})"
             assert r["error_type"] == "TypeError", (what, r)
             message = r["message"]
-            assert limit in message, (what, message)
-            assert f"is at level {wire.MAX_DEPTH + 1}, past the limit of {wire.MAX_DEPTH}" in message, what
-            assert "(190 more)" in message and len(message) < 600, (what, message)  # the path, shortened
+            if kind == "cycle":  # (infinitely deep: named as the cycle it is)
+                assert "config['loop'][0]: reference cycle: this dict is the object at config" in message, (
+                    what
+                )
+            else:
+                assert limit in message, (what, message)
+                assert f"is at level {wire.MAX_DEPTH + 1}, past the limit of {wire.MAX_DEPTH}" in message, (
+                    what
+                )
+                assert "(190 more)" in message and len(message) < 600, (what, message)  # the path, shortened
             if rank != who:
                 origin = "the first rank (0) failed: " if who == 0 else f"rank {who} cannot take part"
                 assert origin in message, (what, message)
