@@ -799,7 +799,7 @@ class _Gather:
             plan = self.plan_and_tell()
             direct = plan.direct
             # What needs no claim is done before they come: after the last one, only its own part is left.
-            found[self.first] = _place(own, target) if self.place_own else own
+            found[self.first] = _place_own(own, target if self.place_own else None, self.root)
             notes = self.notes_for(self.ranks[1:])
             if self.direct:
                 self.claims_directly(direct, claims, decode_to, found)
@@ -948,31 +948,76 @@ def _carrier(group: dist.ProcessGroup | Sequence[int] | None, on_device: bool) -
     return "cpu"
 
 
-def _place(value: Any, target: torch.device) -> Any:
+def _place_own(value: Any, target: torch.device | None, root: str) -> Any:
     """The first rank's own value with every tensor on ``target``, like every received one
-    (ModelOpt's ``tensor.cpu()``). Containers and dataclasses are copied only along the paths
-    to tensors that move; a value with nothing to move comes back as the same object."""
+    (ModelOpt's ``tensor.cpu()``); ``target=None`` moves nothing. Containers and dataclasses are copied
+    only along the paths to tensors that move; a value with nothing to move comes back as the same object.
+
+    Raises:
+        TypeError: as :func:`wire.encode` on a sender: containers nested deeper than
+            :data:`wire.MAX_DEPTH` or in a reference cycle (the first rank's value is never encoded).
+    """
+    try:
+        return _place(value, target, 0)
+    except _TooDeep as deep:
+        raise wire.nesting_error(root, deep.path[::-1], deep.containers[::-1]) from None
+
+
+class _TooDeep(Exception):
+    """Raised by :func:`_place` at a container past :data:`wire.MAX_DEPTH`; each container on the way
+    back up adds its step (found only now: the walk itself keeps no path)."""
+
+    def __init__(self, container: object) -> None:
+        super().__init__()
+        self.containers: list[object] = [container]  # the deepest first
+        self.path: list[Any] = []  # as wire.nesting_error takes it, the deepest step first
+
+    def step_out(self, parent: object) -> None:
+        child = self.containers[-1]
+        if isinstance(parent, dict):
+            step: Any = next(((k,) for k, v in parent.items() if v is child), ("?",))
+        elif isinstance(parent, (list, tuple)):
+            step = next((i for i, v in enumerate(parent) if v is child), "?")
+        else:
+            names = (f.name for f in dataclasses.fields(parent))  # type: ignore[arg-type]
+            step = next((n for n in names if getattr(parent, n, None) is child), "?")
+        self.path.append(step)
+        self.containers.append(parent)
+
+
+def _is_dataclass_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _place(value: Any, target: torch.device | None, depth: int) -> Any:
+    """:func:`_place_own` below ``depth`` containers (raises :class:`_TooDeep` past the limit)."""
     if isinstance(value, torch.Tensor):
-        if target is _CPU and value.is_cpu:
+        if target is None or (target is _CPU and value.is_cpu):
             return value
         return value.detach().to(target) if value.device != target else value
-    if isinstance(value, (list, tuple)):
-        items = [_place(v, target) for v in value]
-        if all(a is b for a, b in zip(items, value)):
-            return value
-        return type(value)(items) if type(value) in (list, tuple) else type(value)(*items)
-    if isinstance(value, dict):
-        placed = {k: _place(v, target) for k, v in value.items()}
-        if all(placed[k] is v for k, v in value.items()):
-            return value
-        out = copy.copy(value)
-        out.update(placed)
-        return out
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    sequence = isinstance(value, (list, tuple))
+    if not (sequence or isinstance(value, dict) or _is_dataclass_instance(value)):
+        return value
+    if depth >= wire.MAX_DEPTH:
+        raise _TooDeep(value)
+    depth += 1
+    try:
+        if sequence:
+            items = [_place(v, target, depth) for v in value]
+            if all(a is b for a, b in zip(items, value)):
+                return value
+            return type(value)(items) if type(value) in (list, tuple) else type(value)(*items)
+        if isinstance(value, dict):
+            placed = {k: _place(v, target, depth) for k, v in value.items()}
+            if all(placed[k] is v for k, v in value.items()):
+                return value
+            out = copy.copy(value)
+            out.update(placed)
+            return out
         changed = {}
         for f in dataclasses.fields(value):
             old = getattr(value, f.name, None)
-            new = _place(old, target)
+            new = _place(old, target, depth)
             if new is not old:
                 changed[f.name] = new
         if not changed:
@@ -981,7 +1026,9 @@ def _place(value: Any, target: torch.device) -> Any:
         for name, new in changed.items():
             object.__setattr__(out, name, new)
         return out
-    return value
+    except _TooDeep as deep:
+        deep.step_out(value)
+        raise
 
 
 _P = ParamSpec("_P")

@@ -27,11 +27,12 @@ import dataclasses
 import enum
 import math
 import os
+import reprlib
 import struct
 import sys
 import warnings
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -52,12 +53,15 @@ __all__ = [
     "MAX_DEPTH",
     "PREFIX_SIZE",
     "SUPPORTED_DTYPES",
+    "TABLE_BYTES_CONSTANT",
+    "TABLE_BYTES_PER_BYTE",
     "VERSION",
     "EncodedPayload",
     "PayloadPrefix",
     "as_uint8",
     "decode",
     "encode",
+    "nesting_error",
     "pwrite_all",
     "read_prefix",
     "stated_length",
@@ -421,6 +425,66 @@ def _zeros(n: int) -> memoryview:
     return memoryview(_ZEROS)[:n] if n <= ALIGN else memoryview(bytes(n))
 
 
+def _path_text(root: str, path: Sequence[Any]) -> str:
+    """A path in a config tree as a Python expression: ``path`` holds an int per sequence index, a 1-tuple
+    per dict key and a str per dataclass field (``config['layers'][3].act_fn``)."""
+    parts = [root]
+    for seg in path:
+        if type(seg) is int:
+            parts.append(f"[{seg}]")
+        elif type(seg) is tuple:
+            parts.append(f"[{seg[0]!r}]")
+        else:
+            parts.append(f".{seg}")
+    return "".join(parts)
+
+
+_PATH_ENDS = 5  # a path of more steps than twice this shows its first and last few, with a count between
+
+
+def _short_path(root: str, path: Sequence[Any]) -> str:
+    """:func:`_path_text`, with the middle of a long path left out (a path 200 containers deep)."""
+    if len(path) <= 2 * _PATH_ENDS:
+        return _path_text(root, path)
+    left_out = len(path) - 2 * _PATH_ENDS
+    return f"{_path_text(root, path[:_PATH_ENDS])}...({left_out} more)...{_path_text('', path[-_PATH_ENDS:])}"
+
+
+def _too_deep_error(root: str, path: Sequence[Any], obj: object) -> TypeError:
+    return TypeError(
+        f"{_short_path(root, path)}: containers nested deeper than {MAX_DEPTH} levels: this "
+        f"{_type_name(type(obj))} is at level {len(path) + 1}, past the limit of {MAX_DEPTH} (wire.MAX_DEPTH) "
+        "that every rank applies; flatten the config (e.g. a dict keyed by path) before gathering it"
+    )
+
+
+def _cycle_error(root: str, path: Sequence[Any], obj: object, first: Sequence[Any]) -> TypeError:
+    return TypeError(
+        f"{_short_path(root, path)}: reference cycle: this {_type_name(type(obj))} is the object at "
+        f"{_short_path(root, first)}, which contains it; break the cycle before encoding"
+    )
+
+
+def nesting_error(root: str, path: Sequence[Any], containers: Sequence[object]) -> TypeError:
+    """The ``TypeError`` :func:`encode` raises for containers nested deeper than :data:`MAX_DEPTH` or in a
+    reference cycle, for code that walks a config tree without encoding it (the first rank's own value).
+
+    Args:
+        root: the tree's name in the message (``"config"``).
+        path: the steps from the root to the last container: an int per list/tuple index, a 1-tuple
+            ``(key,)`` per dict key, a str per dataclass field.
+        containers: the containers along ``path``, the root's first: ``containers[i]`` is reached by
+            ``path[:i]``. The last one is the one found too deep, unless one of them repeats an
+            earlier one (then the message names the cycle).
+    """
+    seen: dict[int, int] = {}
+    for depth, obj in enumerate(containers):
+        first = seen.setdefault(id(obj), depth)
+        if first != depth:
+            return _cycle_error(root, path[:depth], obj, path[:first])
+    return _too_deep_error(root, path, containers[-1] if containers else None)
+
+
 class _Encoder:
     """Turns a config tree into msgpack-native values, collecting tensors and checking types."""
 
@@ -436,25 +500,14 @@ class _Encoder:
         self.tensors: list[torch.Tensor] = []
 
     def path(self, depth: int | None = None) -> str:
-        parts = [self._root]
-        for seg in self._path[:depth]:
-            if type(seg) is int:
-                parts.append(f"[{seg}]")
-            elif type(seg) is tuple:
-                parts.append(f"[{seg[0]!r}]")
-            else:
-                parts.append(f".{seg}")
-        return "".join(parts)
+        return _path_text(self._root, self._path[:depth])
 
     def _enter(self, obj: object) -> None:
         key = id(obj)
         if key in self._active:
-            raise TypeError(
-                f"{self.path()}: reference cycle: this {_type_name(type(obj))} is the object at "
-                f"{self.path(self._active[key])}, which contains it; break the cycle before encoding"
-            )
+            raise _cycle_error(self._root, self._path, obj, self._path[: self._active[key]])
         if len(self._active) >= MAX_DEPTH:
-            raise TypeError(f"{self.path()}: containers nested deeper than {MAX_DEPTH} levels")
+            raise _too_deep_error(self._root, self._path, obj)
         self._active[key] = len(self._path)
 
     def walk(self, obj: object) -> Any:
@@ -943,6 +996,31 @@ def _head_key(mv: memoryview, max_header_bytes: int) -> bytes | None:
 _HEADS = _Recent(_RECENT_MAX)  # checked heads (prefix and header): their bytes -> what they say
 
 
+_MSGPACK_DEPTH = 1024  # msgpack's unpacker nests at most this many containers
+
+
+def _malformed(e: Exception, what: str = "malformed header") -> PayloadError:
+    """The error for a header msgpack could not unpack (``e``), prefixed with ``what``."""
+    if isinstance(e, msgpack.StackError):
+        return PayloadError(
+            f"{what}: containers nested deeper than msgpack's limit of {_MSGPACK_DEPTH} levels (encode "
+            f"writes at most {MAX_DEPTH} nested containers); a corrupt or crafted header"
+        )
+    return PayloadError(f"{what}: {type(e).__name__}: {e}")
+
+
+_REPR = reprlib.Repr()  # error messages show what a crafted header holds: a few levels, a few items
+_REPR.maxlevel = 3
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 8
+_REPR.maxstring = _REPR.maxlong = _REPR.maxother = 100
+
+
+def _shown(value: Any, limit: int) -> str:
+    """``repr(value)`` cut to ``limit`` characters, built without recursing deeper than a few levels or
+    reading more than a few items (a crafted header nests arrays up to msgpack's limit of 1024)."""
+    return _REPR.repr(value)[:limit]
+
+
 def _no_ext(code: int, data: bytes) -> Any:
     raise PayloadError(f"unexpected ext type {code} in the tensor table")
 
@@ -968,10 +1046,13 @@ def _parse_header(header: memoryview, header_len: int) -> tuple[tuple[int, int],
         if n != 2:
             raise PayloadError(f'malformed header: a map with {n} entries, expected 2 ("v" and "t")')
         for _ in range(2):
-            key = up.unpack()
+            at = up.tell()
+            # The keys are the short strs "v" and "t": anything else is refused before it is unpacked.
+            key = up.unpack() if at >= header_len or 0xA0 <= header[at] <= 0xBF else None
             if type(key) is not str or key not in ("v", "t") or key in spans:
+                shown = _shown(key, 60) if key is not None else f"(a msgpack {_msgpack_kind(header[at])})"
                 raise PayloadError(
-                    f'malformed header: unexpected or repeated key {key!r:.60}; expected "v" and "t"'
+                    f'malformed header: unexpected or repeated key {shown}; expected "v" and "t"'
                 )
             start = up.tell()
             up.skip()
@@ -984,7 +1065,7 @@ def _parse_header(header: memoryview, header_len: int) -> tuple[tuple[int, int],
             f"malformed header: msgpack data ends before the {header_len}-byte header does"
         ) from None
     except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as e:
-        raise PayloadError(f"malformed header: {type(e).__name__}: {e}") from None
+        raise _malformed(e) from None
     if used != header_len:
         raise PayloadError(
             f"malformed header: msgpack map ends at byte {used} of a {header_len}-byte header; "
@@ -1013,40 +1094,141 @@ def _tensor_table(raw: memoryview, header_end: int, total_len: int) -> tuple[_Sl
     a table already checked under the same three is reused (the same shapes come back round
     after round): checking costs several microseconds per tensor, a lookup one per payload.
     """
-    key = (raw.tobytes(), header_end, total_len)
-    table = _TABLES.get(key)
-    if table is not None:
-        return table
-    try:
-        entries = msgpack.unpackb(
-            raw, raw=False, ext_hook=_no_ext, max_str_len=len(raw), max_bin_len=len(raw), max_ext_len=len(raw)
-        )
-    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as e:
-        raise PayloadError(f"malformed header: {type(e).__name__}: {e}") from None
-    table = _check_table(entries, header_end, total_len)
-    if len(key[0]) <= _RECENT_BYTES_MAX:
-        _TABLES.put(key, table)
+    key = (raw.tobytes(), header_end, total_len) if len(raw) <= _RECENT_BYTES_MAX else None
+    table = _TABLES.get(key) if key is not None else None
+    if table is None:
+        table = _read_table(raw, header_end, total_len)
+        if key is not None:
+            _TABLES.put(key, table)
     return table
 
 
-def _check_table(entries: Any, header_end: int, total_len: int) -> tuple[_Slot, ...]:
-    """Check every entry of a tensor table against the payload's bounds; in table order."""
-    if type(entries) is not list:
-        raise PayloadError(f'malformed header: "t" is a {type(entries).__name__}, expected a list')
-    checked = []
+# Reading a table holds at most TABLE_BYTES_PER_BYTE bytes of Python objects per payload byte, plus
+# TABLE_BYTES_CONSTANT, before it is refused or accepted (docs/wire-format.md, section 5). What is kept
+# per entry (a _Slot: about 200 bytes for an empty tensor, 270 for another) is bounded by the payload's
+# size: at most 4096 + one empty tensor per 64 payload bytes, and one non-empty tensor per 64 bytes after
+# the header (their offsets are distinct multiples of 64; more and two of them overlap). A long table is
+# read entry by entry, each checked as it comes, so that a crafted one is refused before it costs more,
+# and no entry of it may be longer than _MAX_ENTRY_BYTES (checked before any is unpacked): what one entry
+# unpacks into is small too. A short one is unpacked in one call (the same checks; faster for the
+# tables of real payloads), which costs at most ~64 bytes per byte of it (a msgpack byte can be an
+# empty list): part of the constant.
+TABLE_BYTES_PER_BYTE: int = 8
+"""Reading and checking a payload's header holds at most this many bytes of Python objects per payload
+byte (plus :data:`TABLE_BYTES_CONSTANT`) until it is refused or its tensors are built."""
+TABLE_BYTES_CONSTANT: int = 2 * 2**20
+"""The constant part of that bound (4096 empty tensors are allowed in any payload; a short table is
+unpacked in one call)."""
+_MAX_ENTRY_BYTES = 1024  # a valid entry takes at most ~620 bytes (a 64-dim shape of uint64 values)
+_STREAM_FROM = 16384  # longer tables are read entry by entry
+_ENTRY_LIMITS = {  # in a valid entry: a dtype name, at most 64 dims; maps, bins and exts never
+    "max_str_len": 64,
+    "max_bin_len": 64,
+    "max_ext_len": 64,
+    "max_array_len": _MAX_NDIM + 1,  # (a 65-dim shape is read, to be named a bad shape)
+    "max_map_len": _MAX_NDIM + 1,
+}
+
+
+def _entries(raw: memoryview) -> Iterable[Any]:
+    """The entries of the tensor table ``raw``: a list when it is short, else read one by one as they are
+    iterated. PayloadError when ``raw`` is not an array, or an entry cannot be unpacked or (a long table)
+    is longer than any valid one."""
+    if len(raw) < _STREAM_FROM:
+        try:
+            size = len(raw)
+            entries = msgpack.unpackb(
+                raw, raw=False, ext_hook=_no_ext, max_str_len=size, max_bin_len=size, max_ext_len=size
+            )
+        except PayloadError:
+            raise
+        except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
+            raise _malformed(e) from None
+        if type(entries) is not list:
+            raise PayloadError(f'malformed header: "t" is a {type(entries).__name__}, expected a list')
+        return entries
+    _skim(raw)  # skipping builds nothing: how long each entry is, before any is unpacked
+    up = msgpack.Unpacker(None, max_buffer_size=len(raw), raw=False, ext_hook=_no_ext, **_ENTRY_LIMITS)
+    up.feed(raw)
+    try:
+        n = up.read_array_header()
+    except (ValueError, msgpack.UnpackException):
+        raise PayloadError(f'malformed header: "t" is a {_msgpack_kind(raw[0])}, expected a list') from None
+    return _stream(up, n)
+
+
+def _stream(up: msgpack.Unpacker, n: int) -> Iterator[Any]:
+    """The next ``n`` values of ``up``, one at a time (unpack errors as PayloadError)."""
+    for i in range(n):
+        try:
+            entry = up.unpack()
+        except PayloadError:
+            raise
+        except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
+            raise _malformed(e, f"malformed header: tensor {i}") from None
+        yield entry
+
+
+def _skim(raw: memoryview) -> None:
+    """Raise PayloadError when an entry of the table ``raw`` is longer than any valid one; leaves every
+    other fault to the entry's reading."""
+    skim = msgpack.Unpacker(None, max_buffer_size=len(raw))
+    skim.feed(raw)
+    i, length = -1, 0
+    with contextlib.suppress(ValueError, msgpack.UnpackException):  # (reported where the entry is read)
+        n = skim.read_array_header()
+        skip, tell = skim.skip, skim.tell
+        start = tell()
+        for index in range(n):
+            skip()
+            length = tell() - start
+            if length > _MAX_ENTRY_BYTES:
+                i = index
+                break
+            start += length
+    if length > _MAX_ENTRY_BYTES:
+        raise PayloadError(
+            f"tensor {i}: its entry takes {length} bytes, more than any valid [dtype, shape, offset, nbytes] "
+            f"({_MAX_ENTRY_BYTES})"
+        )
+
+
+def _msgpack_kind(first: int) -> str:
+    """The Python type a msgpack value starting with byte ``first`` decodes to (for messages)."""
+    if first <= 0x7F or first >= 0xE0 or 0xCC <= first <= 0xD3:
+        return "int"
+    if first <= 0x8F or first in (0xDE, 0xDF):
+        return "dict"
+    if first <= 0x9F or first in (0xDC, 0xDD):
+        return "list"
+    if first <= 0xBF or 0xD9 <= first <= 0xDB:
+        return "str"
+    return {0xC0: "NoneType", 0xC2: "bool", 0xC3: "bool", 0xCA: "float", 0xCB: "float"}.get(
+        first, "bytes" if 0xC4 <= first <= 0xC6 else "msgpack ext or reserved value"
+    )
+
+
+def _read_table(raw: memoryview, header_end: int, total_len: int) -> tuple[_Slot, ...]:
+    """Read the table ``raw``, checking each entry against the payload's bounds as it comes (see
+    TABLE_BYTES_PER_BYTE); in table order."""
+    slots: list[_Slot] = []
     data_end = header_end
-    # Decoding costs memory per tensor (a tensor object, ~1 KiB). Non-empty tensors occupy at
-    # least 64 payload bytes each (alignment), empty ones none: bound those, so that decoding
-    # never costs more than a small multiple of the payload's size.
+    # Decoding costs memory per tensor (a slot here, a tensor object later). Non-empty tensors occupy
+    # at least 64 payload bytes each (alignment), empty ones none: bound those, so that decoding never
+    # costs more than a small multiple of the payload's size.
     empty_left = _MAX_EMPTY_TENSORS + total_len // ALIGN
-    for i, entry in enumerate(entries):
+    full_left = max(0, total_len - _align(header_end) + ALIGN - 1) // ALIGN  # distinct aligned starts
+    prev_end, in_order = 0, True
+    for i, entry in enumerate(_entries(raw)):
         if type(entry) is not list or len(entry) != 4:
-            raise PayloadError(f"tensor {i}: entry {entry!r:.100} is not [dtype, shape, offset, nbytes]")
+            raise PayloadError(
+                f"tensor {i}: entry {_shown(entry, 100)} is not [dtype, shape, offset, nbytes]"
+            )
         name, shape, offset, nbytes = entry
         dtype = _DTYPES.get(name) if type(name) is str else None
         if dtype is None:
             raise PayloadError(
-                f"tensor {i}: unknown dtype {name!r:.60}; expected one of {', '.join(_DTYPES)}"
+                f"tensor {i}: unknown dtype {_shown(name, 60)}; expected one of {', '.join(_DTYPES)}"
             )
         if (
             type(shape) is not list
@@ -1054,11 +1236,13 @@ def _check_table(entries: Any, header_end: int, total_len: int) -> tuple[_Slot, 
             or not all(type(d) is int and 0 <= d <= _MAX_DIM for d in shape)
         ):
             raise PayloadError(
-                f"tensor {i}: bad shape {shape!r:.100}; expected a list of at most {_MAX_NDIM} "
+                f"tensor {i}: bad shape {_shown(shape, 100)}; expected a list of at most {_MAX_NDIM} "
                 f"ints in [0, 2**63)"
             )
         if type(offset) is not int or type(nbytes) is not int:
-            raise PayloadError(f"tensor {i}: offset {offset!r:.40} and nbytes {nbytes!r:.40} must be ints")
+            raise PayloadError(
+                f"tensor {i}: offset {_shown(offset, 40)} and nbytes {_shown(nbytes, 40)} must be ints"
+            )
         numel = math.prod(shape)
         if numel == 0:
             empty_left -= 1
@@ -1084,25 +1268,35 @@ def _check_table(entries: Any, header_end: int, total_len: int) -> tuple[_Slot, 
                 f"tensor {i}: bytes {offset}..{offset + nbytes} run past the payload's end at {total_len}"
             )
         data_end = max(data_end, offset + nbytes)
-        checked.append((offset, nbytes, i))
+        slots.append(_Slot(offset, nbytes, dtype, shape, _strides(shape) if nbytes else _NO_STRIDES))
+        if nbytes:
+            full_left -= 1
+            if full_left < 0:  # more than the bytes after the header hold apart: two of them overlap
+                _refuse_overlaps(slots)
+            in_order = in_order and offset >= prev_end
+            prev_end = offset + nbytes
     if data_end != total_len:
         raise PayloadError(
             f"payload length {total_len} does not match the end of its content at byte {data_end}; "
             "expected them equal (corrupt length or header)"
         )
+    if not in_order:  # encode writes tensors in offset order; another order is checked here
+        _refuse_overlaps(slots)
+    return tuple(slots)
+
+
+def _refuse_overlaps(slots: list[_Slot]) -> None:
+    """Raise PayloadError naming two non-empty tensors of ``slots`` whose bytes overlap, if any do."""
+    order = [i for i, s in enumerate(slots) if s.nbytes]
+    order.sort(key=lambda i: slots[i].offset)  # (indices: less memory than tuples of a crafted table)
     prev_end, prev = 0, -1
-    for offset, nbytes, i in sorted(checked):
-        if nbytes == 0:
-            continue
+    for i in order:
+        offset, nbytes = slots[i].offset, slots[i].nbytes
         if offset < prev_end:
             raise PayloadError(
                 f"tensors {prev} and {i} overlap (byte {offset} < {prev_end}); expected disjoint ranges"
             )
         prev_end, prev = offset + nbytes, i
-    return tuple(
-        _Slot(offset, nbytes, _DTYPES[name], shape, _strides(shape))
-        for name, shape, offset, nbytes in entries
-    )
 
 
 def _build_tensors(
@@ -1169,6 +1363,11 @@ def _views(
     return out
 
 
+_NO_STRIDES: list[
+    int
+] = []  # an empty tensor's slot: made with torch.empty, no strides needed (never changed)
+
+
 def _strides(shape: list[int]) -> list[int]:
     """Row-major strides (in elements) of a contiguous tensor of ``shape``."""
     strides, step = [0] * len(shape), 1
@@ -1203,7 +1402,9 @@ def _check_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     for key, value in pairs:
         tk = type(key)
         if tk is not str and tk is not int:
-            raise PayloadError(f"dict key {key!r:.60} of type {_type_name(tk)}: expected str or int keys")
+            raise PayloadError(
+                f"dict key {_shown(key, 60)} of type {_type_name(tk)}: expected str or int keys"
+            )
         if type(value) in _FORBIDDEN:
             raise _forbidden(value)
     return dict(pairs)
@@ -1234,7 +1435,7 @@ def _decode_tree(v_bytes: memoryview, tensors: list[torch.Tensor]) -> object:
             index = msgpack.unpackb(data) if data else None
             if type(index) is not int or not 0 <= index < n_tensors:
                 raise PayloadError(
-                    f"tensor reference {index!r:.40} out of range: the payload has {n_tensors} tensors"
+                    f"tensor reference {_shown(index, 40)} out of range: the payload has {n_tensors} tensors"
                 )
             return tensors[index]
         if code == EXT_BIGINT:
@@ -1263,7 +1464,7 @@ def _decode_tree(v_bytes: memoryview, tensors: list[torch.Tensor]) -> object:
     except PayloadError:
         raise
     except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as e:
-        raise PayloadError(f"malformed header: {type(e).__name__}: {e}") from None
+        raise _malformed(e) from None
     if type(tree) in _FORBIDDEN:
         raise _forbidden(tree)
     return tree
@@ -1283,7 +1484,7 @@ def _rebuild_typed(value: list[Any]) -> object:
             np = _numpy()
             dtype = np.dtype(value[1])
             if dtype.kind not in "biufc" or dtype.itemsize != len(value[2]):
-                raise PayloadError(f"numpy scalar of dtype {value[1]!r:.20} with {len(value[2])} bytes")
+                raise PayloadError(f"numpy scalar of dtype {_shown(value[1], 20)} with {len(value[2])} bytes")
             return np.frombuffer(value[2], dtype=dtype)[0]
         if kind == "ndarray" and len(value) == 2 and isinstance(value[1], torch.Tensor):
             _numpy()
@@ -1291,8 +1492,8 @@ def _rebuild_typed(value: list[Any]) -> object:
     except PayloadError:
         raise
     except (ValueError, TypeError) as e:
-        raise PayloadError(f"typed value {kind!r:.20} cannot be rebuilt: {e}") from None
-    raise PayloadError(f"typed-value marker followed by {value!r:.100}: unknown kind or layout")
+        raise PayloadError(f"typed value {_shown(kind, 20)} cannot be rebuilt: {e}") from None
+    raise PayloadError(f"typed-value marker followed by {_shown(value, 100)}: unknown kind or layout")
 
 
 def _numpy() -> Any:
@@ -1311,7 +1512,7 @@ def _rebuild_dataclass(value: list[Any]) -> object:
         or type(value[2]) is not dict
     ):
         raise PayloadError(
-            f"dataclass marker followed by {value!r:.100}, expected module, qualname, {{field: value}}"
+            f"dataclass marker followed by {_shown(value, 100)}, expected module, qualname, {{field: value}}"
         )
     module, qualname, stored = value
     cls = _find_class(module, qualname, "dataclass")

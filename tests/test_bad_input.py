@@ -18,6 +18,7 @@ The last test prints the summary table; set ``DU_RELIABILITY_TABLE=path`` to als
 from __future__ import annotations
 
 import ast
+import collections
 import itertools
 import os
 import re
@@ -34,7 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distribute_utils import get_tensors_parallel, sync, wire
+from distribute_utils import get_configs_parallel, get_tensors_parallel, modelopt, sync, wire
 from distribute_utils.transports import namespace as wsns
 from distribute_utils.transports import shm
 from distribute_utils.transports import workspace as ws
@@ -129,6 +130,11 @@ TABLE: list[tuple[str, str, list[str]]] = [
         ],
     ),
     (
+        "a config nested deeper than 200 containers (dict, list, tuple, dataclass, OrderedDict; on any rank, the first included)",
+        "`TypeError: config['k']['k']...(190 more)...['k']: containers nested deeper than 200 levels: this dict is at level 201, past the limit of 200 (wire.MAX_DEPTH) ...`, on every rank, before anything is written; the next gather works",
+        ["tests/test_bad_input.py::test_too_deep_config_refused_on_every_rank"],
+    ),
+    (
         "a dataclass whose module the first rank has not imported (never imported on decode)",
         "first rank: `PayloadError` naming the rank and the class; senders: `GatherError` quoting it",
         ["tests/test_gather.py::test_reader_failure_is_reported_to_every_rank"],
@@ -163,6 +169,14 @@ TABLE: list[tuple[str, str, list[str]]] = [
             "tests/test_wire.py::test_prefix_errors",
             "tests/test_wire.py::test_crafted_payloads",
             "tests/test_wire.py::test_crafted_header_structure",
+        ],
+    ),
+    (
+        "a crafted header nesting arrays 1,000+ deep, or a huge tensor table (200,000 empty tensors)",
+        "`PayloadError` saying what is wrong (`containers nested deeper than msgpack's limit of 1024 levels`, `more than N empty tensors in a payload of M bytes`), never a `RecursionError`; refused while the table is read, holding at most 8 bytes per payload byte + 2 MiB",
+        [
+            "tests/test_wire.py::test_crafted_deep_headers_are_refused_clearly",
+            "tests/test_wire.py::test_crafted_table_costs_a_small_multiple_of_its_size",
         ],
     ),
     (
@@ -477,6 +491,114 @@ def test_bad_call_fails_fast_everywhere(
         assert not (tmp_path / "pwned").exists(), "the planted pickle ran"
     assert not ws_left, f"left in the workspace: {ws_left}"
     row.detail = f"rank 0: {ran[0]['error_type']}: {ran[0]['message'][:90]}"
+    row.passed = True
+
+
+@dataclass
+class Link:
+    """A dataclass that nests (at module level, where the reading rank looks it up)."""
+
+    child: Any
+
+
+NESTINGS = ("dict", "list", "tuple", "dataclass", "odict")
+
+
+def _nested(kind: str, levels: int, leaf: Any) -> Any:
+    """``leaf`` inside ``levels`` containers of ``kind`` ("mixed": each kind in turn)."""
+    value = leaf
+    for i in range(levels):
+        k = NESTINGS[i % len(NESTINGS)] if kind == "mixed" else kind
+        if k == "dict":
+            value = {"k": value}
+        elif k == "list":
+            value = [value]
+        elif k == "tuple":
+            value = (value,)
+        elif k == "dataclass":
+            value = Link(value)
+        else:
+            value = collections.OrderedDict(k=value)
+    return value
+
+
+def _too_deep_rounds(cases: list[tuple[str, int, str]]) -> dict[str, Any]:
+    """One gather per case ``(kind, who, entry)``: rank ``who`` passes a config 10,000 containers deep,
+    the others a small one; what each rank got. Then configs at the limit, then an exact gather."""
+    rank = dist.get_rank()
+    pids = _pool_pids()
+    seen: list[dict[str, Any]] = []
+    for kind, who, entry in cases:
+        value: Any = {"rank": rank, "w": torch.ones(100)}
+        if rank == who and kind == "cycle":
+            value["loop"] = [value]
+        elif rank == who:
+            value = _nested(kind, 10_000, torch.ones(2))
+        gather = modelopt.get_configs_parallel if entry == "modelopt" else get_configs_parallel
+        out: dict[str, Any] = {"case": (kind, who, entry), "error_type": None}
+        start = time.monotonic()
+        with _Watch(pids) as watch:
+            try:
+                with gather(value, [0, 1, 2, 3], None):
+                    pass
+            except Exception as exc:
+                out["error_type"], out["message"] = type(exc).__name__, str(exc)
+        out["elapsed"], out["seen"] = time.monotonic() - start, sorted(watch.seen)
+        seen.append(out)
+    # The group works afterwards: configs exactly at the limit travel from every rank, and data is exact.
+    # (inside ``mine`` and its list: MAX_DEPTH containers in all)
+    at_limit = [_nested(kind, wire.MAX_DEPTH - 2, rank) for kind in (*NESTINGS, "mixed")]
+    mine = {"rank": rank, "deep": at_limit, "w": torch.arange(5000, dtype=torch.float64) * (rank + 1)}
+    exact = None
+    with get_configs_parallel(mine, [0, 1, 2, 3], timeout=30) as got:
+        if rank == 0:
+            exact = all(
+                c["rank"] == r
+                and c["deep"] == [_nested(kind, wire.MAX_DEPTH - 2, r) for kind in (*NESTINGS, "mixed")]
+                and torch.equal(c["w"], torch.arange(5000, dtype=torch.float64) * (r + 1))
+                for r, c in enumerate(got)
+            )
+    return {"rounds": seen, "exact": exact}
+
+
+def test_too_deep_config_refused_on_every_rank(ranks4: RankPool, row: Row) -> None:
+    """A config 10,000 containers deep, of each kind, on a sender or on the first rank (whose own value is
+    never encoded), through our entry point and ModelOpt's: every rank raises the same TypeError naming
+    the level and the limit, fast, with nothing written (a reference cycle: naming the cycle); the next
+    gathers are exact."""
+    cases = [(kind, who, "ours") for kind in (*NESTINGS, "mixed") for who in (0, 2)]
+    cases += [
+        ("dict", 0, "modelopt"),
+        ("dataclass", 3, "modelopt"),
+        ("cycle", 0, "ours"),
+        ("cycle", 1, "ours"),
+    ]
+    results = ranks4.run(_too_deep_rounds, cases, timeout=300)
+    limit = f"containers nested deeper than {wire.MAX_DEPTH} levels"
+    row.leaked = any(r["seen"] for res in results for r in res["rounds"])
+    for rank, res in enumerate(results):
+        for r in res["rounds"]:
+            kind, who, entry = r["case"]
+            what = f"rank {rank}, {kind} on rank {who} ({entry})"
+            assert r["error_type"] == "TypeError", (what, r)
+            message = r["message"]
+            if kind == "cycle":  # (infinitely deep: named as the cycle it is)
+                assert "config['loop'][0]: reference cycle: this dict is the object at config" in message, (
+                    what
+                )
+            else:
+                assert limit in message, (what, message)
+                assert f"is at level {wire.MAX_DEPTH + 1}, past the limit of {wire.MAX_DEPTH}" in message, (
+                    what
+                )
+                assert "(190 more)" in message and len(message) < 600, (what, message)  # the path, shortened
+            if rank != who:
+                origin = "the first rank (0) failed: " if who == 0 else f"rank {who} cannot take part"
+                assert origin in message, (what, message)
+            assert r["elapsed"] < FAST_S, (what, r["elapsed"])
+            assert r["seen"] == [], f"{what}: segments written before the error: {r['seen']}"
+    assert results[0]["exact"] is True
+    row.detail = f"rank 0: TypeError: {results[0]['rounds'][0]['message'][:90]}"
     row.passed = True
 
 

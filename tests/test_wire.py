@@ -10,9 +10,11 @@ import gc
 import math
 import mmap
 import os
+import re
 import struct
 import sys
 import tempfile
+import tracemalloc
 import warnings
 import zlib
 from typing import Any
@@ -751,6 +753,61 @@ def test_too_deep_nesting() -> None:
     assert roundtrip(obj) == obj
 
 
+NESTS: dict[str, Any] = {
+    "dict": lambda v: {"k": v},
+    "list": lambda v: [v],
+    "tuple": lambda v: (v,),
+    "dataclass": lambda v: Inner(v, 0.5),
+    "odict": lambda v: collections.OrderedDict(k=v),
+}
+
+
+@pytest.mark.parametrize("kind", [*NESTS, "mixed"])
+def test_too_deep_nesting_of_every_kind_is_a_clear_type_error(kind: str) -> None:
+    """10,000 containers of any kind the encoder walks: the TypeError names the level and the limit (no
+    RecursionError, whatever the kind); exactly MAX_DEPTH of them travel."""
+    makers = list(NESTS.values())
+
+    def nest(levels: int) -> Any:
+        value: Any = torch.ones(1)
+        for i in range(levels):
+            value = (makers[i % len(makers)] if kind == "mixed" else NESTS[kind])(value)
+        return value
+
+    with pytest.raises(TypeError) as info:
+        encode(nest(10_000))
+    message = str(info.value)
+    assert f"containers nested deeper than {wire.MAX_DEPTH} levels" in message
+    assert f"is at level {wire.MAX_DEPTH + 1}, past the limit of {wire.MAX_DEPTH} (wire.MAX_DEPTH)" in message
+    assert message.startswith("config") and "...(190 more)..." in message and len(message) < 500, message
+    deepest = nest(wire.MAX_DEPTH)
+    out = decode(encode(deepest).to_bytes())
+    for _ in range(wire.MAX_DEPTH):  # the same containers, level by level
+        assert type(out) is type(deepest)
+        out, deepest = _only_child(out), _only_child(deepest)
+    assert torch.equal(out, deepest)
+
+
+def _only_child(value: Any) -> Any:
+    if isinstance(value, dict):
+        return value["k"]
+    if isinstance(value, (list, tuple)):
+        return value[0]
+    return value.act
+
+
+def test_nesting_error_names_a_cycle_or_the_level() -> None:
+    """What code that walks a config without encoding it (the first rank's own value) raises."""
+    loop: dict[str, Any] = {}
+    loop["a"] = [loop]
+    error = wire.nesting_error("config", [("a",), 0, ("a",)], [loop, loop["a"], loop])
+    assert str(error).startswith("config['a'][0]: reference cycle: this dict is the object at config,")
+    chain = [[] for _ in range(wire.MAX_DEPTH + 1)]  # distinct containers: no cycle
+    deep = wire.nesting_error("config", [0] * wire.MAX_DEPTH, chain)
+    assert str(deep).startswith("config[0][0][0][0][0]...(190 more)...[0][0][0][0][0]: containers nested")
+    assert f"this list is at level {wire.MAX_DEPTH + 1}, past the limit of {wire.MAX_DEPTH}" in str(deep)
+
+
 # --------------------------------------------------------------------------- corruption
 
 
@@ -949,6 +1006,137 @@ def test_deep_nesting_is_refused_without_crashing() -> None:
         payload = struct.pack("<4sHHQQQ", b"DUW1", 1, 0, len(header), PREFIX_SIZE + len(header), 0) + header
         with pytest.raises(PayloadError, match="malformed header"):
             decode(payload)
+
+
+def _raw(header: bytes, data: bytes = b"") -> bytes:
+    """A payload of a hand-made header (any bytes) and the bytes after it, its lengths stated right."""
+    return struct.pack("<4sHHQQQ", b"DUW1", 1, 0, len(header), PREFIX_SIZE + len(header) + len(data), 0) + (
+        header + data
+    )
+
+
+def _nested_array(levels: int) -> bytes:
+    return b"\x91" * levels + b"\xc0"  # [[[...[None]...]]]
+
+
+@pytest.mark.parametrize("levels", [950, 1000, 1023, 1024, 1025, 5000])
+def test_crafted_deep_headers_are_refused_clearly(levels: int) -> None:
+    """Arrays nested near and past the interpreter's recursion limit (1000) and msgpack's (1024), wherever
+    a crafted header can put them: a PayloadError saying what is wrong, never a RecursionError (raw, or
+    wrapped in a message)."""
+    deep = _nested_array(levels)
+    ext_data = len(deep).to_bytes(4, "big")
+    cases = {
+        "header key": (b"\x82" + deep + b"\xc0\xa1t\x90", r"unexpected or repeated key \(a msgpack list\)"),
+        "table entry": (b"\x82\xa1v\xc0\xa1t\x91" + deep, r"tensor 0: entry \[\[\[\[...\]\]\]\] is not"),
+        "dict key": (
+            b"\x82\xa1v\x81" + deep + b"\xc0\xa1t\x90",
+            r"dict key \[\[\[\[...\]\]\]\] of type list",
+        ),
+        "dataclass": (b"\x82\xa1v\x92\xc7\x00\x04" + deep + b"\xa1t\x90", "dataclass marker followed by"),
+        "typed": (b"\x82\xa1v\x92\xc7\x00\x05" + deep + b"\xa1t\x90", "typed-value marker followed by"),
+        "tensor ref": (b"\x82\xa1v\xc9" + ext_data + b"\x01" + deep + b"\xa1t\x90", r"tensor reference \[\["),
+    }
+    too_deep = f"nested deeper than msgpack's limit of 1024 levels (encode writes at most {wire.MAX_DEPTH}"
+    for name, (header, message) in cases.items():
+        with pytest.raises(PayloadError) as info:
+            decode(_raw(header))
+        text = str(info.value)
+        assert "RecursionError" not in text, (name, text)
+        # (the arrays around it count too: near 1024 levels either message is right)
+        assert re.search(message, text) or (levels > 1000 and too_deep in text), (name, text)
+    tree = _raw(b"\x82\xa1v" + deep + b"\xa1t\x90")  # a deep config tree: within msgpack's limit, decoded
+    if levels <= 1024:
+        out = decode(tree)
+        for _ in range(levels):
+            (out,) = out
+        assert out is None
+    else:
+        with pytest.raises(PayloadError, match=re.escape(too_deep)):
+            decode(tree)
+
+
+def _crafted_table(empty: int, full: int, apart: int, data: int) -> bytes:
+    """A payload whose table holds ``empty`` empty tensors, then ``apart`` 64-byte tensors side by side and
+    ``full`` more at the first data offset (each overlapping the first), then ``data`` bytes of data."""
+    start = ALIGN
+    while True:  # offsets are absolute: find where the data starts once the table holds them
+        table = [["bool", [0], start, 0]] * empty + [
+            ["uint8", [64], start + 64 * i, 64] for i in range(apart)
+        ]
+        table += [["uint8", [64], start, 64]] * full
+        header = b"\x82\xa1v\xc0\xa1t" + msgpack.packb(table)
+        data_start = -(-(PREFIX_SIZE + len(header)) // ALIGN) * ALIGN
+        if data_start == start:
+            break
+        start = data_start
+    return _raw(header, bytes(start - PREFIX_SIZE - len(header) + data))
+
+
+def _decode_peak(payload: bytes) -> tuple[int, str]:
+    """Peak bytes of Python objects that decoding ``payload`` allocated (tracemalloc), and its error."""
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        with pytest.raises(PayloadError) as info:
+            decode(payload)
+        return tracemalloc.get_traced_memory()[1] - base, str(info.value)
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    ("empty", "full", "apart", "refusal"),
+    [
+        (25_000, 0, 0, "empty tensors in a payload of"),  # the reported case, at 3 sizes
+        (50_000, 0, 0, "empty tensors in a payload of"),
+        (100_000, 0, 0, "empty tensors in a payload of"),
+        (0, 50_000, 25_000, "tensors 0 and 25000 overlap"),  # more non-empty tensors than fit apart
+        (50_000, 1, 25_000, "overlap|empty tensors"),  # both kinds, each within its bound but the last
+    ],
+)
+def test_crafted_table_costs_a_small_multiple_of_its_size(
+    empty: int, full: int, apart: int, refusal: str
+) -> None:
+    """A crafted tensor table is refused while it is read: decoding holds at most TABLE_BYTES_PER_BYTE
+    bytes of Python objects per payload byte (+ TABLE_BYTES_CONSTANT), where reading the whole table
+    before checking it cost ~20 per byte."""
+    decode(encode({"w": torch.ones(2)}).to_bytes())  # (whatever decoding loads once is loaded)
+    payload = _crafted_table(empty, full, apart, 64 * apart)
+    peak, message = _decode_peak(payload)
+    assert re.search(refusal, message), message
+    bound = wire.TABLE_BYTES_PER_BYTE * len(payload) + wire.TABLE_BYTES_CONSTANT
+    assert peak <= bound, f"{peak / len(payload):.1f} bytes per payload byte ({peak:,} for {len(payload):,})"
+
+
+def test_long_tables_read_entry_by_entry() -> None:
+    """Tables longer than what is unpacked in one call: exact, in any order, and refused clearly."""
+    tensors = {f"t{i}": torch.full((i % 7,), float(i)) for i in range(3000)}
+    payload = encode(tensors).to_bytes()
+    assert read_prefix(payload).header_len > 40_000  # a long table
+    out = decode(payload)
+    assert all(torch.equal(out[k], v) for k, v in tensors.items())
+    # 64-byte tensors side by side, their entries in reverse order (tensor i is entry n-1-i): disjoint
+    side_by_side = _crafted_table(0, 0, 1200, 64 * 1200)
+    hl = read_prefix(side_by_side).header_len
+    assert hl > 16384  # (a table read entry by entry)
+    head = msgpack.unpackb(side_by_side[PREFIX_SIZE : PREFIX_SIZE + hl])
+    head["t"].reverse()
+    header = msgpack.packb(head)
+    assert len(header) == hl
+    assert decode(side_by_side[:PREFIX_SIZE] + header + side_by_side[PREFIX_SIZE + hl :]) is None
+    table = head["t"]
+    table[0][1] = [[[] for _ in range(60)] for _ in range(30)]  # 1,800 empty arrays in one entry
+    with pytest.raises(PayloadError, match=r"tensor 0: its entry takes \d+ bytes, more than any valid"):
+        decode(_raw(b"\x82\xa1v\xc0\xa1t" + msgpack.packb(table)))
+    table[0][1] = [1] * 66
+    with pytest.raises(PayloadError, match="tensor 0: ValueError: 66 exceeds max_array_len"):
+        decode(_raw(b"\x82\xa1v\xc0\xa1t" + msgpack.packb(table)))
+    table[0][1] = {"a": 1}
+    with pytest.raises(PayloadError, match=r"tensor 0: bad shape \{'a': 1\}"):
+        decode(_raw(b"\x82\xa1v\xc0\xa1t" + msgpack.packb(table)))
+    with pytest.raises(PayloadError, match=r'"t" is a dict, expected a list'):
+        decode(_raw(b"\x82\xa1v\xc0\xa1t" + msgpack.packb({"x": "y" * 20_000})))
 
 
 # --------------------------------------------------------------------------- properties
