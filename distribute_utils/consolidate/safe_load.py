@@ -234,12 +234,12 @@ def _restore(shared: list[tuple[Any, dict[str, Any]]]) -> list[str]:
         now = vars(obj)
         if now.keys() == before.keys() and all(now[k] is v for k, v in before.items()):
             continue
-        changed.append(getattr(obj, "__qualname__", None) or repr(obj))
         for key in [k for k in now if k not in before]:
             delattr(obj, key)
         for key, value in before.items():
             if key not in now or now[key] is not value:
                 setattr(obj, key, value)
+        changed.append(getattr(obj, "__qualname__", None) or str(obj))  # a class, or an enum member
     return changed
 
 
