@@ -4,21 +4,29 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
+import os
+import pickle
 import random
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
 
+from distribute_utils.cli import main
 from distribute_utils.consolidate import (
     DcpCheckpoint,
     LayoutError,
+    UnsafeCheckpointError,
     consolidate_checkpoint,
     load_safetensors,
     open_checkpoint,
 )
-from distribute_utils.consolidate.dcp import _byte_runs
+from distribute_utils.consolidate.dcp import _byte_runs, read_dcp_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -149,3 +157,124 @@ def test_megatron_stacked_names_without_megatron(tmp_path: Path) -> None:
             ][layer, e]
         assert sorted(got) == sorted(expected)
         assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# .metadata is a pickle: only DCP's own classes are built, a crafted one is refused and never runs.
+
+
+def _same_metadata(root: Path) -> None:
+    """read_dcp_metadata gives what torch's own reader (plain pickle.load: files written here) gives."""
+    theirs = FileSystemReader(str(root)).read_metadata()
+    theirs.storage_meta.load_id = None
+    ours = read_dcp_metadata(root / ".metadata")
+    assert type(ours) is type(theirs) and vars(ours) == vars(theirs)
+
+
+def test_real_dcp_metadata_is_read_as_torch_reads_it(tmp_path: Path) -> None:
+    """Everything a DCP save puts in .metadata (tensor and bytes entries, every dtype, scalars, empty and
+    nested entries, a str or a Path checkpoint_id, planner data) is rebuilt by the allow-list reader."""
+    dtypes = [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    ]
+    dtypes += [torch.int16, torch.int32, torch.int64, torch.complex64, torch.float8_e4m3fn]
+    sd = {
+        "model": {f"t{i}": torch.zeros(3, 2, dtype=d) for i, d in enumerate(dtypes)},
+        "scalar": torch.tensor(1.5),
+        "empty": torch.empty(0, 7),
+        "blob": io.BytesIO(b"x"),
+        "step": 7,
+        "names": ["a", "b"],
+    }
+    dcp.save(sd, checkpoint_id=tmp_path / "path_id")
+    dcp.save(sd, checkpoint_id=str(tmp_path / "str_id"))
+    for root in (tmp_path / "path_id", tmp_path / "str_id"):
+        _same_metadata(root)
+
+
+class _Runs:
+    """Pickles as the call ``func(*args)``: what a crafted .metadata does when it is unpickled."""
+
+    def __init__(self, func: object, *args: object) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return self.func, self.args
+
+
+def _crafted(root: Path, how: str, marker: Path) -> str:
+    """Replaces a real checkpoint's .metadata with one that writes ``marker`` when unpickled; returns the
+    global it names, as the pickle spells it."""
+    code = f"open({str(marker)!r}, 'w').write('ran')"
+    meta = root / ".metadata"
+    if how == "class_change":  # a BUILD on DCP's Metadata class itself: sets Metadata.planted for the process
+        meta.write_bytes(b"ctorch.distributed.checkpoint.metadata\nMetadata\n(N}S'planted'\nI1\nstb.")
+        return "a change to Metadata"
+    with meta.open("rb") as f:
+        md = pickle.load(f)  # the real metadata, written by this test: trusted
+    payload = {
+        "exec_in_planner_data": _Runs(exec, code),
+        "os_system_in_storage_meta": _Runs(os.system, f"touch {marker}"),
+        "whole_file": _Runs(exec, code),
+    }[how]
+    if how == "exec_in_planner_data":
+        md.planner_data["w"] = payload
+    elif how == "os_system_in_storage_meta":
+        md.storage_meta.modules.append(payload)
+    else:
+        md = payload
+    meta.write_bytes(pickle.dumps(md))
+    return f"{os.system.__module__}.system" if how.startswith("os_system") else "builtins.exec"
+
+
+CRAFTED = ["exec_in_planner_data", "os_system_in_storage_meta", "whole_file", "class_change"]
+
+
+@pytest.mark.parametrize("how", CRAFTED)
+def test_crafted_metadata_is_refused_and_never_runs(tmp_path: Path, how: str) -> None:
+    """A .metadata that runs code (a __reduce__ to exec or os.system, anywhere in the file) or changes
+    DCP's classes is refused, naming the file and the global, before any of it runs."""
+    root, marker = tmp_path / "ckpt", tmp_path / "ran"
+    dcp.save({"w": torch.ones(4, 4)}, checkpoint_id=str(root))
+    named = _crafted(root, how, marker)
+    meta = root / ".metadata"
+    with pytest.raises(UnsafeCheckpointError) as info:
+        consolidate_checkpoint(root, tmp_path / "out", progress=False)
+    message = str(info.value)
+    assert f"'{meta}'" in message and named in message and "\n" not in message, message
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert not hasattr(Metadata, "planted")
+    with pytest.raises(UnsafeCheckpointError, match=re.escape(named)):
+        read_dcp_metadata(meta)
+    assert not marker.exists() and not hasattr(Metadata, "planted")
+
+
+@pytest.mark.parametrize("how", ["exec_in_planner_data", "os_system_in_storage_meta"])
+def test_crafted_metadata_through_the_command(
+    tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``distribute-utils consolidate`` on a plain DCP and on a Megatron torch_dist directory with a crafted
+    .metadata: one line naming the file and the global, exit 1, nothing run, nothing written."""
+    for kind in ("dcp", "torch_dist"):
+        root, marker, out = tmp_path / kind, tmp_path / f"ran_{kind}", tmp_path / f"out_{kind}"
+        dcp.save({"decoder.layers.mlp.linear_fc1.weight": torch.ones(2, 4, 4)}, checkpoint_id=str(root))
+        if kind == "torch_dist":
+            (root / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+        named = _crafted(root, how, marker)
+        try:
+            code = main(["consolidate", str(root), str(out), "-q", "--json"])
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert code == 1 and len(lines) == 1, captured.err
+        assert f"'{root / '.metadata'}'" in lines[0] and named in lines[0] and "Traceback" not in captured.err
+        error = json.loads(captured.out)
+        assert error["exit_code"] == 1 and named in error["error"]
+        assert not marker.exists() and not out.exists()

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from torch.distributed.checkpoint import FileSystemReader
 
 from distribute_utils.consolidate import (
     LayoutError,
@@ -27,6 +28,7 @@ from distribute_utils.consolidate import (
     consolidate_checkpoint,
     open_checkpoint,
 )
+from distribute_utils.consolidate.dcp import read_dcp_metadata
 
 from harness import SCRIPTS, load_script
 
@@ -104,6 +106,12 @@ def test_torch_dist_is_megatrons_own_reshard(written, tmp_path: Path, name: str)
     root = written(name)
     report = consolidate_checkpoint(root / "torch_dist", tmp_path, progress=False, names="local")
     assert report.layout == "megatron_torch_dist"
+    # .metadata (megatron-core adds its save plans) read by the allow-list reader exactly as torch's
+    # pickle.load reads it (a file this test wrote)
+    theirs = FileSystemReader(str(root / "torch_dist")).read_metadata()
+    theirs.storage_meta.load_id = None
+    ours = read_dcp_metadata(root / "torch_dist" / ".metadata")
+    assert vars(ours) == vars(theirs) and "all_local_plans" in vars(ours)
     assert_same_state_dict(_load(tmp_path / "model.safetensors"), _load(root / "truth.safetensors"))
 
 

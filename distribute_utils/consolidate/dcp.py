@@ -24,6 +24,10 @@ Megatron's sharded keys, turned into the names of Megatron's own TP1 x PP1 x EP1
   is already the TP1 layout;
 * ``_extra_state`` entries (TransformerEngine FP8 metadata), the optimizer, RNG and rerun states are not
   model weights and are left out.
+
+``.metadata`` is a pickle. It is read with :func:`read_dcp_metadata`, never ``pickle.load`` (which DCP's own
+``FileSystemReader.read_metadata`` uses): only the classes a DCP metadata file holds are built, and a file
+naming anything else is refused by name (:class:`~.safe_load.UnsafeCheckpointError`) before any of it runs.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ import itertools
 import json
 import logging
 import math
+import os
 import re
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PosixPath
 from typing import Any, ClassVar
 
 import torch
@@ -44,7 +50,7 @@ import torch
 from ..errors import DistributeError
 from .layouts import LayoutError, MergePlanEntry
 from .rules import Unknown
-from .safe_load import safe_torch_load
+from .safe_load import UnsafeCheckpointError, safe_pickle_load, safe_torch_load
 from .writers import (
     CheckpointFormatError,
     SafetensorsWriter,
@@ -54,7 +60,7 @@ from .writers import (
     tensor_bytes,
 )
 
-__all__ = ["DCP_METADATA", "MEGATRON_NAMES", "DcpCheckpoint"]
+__all__ = ["DCP_METADATA", "MEGATRON_NAMES", "DcpCheckpoint", "read_dcp_metadata"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +116,20 @@ class DcpCheckpoint:
         if names is not None and names not in MEGATRON_NAMES:
             raise ValueError(f"names must be one of {', '.join(MEGATRON_NAMES)}, got {names!r}")
         self._reader = FileSystemReader(str(self.root))
+        meta = self.root / DCP_METADATA
         try:
-            self._metadata = self._reader.read_metadata()
+            self._metadata = read_dcp_metadata(meta)
+        except UnsafeCheckpointError:
+            raise
         except Exception as exc:
-            meta = self.root / DCP_METADATA
             problem = describe_unreadable(meta, exc, "DCP metadata file")
             raise LayoutError(f"{meta}: not readable DCP metadata: the file {problem}") from None
+        # What FileSystemReader.read_metadata adds to what it unpickles (its own reads need only storage_data).
+        if getattr(self._metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self._reader.load_id
         self._check_files()
         self.megatron = _is_megatron(self.root)
         self.args = _common_args(self.root) if self.megatron else None
@@ -492,6 +506,70 @@ class _IntoBuffers:
 
     def load_bytes(self, item: Any, value: Any) -> None:
         raise LayoutError(f"unexpected bytes entry '{item.dest_index.fqn}' in a tensor read")
+
+
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    """Every global a DCP ``.metadata`` file names, as ``pickletools`` shows in the files that
+    ``torch.distributed.checkpoint.save`` and megatron-core's torch_dist writer (torch 2.13, megatron-core
+    0.16) write: DCP's metadata dataclasses and enums, ``torch.Size``, dtypes, layouts (pickled through
+    ``torch.serialization._get_layout``, here a plain name lookup), ``pathlib.PosixPath`` (``checkpoint_id``)
+    and, from megatron-core, the save plans it keeps for reuse (``all_local_plans``). Each builds plain data
+    and runs nothing of the file's choosing."""
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+
+    allowed: dict[tuple[str, str], Any] = {}
+    for module, names in (
+        (
+            metadata,
+            (
+                "Metadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            ),
+        ),
+        (filesystem, ("_StorageInfo", "_StoragePrefix")),
+        (planner, ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")),
+    ):
+        for name in names:
+            allowed[(module.__name__, name)] = getattr(module, name)
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    allowed.update({("torch", k): v for k, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = layouts.__getitem__
+    allowed[("collections", "OrderedDict")] = OrderedDict
+    allowed[("pathlib", "PosixPath")] = PosixPath
+    return allowed
+
+
+def read_dcp_metadata(path: str | os.PathLike[str]) -> Any:
+    """The ``Metadata`` of a DCP ``.metadata`` file, unpickled without running any of it.
+
+    What ``FileSystemReader.read_metadata`` returns (less the ``load_id`` it stamps on), but only DCP's own
+    classes are built (:func:`_metadata_globals`); anything else is refused before it is looked up.
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnsafeCheckpointError: the file names another global (a crafted file: the message names the file and
+            the global; nothing was run).
+        TypeError: the pickle holds something other than a ``Metadata``.
+        Exception: what ``pickle`` raises on a damaged file (:class:`DcpCheckpoint` describes it).
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    md = safe_pickle_load(
+        path,
+        _metadata_globals(),
+        "A torch.distributed.checkpoint metadata file holds only DCP's own records; this one was not written "
+        "by a DCP writer, and nothing in it was run: do not load it with torch either (it would run)",
+    )
+    if not isinstance(md, Metadata):
+        raise TypeError(f"the pickle holds {type(md).__name__}, not DCP Metadata")
+    return md
 
 
 def _is_megatron(root: Path) -> bool:

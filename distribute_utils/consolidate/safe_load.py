@@ -13,6 +13,10 @@ Callers that take tensors from a loaded object must check it holds no stand-in w
 A file that cannot be read at all (empty, truncated, text, another format) raises
 :class:`~.writers.CheckpointFormatError` naming the file and what is wrong with it
 (:func:`~.writers.unreadable_file`).
+
+:func:`safe_pickle_load` reads a plain pickle (not a ``torch.save`` archive, e.g. a DCP ``.metadata`` file,
+which torch's weights-only reader cannot parse) with the same promise: only the globals of an allow-list the
+caller gives are looked up, anything else is refused by name before it is built, and no pickled code runs.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import pathlib
 import pickle
 import signal
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from enum import EnumMeta
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,7 @@ __all__ = [
     "StandIn",
     "UnsafeCheckpointError",
     "find_stand_ins",
+    "safe_pickle_load",
     "safe_torch_load",
 ]
 
@@ -162,13 +168,113 @@ def safe_torch_load(path: str | os.PathLike[str]) -> Any:
             unsafe = []
         if not unsafe:
             raise unreadable_file(p, exc) from None
-        raise UnsafeCheckpointError(
-            f"'{p}' holds Python objects that cannot be loaded without running pickled code "
-            f"({', '.join(unsafe)}); distribute_utils never unpickles arbitrary objects. Save the model's "
-            "tensors alone (a state dict of tensors) where the model is defined, and consolidate that"
+        raise _unsafe(
+            p,
+            unsafe,
+            "Save the model's tensors alone (a state dict of tensors) where the model is defined, and "
+            "consolidate that",
         ) from None
     except Exception as exc:  # torch raises anything on a damaged file: EOFError, KeyError, RuntimeError
         raise unreadable_file(p, exc) from None
+
+
+def _unsafe(path: Path, names: list[str], advice: str) -> UnsafeCheckpointError:
+    """The refusal of a file that names globals outside the allow-list (one line)."""
+    return UnsafeCheckpointError(
+        f"'{path}' holds Python objects that cannot be loaded without running pickled code "
+        f"({', '.join(names)}); distribute_utils never unpickles arbitrary objects. {advice}"
+    )
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global outside the allow-list (raised by the unpickler before the global is looked up)."""
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that looks globals up in a fixed map instead of importing them.
+
+    Every class, function or constant a pickle names (``GLOBAL``, ``STACK_GLOBAL``, copyreg extensions) goes
+    through ``find_class``: one outside ``allowed`` stops the load at once, so a ``__reduce__`` to
+    ``os.system`` or ``builtins.exec`` is never reached, let alone called. Persistent ids are refused by
+    ``pickle.Unpickler`` itself.
+    """
+
+    def __init__(self, file: Any, allowed: Mapping[tuple[str, str], Any]) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allowed[(module, name)]
+        except (KeyError, TypeError):
+            raise _Refused(f"{module}.{name}") from None
+
+
+def _shared_state(allowed: Mapping[tuple[str, str], Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """The attributes of every allow-listed object a pickle could reach and change for the whole process (a
+    ``BUILD`` on a class, or on an enum member a class call returns), copied before a load."""
+    objects: list[Any] = []
+    for obj in allowed.values():
+        objects.append(obj)
+        if isinstance(obj, EnumMeta):
+            objects += list(obj)
+    seen: set[int] = set()
+    shared = []
+    for obj in objects:
+        if id(obj) not in seen and hasattr(obj, "__dict__"):
+            seen.add(id(obj))
+            shared.append((obj, dict(vars(obj))))
+    return shared
+
+
+def _restore(shared: list[tuple[Any, dict[str, Any]]]) -> list[str]:
+    """Puts back what a load changed on the objects of :func:`_shared_state`; returns their names."""
+    changed = []
+    for obj, before in shared:
+        now = vars(obj)
+        if now.keys() == before.keys() and all(now[k] is v for k, v in before.items()):
+            continue
+        for key in [k for k in now if k not in before]:
+            delattr(obj, key)
+        for key, value in before.items():
+            if key not in now or now[key] is not value:
+                setattr(obj, key, value)
+        changed.append(getattr(obj, "__qualname__", None) or str(obj))  # a class, or an enum member
+    return changed
+
+
+def safe_pickle_load(
+    path: str | os.PathLike[str], allowed: Mapping[tuple[str, str], Any], advice: str
+) -> Any:
+    """Unpickles a plain pickle file whose globals must all be in ``allowed``; runs no pickled code.
+
+    ``allowed`` maps ``(module, name)`` as the pickle spells it to the object to use; nothing is imported.
+    Only those objects are ever called (a class to build an instance, a function with the pickle's
+    arguments): the caller must list only constructors that run no code of the file's choosing (dataclasses,
+    enums, ``torch.Size``, ...). A pickle that changes an allow-listed class or enum member (a ``BUILD`` on
+    it) is put back and refused. ``advice`` ends the refusal (what the user should do).
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnsafeCheckpointError: the file names a global outside ``allowed`` (named in the one-line message;
+            it was not looked up, nothing was called) or changes an allow-listed object.
+        Exception: whatever ``pickle`` raises on a damaged file (``UnpicklingError``, ``EOFError``, ...);
+            the caller says what is wrong (:func:`~.writers.describe_unreadable`).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"checkpoint file '{p}' does not exist")
+    shared = _shared_state(allowed)
+    try:
+        with open(p, "rb") as f:
+            obj = _AllowListUnpickler(f, allowed).load()
+    except _Refused as exc:
+        raise _unsafe(p, [str(exc)], advice) from None
+    finally:
+        changed = _restore(shared)
+    if changed:
+        raise _unsafe(p, [f"a change to {name}" for name in changed], advice)
+    return obj
 
 
 def find_stand_ins(tree: Any, prefix: str = "") -> Iterator[str]:
