@@ -8,6 +8,7 @@ All of them survive pickling, so a worker's error can be re-raised in its parent
 from __future__ import annotations
 
 __all__ = [
+    "DeviceUnavailableError",
     "DistributeError",
     "GatherError",
     "LaunchError",
@@ -27,6 +28,11 @@ def one_line(error: BaseException | str) -> str:
 
 class DistributeError(Exception):
     """Base of every error raised on purpose by ``distribute_utils``."""
+
+
+class DeviceUnavailableError(DistributeError, RuntimeError):
+    """A received tensor is to be restored on the device its sender had it on, and this process has
+    no such device (where ``torch.load`` fails too); the message names the tensor and the device."""
 
 
 class GatherError(DistributeError, RuntimeError):
