@@ -1011,11 +1011,11 @@ def _path_to(tree: object, target: torch.Tensor, root: str) -> str:
         node, path = stack.pop()
         if node is target:
             return path
-        tp = type(node)
-        if tp is dict or tp is collections.OrderedDict:
-            children = [(v, f"{path}[{k!r}]") for k, v in node.items()]  # type: ignore[attr-defined]
-        elif tp is list or tp is tuple:
-            children = [(v, f"{path}[{i}]") for i, v in enumerate(node)]  # type: ignore[arg-type]
+        children: list[tuple[object, str]]
+        if isinstance(node, dict):  # (a decoded tree holds dict, OrderedDict, list and tuple exactly)
+            children = [(v, f"{path}[{k!r}]") for k, v in node.items()]
+        elif isinstance(node, (list, tuple)):
+            children = [(v, f"{path}[{i}]") for i, v in enumerate(node)]
         elif dataclasses.is_dataclass(node) and not isinstance(node, type):
             children = [(getattr(node, f.name), f"{path}.{f.name}") for f in dataclasses.fields(node)]
         else:
