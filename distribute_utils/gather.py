@@ -630,9 +630,10 @@ class _Gather:
             self._sent = None
             transport.release(token, self.me, receipt, taken=taken)
 
-    def decode(self, buffer: Any, rank: int, target: torch.device | str | None) -> Any:
-        try:
-            return wire.decode(buffer, device=target, root=self.root)
+    @staticmethod
+    def decode(buffer: Any, rank: int, target: torch.device | str | None) -> Any:
+        try:  # (only configs are decoded to their senders' devices: paths start at "config")
+            return wire.decode(buffer, device=target)
         except PayloadError as exc:
             raise PayloadError(f"payload of rank {rank} is unusable: {exc}") from None
         except DeviceUnavailableError as exc:

@@ -122,7 +122,16 @@ def _check(
     assert merged["[0].lm_head.weight"][1] == (VOCAB, HIDDEN)
 
 
-@pytest.mark.parametrize("quant", [pytest.param("bf16", marks=pytest.mark.slow), "fp8", "int4_awq"])
+@pytest.mark.parametrize(
+    "quant",
+    [
+        pytest.param("bf16", marks=pytest.mark.slow),
+        "fp8",
+        "int4_awq",
+        pytest.param("int8_sq", marks=pytest.mark.slow),
+        pytest.param("nvfp4", marks=pytest.mark.slow),
+    ],
+)
 def test_modelopt_tp2_pp2_export_is_identical_with_our_helpers(fresh_job: Any, quant: str) -> None:
     results = fresh_job(4).run(_run_both, 2, 2, quant, None, timeout=180)
     _check(results, tp=2, pp=2, resmoothed=quant == "int4_awq")
@@ -186,13 +195,13 @@ def _run_cases(cases: list[tuple[int, int, str]], gpu: bool) -> list[dict[str, A
 @pytest.mark.parametrize("world", [2, 4])
 def test_modelopt_gpu_exports_are_identical_with_our_helpers(fresh_job: Any, world: int) -> None:
     """ModelOpt's export of CUDA shards, every TP, PP and TP x PP shape of ``world`` ranks (FP8 for
-    each; BF16 and INT4 AWQ too for TP2 x PP2), bit for bit and device for device with ModelOpt's
+    each; BF16, INT4 AWQ, INT8 SQ and NVFP4 too for TP2 x PP2), bit for bit and device for device with ModelOpt's
     own helpers. A pipeline merge receives other stages' layers: they must come back on their
     senders' GPUs (ModelOpt's ``torch.load``), where its FP8 export then quantizes them."""
     pytest.importorskip("modelopt.torch.export")
     cases = [(tp, pp, "fp8") for tp, pp in GPU_SHAPES if tp * pp == world]
     if world == 4:
-        cases += [(2, 2, "bf16"), (2, 2, "int4_awq")]
+        cases += [(2, 2, quant) for quant in ("bf16", "int4_awq", "int8_sq", "nvfp4")]
     per_case = list(zip(*fresh_job(world).run(_run_cases, cases, True, timeout=300)))
     count = torch.cuda.device_count()
     for (tp, pp, quant), results in zip(cases, per_case):
