@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .consolidate import consolidate_checkpoint
     from .errors import (
+        DeviceUnavailableError,
         DistributeError,
         ForkedProcessError,
         GatherError,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "TIMEOUT_ENV",
+    "DeviceUnavailableError",
     "DistributeError",
     "ForkedProcessError",
     "GatherError",
@@ -54,6 +56,7 @@ __all__ = [
 # and ``--help`` do not import torch.
 _HOMES = {
     "consolidate_checkpoint": ".consolidate",
+    "DeviceUnavailableError": ".errors",
     "DistributeError": ".errors",
     "ForkedProcessError": ".errors",
     "GatherError": ".errors",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "DeviceUnavailableError",
     "DistributeError",
     "ForkedProcessError",
     "GatherError",
@@ -39,6 +40,11 @@ def plural_list(noun: str, items: Sequence[object]) -> str:
 
 class DistributeError(Exception):
     """Base of every error raised on purpose by ``distribute_utils``."""
+
+
+class DeviceUnavailableError(DistributeError, RuntimeError):
+    """A received tensor is to be restored on the device its sender had it on, and this process has
+    no such device (where ``torch.load`` fails too); the message names the tensor and the device."""
 
 
 class GatherError(DistributeError, RuntimeError):

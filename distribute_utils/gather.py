@@ -67,7 +67,13 @@ import torch.distributed as dist
 from . import sync, wire
 from ._host import process_alive
 from ._sched import BehindPeers
-from .errors import GatherError, PayloadError, PeerLostError, TransportUnavailableError
+from .errors import (
+    DeviceUnavailableError,
+    GatherError,
+    PayloadError,
+    PeerLostError,
+    TransportUnavailableError,
+)
 from .mesh import ProcessGroupMesh
 from .transports import CollectiveTransport, Transport
 from .transports.host import INLINE_MAX_BYTES, HostTransport
@@ -97,7 +103,8 @@ the receiving process, not at all by the sender's); larger ones as :data:`INLINE
 
 
 _RAISABLE: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (TypeError, ValueError, TransportUnavailableError, PeerLostError)
+    cls.__name__: cls
+    for cls in (TypeError, ValueError, TransportUnavailableError, PeerLostError, DeviceUnavailableError)
 }
 
 
@@ -379,7 +386,7 @@ class _Gather:
     _deferred: tuple[str, wire.EncodedPayload] | None = None  # a collective send awaiting "go"
     _go_posted = False
     _cross: str | None = None
-    place_own = True  # the first rank's own value goes to the target device like the rest
+    received_on: str | None = None  # with device=None: where received config tensors go (see gather_to_first)
     direct = False  # claims and verdicts through the ranks' mailboxes, not the store (see decide)
 
     # -- shared helpers ------------------------------------------------------------------------
@@ -624,11 +631,13 @@ class _Gather:
             transport.release(token, self.me, receipt, taken=taken)
 
     @staticmethod
-    def decode(buffer: Any, rank: int, target: torch.device | None) -> Any:
-        try:
+    def decode(buffer: Any, rank: int, target: torch.device | str | None) -> Any:
+        try:  # (only configs are decoded to their senders' devices: paths start at "config")
             return wire.decode(buffer, device=target)
         except PayloadError as exc:
             raise PayloadError(f"payload of rank {rank} is unusable: {exc}") from None
+        except DeviceUnavailableError as exc:
+            raise DeviceUnavailableError(f"rank {rank}'s {exc}") from None
 
     # -- the roles ---------------------------------------------------------------------------------
     def check_in(self, error: tuple[Any, ...] | None) -> None:
@@ -794,12 +803,11 @@ class _Gather:
         try:
             if error is not None:
                 _raise_from(error, "")
-            target = torch.device(device) if device is not None else _CPU
-            decode_to = None if target is _CPU or target.type == "cpu" else target
+            decode_to, mine = self.placement(own, device)
             plan = self.plan_and_tell()
             direct = plan.direct
             # What needs no claim is done before they come: after the last one, only its own part is left.
-            found[self.first] = _place_own(own, target if self.place_own else None, self.root)
+            found[self.first] = mine()
             notes = self.notes_for(self.ranks[1:])
             if self.direct:
                 self.claims_directly(direct, claims, decode_to, found)
@@ -850,11 +858,23 @@ class _Gather:
             self.call.post({"v": verdict}, ("c", bulky, overwrite))
         return [found[r] for r in self.ranks]
 
+    def placement(
+        self, own: Any, device: str | torch.device | None
+    ) -> tuple[torch.device | str | None, Callable[[], Any]]:
+        """The first rank: where received tensors are decoded to (for :func:`wire.decode`), and how its
+        own value is yielded. The rule is :func:`gather_to_first`'s."""
+        if device is not None:
+            target = torch.device(device)
+            return (None if target.type == "cpu" else target), lambda: _place_own(own, target, self.root)
+        if self.root == "tensor":
+            return None, lambda: _place_own(own, _CPU, self.root)
+        return (self.received_on or wire.SOURCE_DEVICE), lambda: _place_own(own, None, self.root)
+
     def claims_directly(
         self,
         senders: list[int],
         claims: dict[int, _Claim],
-        decode_to: torch.device | None,
+        decode_to: torch.device | str | None,
         found: dict[int, Any],
     ) -> None:
         """The first rank of a direct round: its senders' claims, from its mailbox, each checked as it
@@ -952,6 +972,7 @@ def _place_own(value: Any, target: torch.device | None, root: str) -> Any:
     """The first rank's own value with every tensor on ``target``, like every received one
     (ModelOpt's ``tensor.cpu()``); ``target=None`` moves nothing. Containers and dataclasses are copied
     only along the paths to tensors that move; a value with nothing to move comes back as the same object.
+    A meta tensor has no data to move: it stays as it is (as a received one decodes).
 
     Raises:
         TypeError: as :func:`wire.encode` on a sender: containers nested deeper than
@@ -992,7 +1013,7 @@ def _is_dataclass_instance(value: Any) -> bool:
 def _place(value: Any, target: torch.device | None, depth: int) -> Any:
     """:func:`_place_own` below ``depth`` containers (raises :class:`_TooDeep` past the limit)."""
     if isinstance(value, torch.Tensor):
-        if target is None or (target is _CPU and value.is_cpu):
+        if target is None or (target is _CPU and value.is_cpu) or value.is_meta:
             return value
         return value.detach().to(target) if value.device != target else value
     sequence = isinstance(value, (list, tuple))
@@ -1071,15 +1092,23 @@ def gather_to_first(
     timeout: float | timedelta | None,
     device: str | torch.device | None,
     root: str,
-    place_own: bool = True,
+    received_on: str | None = None,
 ) -> list[Any]:
     """The one gather under the public functions (and :mod:`distribute_utils.modelopt`): ``value`` of every
     rank in ``ranks`` to ``ranks[0]``, synchronised over ``group``; yields the list there, ``[]`` elsewhere.
 
-    ``root`` says which public call this is (``"tensor"`` or ``"config"``, for checks and messages);
-    ``place_own=False`` keeps the first rank's own value as passed (ModelOpt's behaviour). Every rank of
-    ``group`` must enter it (see ``docs/design.md``: ``group`` synchronises, ``ranks`` routes); the gather
-    runs when it is entered.
+    ``root`` says which public call this is (``"tensor"`` or ``"config"``, for checks and messages).
+    Where the tensors go on the first rank (ModelOpt's rule; ``docs/api.md``, "Devices"):
+
+    - ``device`` given: every tensor, its own value's included, on ``device``;
+    - else ``root="tensor"``: every tensor on the CPU (ModelOpt's ``tensor.cpu()``);
+    - else (configs): its own config as passed (the same object), each received tensor on the device its
+      sender had it on (``torch.load``'s restore); ``received_on="cpu"`` puts those on the CPU instead
+      (ModelOpt's workspace path, ``map_location="cpu"``). A device the first rank lacks raises
+      :class:`~distribute_utils.errors.DeviceUnavailableError` on every rank, before anything is yielded.
+
+    Every rank of ``group`` must enter it (see ``docs/design.md``: ``group`` synchronises, ``ranks``
+    routes); the gather runs when it is entered.
     """
     # A local mistake is posted in this rank's claim: its gather partners raise it too, none waits.
     error: tuple[Any, ...] | None = None
@@ -1134,7 +1163,7 @@ def gather_to_first(
                 _raise_from(error, "")
             result: list[Any] = []
         elif me == checked[0]:
-            this.place_own = place_own
+            this.received_on = received_on
             if error is None:
                 try:
                     _check_device(device)
@@ -1152,13 +1181,14 @@ def _check_device(device: str | torch.device | None) -> None:
     if device is None:
         return
     try:
-        torch.empty(0, device=torch.device(device))
-    except (RuntimeError, TypeError, AssertionError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        why = wire.unusable_device(device)
+    except TypeError as exc:  # (not hashable: not a device either)
+        why = str(exc)
+    if why is not None:
         raise ValueError(
-            f"device={device!r} is not usable on the first rank ({first_line}); pass a device it has, "
+            f"device={device!r} is not usable on the first rank ({why}); pass a device it has, "
             "or None for the CPU"
-        ) from None
+        )
 
 
 # -- public API ----------------------------------------------------------------------------------
@@ -1191,7 +1221,7 @@ def get_tensors_parallel(
         timeout: bound on every wait, in seconds or a timedelta (default
             ``$DISTRIBUTE_UTILS_TIMEOUT`` or 600 s).
         device: where the first rank wants every yielded tensor, its own included (default:
-            the CPU, as ModelOpt's ``tensor.cpu()``).
+            the CPU, as ModelOpt's ``tensor.cpu()``; a CPU tensor of its own is yielded as passed).
 
     Yields:
         On ``ranks[0]``: one tensor per entry of ``ranks``, its own first; valid after the
@@ -1220,14 +1250,19 @@ def get_configs_parallel(
 ) -> AbstractContextManager[list[Any]]:
     """Gather ``config`` (a tree of plain values, dataclasses and tensors) to ``ranks[0]``.
 
-    Same contract as :func:`get_tensors_parallel`; every tensor yielded, those of the first
-    rank's own config included, is on ``device`` (default: the CPU). Unlike ModelOpt, a rank
-    that passes ``None`` yields ``None`` at its position, so positions always match ``ranks``
-    (:mod:`distribute_utils.modelopt` has ModelOpt's behaviour, for its callers).
+    Same contract as :func:`get_tensors_parallel`. Devices, as ModelOpt's (``docs/api.md``, "Devices"):
+    with ``device=None`` the first rank's own config is yielded as passed (the same object) and each
+    received tensor is on the device its sender had it on, as ``torch.load`` restores it (``cuda:N``
+    of the sender, the CPU for a CPU tensor); with ``device`` given, every tensor, its own config's
+    included, is on ``device``. A meta tensor stays meta. Unlike ModelOpt, a rank that passes ``None``
+    yields ``None`` at its position, so positions always match ``ranks`` (:mod:`distribute_utils.modelopt`
+    has ModelOpt's behaviour, for its callers).
 
     Raises:
         TypeError: a value that cannot travel, named by its path (``config['layers'][3]``),
             on every rank before any rank writes anything.
+        DeviceUnavailableError: with ``device=None``, a received tensor's device does not exist on
+            the first rank (sender, path and device named), on every rank, before anything is yielded.
     """
     options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
     return gather_to_first(config, ranks, group, root="config", **options)
@@ -1266,7 +1301,7 @@ def gather_configs(
 ) -> AbstractContextManager[list[Any]]:
     """Gather ``config`` to the first rank of this rank's group along ``axis`` of ``mesh``.
 
-    Must be entered on every rank of that group. Options as in :func:`get_configs_parallel`.
+    Must be entered on every rank of that group. Options and devices as in :func:`get_configs_parallel`.
     """
     ranks = mesh.ranks_along_axis(axis)
     group = mesh.cached_group_along_axis(axis) or ranks

@@ -13,12 +13,18 @@ or patches ModelOpt's export code in place (what the test suite does with ModelO
     post.get_configs_parallel, post.get_tensors_parallel = ours.get_configs_parallel, ours.get_tensors_parallel
 
 Where ModelOpt's behaviour differs from :mod:`distribute_utils`' own functions, these follow
-ModelOpt, so that a caller's result does not change:
+ModelOpt, so that a caller's result does not change, on every device:
 
 - ``get_configs_parallel`` drops the ``None`` configs of other ranks (ModelOpt's callers read
   ``configs[-1]`` as "the last rank that had one"); the first rank's own config is yielded as
-  passed, ``None`` included. Our :func:`distribute_utils.get_configs_parallel` keeps every
-  position instead.
+  passed (the same object, its tensors where they are), ``None`` included. Every received tensor
+  is on the device its sender had it on, as ModelOpt's ``torch.load`` restores it (``cuda:N`` of
+  the sender; the CPU for a CPU tensor), except with a ``workspace_path``, where ModelOpt loads
+  with ``map_location="cpu"``: then on the CPU. A sender's device that the first rank does not
+  have (``cuda:3`` where it has one GPU or none) raises
+  :class:`~distribute_utils.errors.DeviceUnavailableError` naming the tensor and the device, on
+  every rank, before anything is yielded (where ``torch.load`` fails too). Our
+  :func:`distribute_utils.get_configs_parallel` keeps every position instead.
 - ``get_tensors_parallel`` yields every tensor on the CPU, the first rank's own included
   (ModelOpt's ``tensor.cpu()``).
 
@@ -61,11 +67,13 @@ def get_configs_parallel(
     group: dist.ProcessGroup | None,
     workspace_path: str | PathLike[str] | None = None,
 ) -> Iterator[list[Any]]:
-    """ModelOpt's ``get_configs_parallel``: on ``ranks[0]``, its own config, then every other
-    rank's config that is not ``None``. Must be entered on every rank of ``group``."""
-    options: dict[str, Any] = {"transport": "auto", "timeout": None, "device": None, "place_own": False}
+    """ModelOpt's ``get_configs_parallel``: on ``ranks[0]``, its own config as passed, then every other
+    rank's config that is not ``None``, its tensors on their senders' devices (on the CPU with a
+    ``workspace_path``). Must be entered on every rank of ``group``."""
+    options: dict[str, Any] = {"transport": "auto", "timeout": None, "device": None}
+    received_on = None if workspace_path is None else "cpu"  # ModelOpt: torch.load / map_location="cpu"
     with gather.gather_to_first(
-        config, ranks, group, workspace_path=workspace_path, root="config", **options
+        config, ranks, group, workspace_path=workspace_path, root="config", received_on=received_on, **options
     ) as configs:
         if configs:
             configs = [configs[0], *(c for c in configs[1:] if c is not None)]

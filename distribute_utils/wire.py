@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import dataclasses
 import enum
+import functools
 import math
 import os
 import reprlib
@@ -39,7 +40,7 @@ from typing import Any, NamedTuple
 import msgpack
 import torch
 
-from .errors import PayloadError
+from .errors import DeviceUnavailableError, PayloadError
 
 __all__ = [
     "ALIGN",
@@ -52,6 +53,8 @@ __all__ = [
     "MAGIC",
     "MAX_DEPTH",
     "PREFIX_SIZE",
+    "READABLE_VERSIONS",
+    "SOURCE_DEVICE",
     "SUPPORTED_DTYPES",
     "TABLE_BYTES_CONSTANT",
     "TABLE_BYTES_PER_BYTE",
@@ -66,12 +69,18 @@ __all__ = [
     "read_prefix",
     "stated_length",
     "tensor_buffer",
+    "unusable_device",
 ]
 
 MAGIC: bytes = b"DUW1"
 """First four bytes of every payload."""
-VERSION: int = 1
-"""Format version written by :func:`encode`; :func:`decode` accepts only this one."""
+VERSION: int = 2
+"""Format version written by :func:`encode` (2: each tensor entry names its sender's device)."""
+READABLE_VERSIONS: tuple[int, ...] = (1, 2)
+"""Versions :func:`decode` reads (a version 1 entry has no device: its tensor was on the CPU)."""
+SOURCE_DEVICE: str = "source"
+"""``decode(buf, device=SOURCE_DEVICE)``: each tensor on the device its sender had it on (as
+``torch.load`` restores it)."""
 ALIGN: int = 64
 """Every tensor's offset is a multiple of this many bytes."""
 PREFIX_SIZE: int = 32
@@ -97,6 +106,7 @@ qualname, value; ``"odict"``, {key: value}; ``"np"``, dtype string, raw bytes (a
 scalar); ``"ndarray"``, tensor reference (a numpy array, its bytes travel as a tensor)."""
 
 _PREFIX = struct.Struct("<4sHHQQQ")
+_VERSION_FIELD = struct.Struct("<H")  # the prefix's version field, at byte 4
 _LENGTH = struct.Struct("<Q")  # the prefix's header length and total length fields (at these offsets)
 _HEADER_LEN_AT, _TOTAL_LEN_AT = 8, 16
 assert _PREFIX.size == PREFIX_SIZE
@@ -488,7 +498,7 @@ def nesting_error(root: str, path: Sequence[Any], containers: Sequence[object]) 
 class _Encoder:
     """Turns a config tree into msgpack-native values, collecting tensors and checking types."""
 
-    __slots__ = ("_active", "_ids", "_keep", "_path", "_root", "keep_device", "tensors")
+    __slots__ = ("_active", "_ids", "_keep", "_path", "_root", "devices", "keep_device", "tensors")
 
     def __init__(self, root: str, keep_device: bool = False) -> None:
         self._root = root
@@ -498,6 +508,7 @@ class _Encoder:
         self._ids: dict[int, int] = {}  # id(tensor) -> index in self.tensors
         self._keep: list[torch.Tensor] = []  # keep the originals alive so their ids stay unique
         self.tensors: list[torch.Tensor] = []
+        self.devices: list[str] = []  # each tensor's device at its sender (see _device_name)
 
     def path(self, depth: int | None = None) -> str:
         return _path_text(self._root, self._path[:depth])
@@ -612,6 +623,7 @@ class _Encoder:
             return index
         index = len(self.tensors)
         self.tensors.append(_plain_tensor(t, self.keep_device, self.path))
+        self.devices.append(_device_name(t))
         self._ids[id(t)] = index
         self._keep.append(t)
         return index
@@ -633,9 +645,14 @@ def _plain_tensor(t: torch.Tensor, keep_device: bool, path: Callable[[], str]) -
             f"{path()}: tensor dtype {t.dtype} is not supported (quantized tensors carry "
             "scales the format does not store); use .int_repr() and send the scales separately"
         )
-    if t.is_meta:
-        raise TypeError(f"{path()}: a meta tensor has no data to send")
+    if t.is_meta:  # no data: it travels as its dtype and shape, and decodes as a meta tensor
+        return t.detach()
     return _contiguous(t, keep_device)
+
+
+def _device_name(t: torch.Tensor) -> str:
+    """The device a tensor's entry names: ``str(t.device)`` (``"cpu"``, ``"cuda:1"``, ``"meta"``)."""
+    return "cpu" if t.is_cpu else str(t.device)
 
 
 _BUILTIN_BASES = (bool, int, float, str, bytes, dict, list, tuple)
@@ -734,7 +751,8 @@ def encode(
         raise ValueError("encode: checksum needs the bytes on the CPU; do not combine it with keep_device")
     if type(obj) is torch.Tensor:  # the tree is the one tensor (``get_tensors_parallel``): nothing to walk
         v_bytes, tensors = _LONE_TREE, [_plain_tensor(obj, keep_device, lambda: root)]
-        shapes: tuple[tuple[torch.dtype, torch.Size], ...] = ((obj.dtype, obj.shape),)
+        devices = [_device_name(obj)]
+        shapes: tuple[tuple[torch.dtype, torch.Size, str], ...] = ((obj.dtype, obj.shape, devices[0]),)
     else:
         enc = _Encoder(root, keep_device)
         tree = enc.walk(obj)
@@ -742,16 +760,18 @@ def encode(
             v_bytes = _LONE_TREE if tree is _TENSOR_REFS[0] else _pack(tree)
         except UnicodeEncodeError as e:
             raise TypeError(f"{root}: contains a str that is not valid UTF-8 ({e})") from None
-        tensors = enc.tensors
-        shapes = tuple((t.dtype, t.shape) for t in tensors)
+        tensors, devices = enc.tensors, enc.devices
+        shapes = tuple((t.dtype, t.shape, d) for t, d in zip(tensors, devices))
     small = len(v_bytes) <= _RECENT_BYTES_MAX
     layout = _LAYOUTS.get((v_bytes, shapes)) if small else None
     if layout is None:
-        layout = _layout(v_bytes, tensors, root)
+        layout = _layout(v_bytes, tensors, devices, root)
         if small:
             _LAYOUTS.put((v_bytes, shapes), layout)
     header_len, offsets, total, body, plain_head = layout
-    chunks = tuple((o, t) for o, t in zip(offsets, tensors, strict=True) if t.nbytes)
+    chunks = tuple(
+        (o, t) for o, t, d in zip(offsets, tensors, devices, strict=True) if t.nbytes and d != "meta"
+    )
     if not checksum:
         return EncodedPayload(total, plain_head, chunks)
     head_end = chunks[0][0] if chunks else total
@@ -765,12 +785,12 @@ _LAYOUTS = _Recent(_RECENT_MAX)
 
 
 def _layout(
-    v_bytes: bytes, tensors: list[torch.Tensor], root: str
+    v_bytes: bytes, tensors: list[torch.Tensor], devices: list[str], root: str
 ) -> tuple[int, list[int], int, bytes, bytes]:
     """Where everything of a payload goes: header length, each tensor's offset, the total length, the
     bytes after the prefix up to the first tensor (header and padding), and those with the prefix of a
-    payload without a checksum. A pure function of the encoded tree and the tensors' dtypes and shapes
-    (:func:`encode` keeps recent ones)."""
+    payload without a checksum. A pure function of the encoded tree and the tensors' dtypes, shapes and
+    devices (:func:`encode` keeps recent ones); a meta tensor takes no bytes."""
     header_base = b"\x82\xa1v" + v_bytes + b"\xa1t"
     # Offsets are absolute, and their msgpack size feeds back into where the data starts:
     # iterate to the fixed point. start(B) never decreases as B grows, so this converges in a
@@ -780,9 +800,9 @@ def _layout(
         entries = []
         cursor = start
         end = 0
-        for t in tensors:
-            nb = t.nbytes
-            entries.append([_DTYPE_NAMES[t.dtype], list(t.shape), cursor, nb])
+        for t, where in zip(tensors, devices):
+            nb = 0 if where == "meta" else t.nbytes
+            entries.append([_DTYPE_NAMES[t.dtype], list(t.shape), cursor, nb, where])
             end = cursor + nb
             cursor = _align(end)
         header = header_base + _pack(entries)
@@ -849,10 +869,10 @@ def read_prefix(buf: Any, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -
             f"bad magic {magic!r}: expected {MAGIC!r}; this is not a distribute_utils payload "
             "(or its writer had not finished)"
         )
-    if version != VERSION:
+    if version not in READABLE_VERSIONS:
         raise PayloadError(
-            f"unsupported wire format version {version}: this reader supports version {VERSION}; "
-            "use the same distribute_utils version on every rank"
+            f"unsupported wire format version {version}: this reader supports versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; use the same distribute_utils version on every rank"
         )
     if flags & ~_KNOWN_FLAGS:
         raise PayloadError(f"unknown flags 0x{flags:04x}: expected only bit 0 (checksum) to be set")
@@ -895,6 +915,7 @@ def decode(
     device: str | torch.device | None = None,
     verify: bool = True,
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    root: str = "config",
 ) -> object:
     """Decode a payload back into its config tree.
 
@@ -907,9 +928,12 @@ def decode(
     Args:
         buf: a bytes-like object holding the payload from byte 0.
         device: where tensors should live; ``None`` or CPU gives zero-copy views, any other
-            device copies them there.
+            device copies them there; :data:`SOURCE_DEVICE` puts each on the device its entry
+            names, the one its sender had it on, as ``torch.load`` does (CPU ones as views). A
+            meta tensor has no bytes: it decodes as a meta tensor of its dtype and shape, always.
         verify: check the checksum when the payload carries one.
         max_header_bytes: refuse headers longer than this.
+        root: the tree's name in error messages (``config['layers'][3].weight``).
 
     Returns:
         The config tree; tuples, int keys, key order and dataclass types as encoded.
@@ -917,6 +941,8 @@ def decode(
     Raises:
         PayloadError: the payload is truncated, corrupt, malformed, from another format
             version, or names a dataclass that cannot be found.
+        DeviceUnavailableError: with :data:`SOURCE_DEVICE`, a tensor's device does not exist in
+            this process (named with the tensor's path), raised before any tensor is built.
     """
     data: torch.Tensor | None = None
     if isinstance(buf, torch.Tensor):
@@ -930,9 +956,9 @@ def decode(
             buf = bytes(tensor_buffer(buf[: PREFIX_SIZE + head_len].cpu()))
     mv = _bytes_view(buf)
     try:
-        return _decode(mv, device, verify, max_header_bytes, data)
-    except PayloadError as e:
-        error = PayloadError(*e.args)
+        return _decode(mv, device, verify, max_header_bytes, data, root)
+    except (PayloadError, DeviceUnavailableError) as e:
+        error = type(e)(*e.args)
     # The failed attempt's frames (and any views or tensors they held) died with the traceback
     # above; release our view too, so the caller can close an mmap in its ``except`` block.
     with contextlib.suppress(BufferError):
@@ -946,6 +972,7 @@ def _decode(
     verify: bool,
     max_header_bytes: int,
     data: torch.Tensor | None = None,
+    root: str = "config",
 ) -> object:
     # A payload whose first bytes up to its header's end were checked before is taken as they were:
     # every check of the prefix and the header is a pure function of those bytes (the same ones come
@@ -972,14 +999,82 @@ def _decode(
     if known is None:
         header = mv[PREFIX_SIZE:header_end]
         v_span, t_span = _parse_header(header, header_len)
-        table = _tensor_table(header[t_span[0] : t_span[1]], header_end, total_len)
+        (version,) = _VERSION_FIELD.unpack_from(mv, 4)
+        table = _tensor_table(header[t_span[0] : t_span[1]], header_end, total_len, version)
         lone = len(table) == 1 and header[v_span[0] : v_span[1]] == _LONE_TREE
         if key is not None and not flags & FLAG_CHECKSUM:  # (a checksum differs every time)
             _HEADS.put(key, (flags, header_len, total_len, checksum, v_span, table, lone))
-    tensors = _build_tensors(mv, table, total_len, device, data)
-    if lone:  # the tree is the one tensor (``get_tensors_parallel``): nothing else to decode
-        return tensors[0]
-    return _decode_tree(mv[PREFIX_SIZE + v_span[0] : PREFIX_SIZE + v_span[1]], tensors)
+    source = type(device) is str and device == SOURCE_DEVICE
+    missing = _missing_device(table) if source else None
+    tensors = _build_tensors(mv, table, total_len, None if missing else device, data)
+    tree = (
+        tensors[0] if lone else _decode_tree(mv[PREFIX_SIZE + v_span[0] : PREFIX_SIZE + v_span[1]], tensors)
+    )
+    if missing is not None:  # (the tree, with CPU views, only to name the tensor)
+        i, why = missing
+        raise DeviceUnavailableError(
+            f"{_path_to(tree, tensors[i], root)} is on {table[i].device} at its sender, a device this "
+            f"process does not have ({why}); torch.load would fail here too: pass device= to put "
+            "received tensors on a device this rank has (e.g. device='cpu')"
+        )
+    return tree
+
+
+def _missing_device(table: tuple[_Slot, ...]) -> tuple[int, str] | None:
+    """The first tensor of ``table`` whose device this process does not have, and why."""
+    for i, slot in enumerate(table):
+        where = slot.device
+        if where != "cpu" and where != "meta":
+            why = unusable_device(where)
+            if why is not None:
+                return i, why
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def unusable_device(device: str | torch.device) -> str | None:
+    """Why this process cannot hold tensors on ``device`` (as ``torch.load`` would refuse to
+    restore them there), or None when it can. Answers are kept: devices do not come and go."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        return _first_line(exc)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return "torch.cuda.is_available() is False"
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            return f"torch.cuda.device_count() is {count}"
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, TypeError, AssertionError) as exc:
+        return _first_line(exc)
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _path_to(tree: object, target: torch.Tensor, root: str) -> str:
+    """Where ``target`` sits in a decoded tree, written as :class:`_Encoder` writes paths."""
+    stack: list[tuple[object, str]] = [(tree, root)]
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path
+        children: list[tuple[object, str]]
+        if isinstance(node, dict):  # (a decoded tree holds dict, OrderedDict, list and tuple exactly)
+            children = [(v, f"{path}[{k!r}]") for k, v in node.items()]
+        elif isinstance(node, (list, tuple)):
+            children = [(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            children = [(getattr(node, f.name), f"{path}.{f.name}") for f in dataclasses.fields(node)]
+        else:
+            continue
+        stack.extend(reversed(children))
+    return f"a tensor of {root}"
 
 
 def _head_key(mv: memoryview, max_header_bytes: int) -> bytes | None:
@@ -1082,22 +1177,23 @@ class _Slot(NamedTuple):
     dtype: torch.dtype
     shape: list[int]
     strides: list[int]
+    device: str  # where its sender had it ("cpu" for a version 1 payload)
 
 
 _TABLES = _Recent(_RECENT_MAX)  # checked tensor tables: configs differ in values more often than in shapes
 
 
-def _tensor_table(raw: memoryview, header_end: int, total_len: int) -> tuple[_Slot, ...]:
+def _tensor_table(raw: memoryview, header_end: int, total_len: int, version: int) -> tuple[_Slot, ...]:
     """The checked tensor table of a payload (``raw``: the msgpack bytes of ``"t"``).
 
     A table is a pure function of its bytes, where the header ends and the payload's length, so
     a table already checked under the same three is reused (the same shapes come back round
     after round): checking costs several microseconds per tensor, a lookup one per payload.
     """
-    key = (raw.tobytes(), header_end, total_len) if len(raw) <= _RECENT_BYTES_MAX else None
+    key = (raw.tobytes(), header_end, total_len, version) if len(raw) <= _RECENT_BYTES_MAX else None
     table = _TABLES.get(key) if key is not None else None
     if table is None:
-        table = _read_table(raw, header_end, total_len)
+        table = _read_table(raw, header_end, total_len, version)
         if key is not None:
             _TABLES.put(key, table)
     return table
@@ -1188,7 +1284,7 @@ def _skim(raw: memoryview) -> None:
             start += length
     if length > _MAX_ENTRY_BYTES:
         raise PayloadError(
-            f"tensor {i}: its entry takes {length} bytes, more than any valid [dtype, shape, offset, nbytes] "
+            f"tensor {i}: its entry takes {length} bytes, more than any valid [dtype, shape, offset, nbytes, device] "
             f"({_MAX_ENTRY_BYTES})"
         )
 
@@ -1208,9 +1304,10 @@ def _msgpack_kind(first: int) -> str:
     )
 
 
-def _read_table(raw: memoryview, header_end: int, total_len: int) -> tuple[_Slot, ...]:
+def _read_table(raw: memoryview, header_end: int, total_len: int, version: int) -> tuple[_Slot, ...]:
     """Read the table ``raw``, checking each entry against the payload's bounds as it comes (see
-    TABLE_BYTES_PER_BYTE); in table order."""
+    TABLE_BYTES_PER_BYTE); in table order. A version 1 entry has no device (its tensor was on the CPU)."""
+    width = 4 if version == 1 else 5  # version 2 adds the device
     slots: list[_Slot] = []
     data_end = header_end
     # Decoding costs memory per tensor (a slot here, a tensor object later). Non-empty tensors occupy
@@ -1220,11 +1317,16 @@ def _read_table(raw: memoryview, header_end: int, total_len: int) -> tuple[_Slot
     full_left = max(0, total_len - _align(header_end) + ALIGN - 1) // ALIGN  # distinct aligned starts
     prev_end, in_order = 0, True
     for i, entry in enumerate(_entries(raw)):
-        if type(entry) is not list or len(entry) != 4:
+        if type(entry) is not list or len(entry) != width:
+            fields = "dtype, shape, offset, nbytes" + (", device" if width == 5 else "")
+            raise PayloadError(f"tensor {i}: entry {_shown(entry, 100)} is not [{fields}]")
+        name, shape, offset, nbytes = entry[:4]
+        where = entry[4] if width == 5 else "cpu"
+        if type(where) is not str or not _is_device_name(where):
             raise PayloadError(
-                f"tensor {i}: entry {_shown(entry, 100)} is not [dtype, shape, offset, nbytes]"
+                f"tensor {i}: bad device {_shown(where, 60)}; expected a device as str(tensor.device) "
+                "writes it ('cpu', 'cuda:1', 'meta')"
             )
-        name, shape, offset, nbytes = entry
         dtype = _DTYPES.get(name) if type(name) is str else None
         if dtype is None:
             raise PayloadError(
@@ -1244,7 +1346,8 @@ def _read_table(raw: memoryview, header_end: int, total_len: int) -> tuple[_Slot
                 f"tensor {i}: offset {_shown(offset, 40)} and nbytes {_shown(nbytes, 40)} must be ints"
             )
         numel = math.prod(shape)
-        if numel == 0:
+        expected = 0 if where == "meta" else numel * dtype.itemsize  # a meta tensor has no bytes
+        if expected == 0:
             empty_left -= 1
             if empty_left < 0:
                 raise PayloadError(
@@ -1252,10 +1355,15 @@ def _read_table(raw: memoryview, header_end: int, total_len: int) -> tuple[_Slot
                     f"{total_len} bytes: refused (a crafted payload; a real config with that many empty "
                     "tensors must store them differently)"
                 )
-        if nbytes != numel * dtype.itemsize:
+        if nbytes != expected:
             raise PayloadError(
-                f"tensor {i}: nbytes {nbytes} != {numel} elements x {dtype.itemsize} bytes "
-                f"for {name} of shape {shape}"
+                f"tensor {i}: nbytes {nbytes} != "
+                + (
+                    "0: a meta tensor has no bytes,"
+                    if where == "meta"
+                    else f"{numel} elements x {dtype.itemsize} bytes"
+                )
+                + f" for {name} of shape {shape}"
             )
         if offset % ALIGN:
             raise PayloadError(f"tensor {i}: offset {offset} is not a multiple of {ALIGN}")
@@ -1268,7 +1376,8 @@ def _read_table(raw: memoryview, header_end: int, total_len: int) -> tuple[_Slot
                 f"tensor {i}: bytes {offset}..{offset + nbytes} run past the payload's end at {total_len}"
             )
         data_end = max(data_end, offset + nbytes)
-        slots.append(_Slot(offset, nbytes, dtype, shape, _strides(shape) if nbytes else _NO_STRIDES))
+        strides = _strides(shape) if nbytes else _NO_STRIDES
+        slots.append(_Slot(offset, nbytes, dtype, shape, strides, where))
         if nbytes:
             full_left -= 1
             if full_left < 0:  # more than the bytes after the header hold apart: two of them overlap
@@ -1299,6 +1408,17 @@ def _refuse_overlaps(slots: list[_Slot]) -> None:
         prev_end, prev = offset + nbytes, i
 
 
+@functools.lru_cache(maxsize=64)
+def _is_device_name(name: str) -> bool:
+    """Whether ``name`` is a device as ``str(tensor.device)`` writes it (whether or not it exists here)."""
+    if len(name) > 64:
+        return False
+    try:
+        return str(torch.device(name)) == name
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
 def _build_tensors(
     mv: memoryview,
     table: tuple[_Slot, ...],
@@ -1321,7 +1441,8 @@ def _views(
     device: str | torch.device | None,
     data: torch.Tensor | None,
 ) -> list[torch.Tensor]:
-    dev = torch.device(device) if device is not None else None
+    source = type(device) is str and device == SOURCE_DEVICE
+    dev = torch.device(device) if device is not None and not source else None
     if dev is not None and dev.type == "cpu":
         dev = None
     out: list[torch.Tensor] = []
@@ -1335,14 +1456,21 @@ def _views(
         else None
     )
     typed: dict[torch.dtype, torch.Tensor] = {}
-    for i, (offset, nbytes, dtype, shape, strides) in enumerate(table):
+    for i, (offset, nbytes, dtype, shape, strides, where) in enumerate(table):
+        to = dev
+        if source:  # where its sender had it: a CPU tensor stays a view (unless it came in device memory)
+            to = None if where == "cpu" and data is None else _torch_device(where)
         try:
-            if not nbytes:
-                t = torch.empty(shape, dtype=dtype, device=dev if data is None else data.device)
+            if where == "meta":  # no bytes: a meta tensor wherever the others go
+                t = torch.empty(shape, dtype=dtype, device="meta")
+            elif not nbytes:
+                t = torch.empty(
+                    shape, dtype=dtype, device=to if to is not None or data is None else data.device
+                )
             elif data is not None:
                 t = _view_bytes(data[offset : offset + nbytes], dtype).view(shape)
-                if dev is not None:
-                    t = _to_device(t, dev)
+                if to is not None:
+                    t = _to_device(t, to)
             else:
                 size = dtype.itemsize
                 if few:
@@ -1355,8 +1483,8 @@ def _views(
                     if whole is None:
                         whole = typed[dtype] = _view_bytes(base[: total_len // size * size], dtype)
                     t = whole.as_strided(shape, strides, offset // size)
-                if dev is not None:
-                    t = _to_device(t, dev)
+                if to is not None:
+                    t = _to_device(t, to)
         except (RuntimeError, ValueError, OverflowError) as e:
             raise PayloadError(f"tensor {i}: cannot build {dtype} of shape {shape}: {e}") from None
         out.append(t)
@@ -1366,6 +1494,7 @@ def _views(
 _NO_STRIDES: list[
     int
 ] = []  # an empty tensor's slot: made with torch.empty, no strides needed (never changed)
+_torch_device = functools.lru_cache(maxsize=64)(torch.device)  # a device name, parsed once
 
 
 def _strides(shape: list[int]) -> list[int]:

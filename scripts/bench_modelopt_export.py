@@ -37,7 +37,8 @@ def tensor(shape: tuple[int, ...], *seed: int) -> torch.Tensor:
 
 def linear(mc: Any, kind: str, shape: tuple[int, ...], quant: str, *seed: int) -> Any:
     """A ModelOpt ``LinearConfig``; with ``quant="fp8"``, scalar FP8 scaling factors; with
-    ``"int4_awq"``, per-block weight scales and per-input-channel pre-quant scales (block 16)."""
+    ``"int4_awq"``, per-block weight scales and per-input-channel pre-quant scales (block 16);
+    ``"int8_sq"`` (SmoothQuant) and ``"nvfp4"`` as ModelOpt's export writes them."""
     config = mc.LinearConfig(linear_type=kind, weight=tensor(shape, *seed))
     if quant == "int4_awq":
         out_features, in_features = shape
@@ -45,6 +46,23 @@ def linear(mc: Any, kind: str, shape: tuple[int, ...], quant: str, *seed: int) -
         config.awq_block_size = 16
         config.weights_scaling_factor = tensor((out_features, in_features // 16), *seed, 2).abs() + 0.5
         config.prequant_scaling_factor = tensor((in_features,), *seed, 3).abs() + 0.5
+    if (
+        quant == "int8_sq"
+    ):  # per-channel weight scales; column linears' pre-quant scales alike on every TP rank
+        out_features, in_features = shape
+        config.quantization = "int8_sq"
+        config.weights_scaling_factor = tensor((out_features,), *seed, 2).float().abs() + 0.5
+        config.activation_scaling_factor = (tensor((), *seed, 1).float().abs() + 1).reshape(())
+        config.prequant_scaling_factor = tensor((in_features,), seed[0], 3).abs() + 0.5
+    if quant == "nvfp4":  # FP8 per-block (16) weight scales, a global second scale
+        out_features, in_features = shape
+        config.quantization = "nvfp4"
+        config.awq_block_size = 16
+        config.weights_scaling_factor = (
+            tensor((out_features, in_features // 16), *seed, 2).float().abs() + 0.5
+        ).to(torch.float8_e4m3fn)
+        config.weights_scaling_factor_2 = (tensor((), *seed, 4).float().abs() + 1).reshape(())
+        config.activation_scaling_factor = (tensor((), *seed, 1).float().abs() + 1).reshape(())
     if quant == "fp8":
         config.quantization = "fp8"
         config.activation_scaling_factor = (tensor((), *seed, 1).float().abs() + 1).reshape(())

@@ -24,6 +24,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import sys
 import time
 import traceback
@@ -35,7 +36,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["SCRIPTS", "Died", "RankFailure", "RankPool", "free_port", "load_script", "torchrun_argv"]
+__all__ = [
+    "SCRIPTS",
+    "Died",
+    "RankFailure",
+    "RankPool",
+    "free_port",
+    "load_script",
+    "relabel_devices",
+    "torchrun_argv",
+]
 
 _SPAWN = mp.get_context("spawn")
 #: The repository's scripts/ directory.
@@ -200,3 +210,49 @@ class RankPool:
         for conn in self._conns:
             conn.close()
         self._conns = []
+
+
+def relabel_devices(payload: bytes, devices: dict[int, str]) -> bytes:
+    """``payload`` (a wire payload without a checksum) as a sender whose tensor ``i`` was on
+    ``devices[i]`` would have written it: what a CPU-only test needs to stand for a CUDA sender.
+
+    The header's tensor entries get the new device names and the tensor bytes move to the offsets the
+    longer header gives, laid out as docs/wire-format.md says (each tensor at the next multiple of 64).
+    """
+    import msgpack
+
+    from distribute_utils.wire import ALIGN, PREFIX_SIZE, VERSION, read_prefix
+
+    def align(n: int) -> int:
+        return -(-n // ALIGN) * ALIGN
+
+    flags, header_len, _, _ = read_prefix(payload)
+    assert flags == 0, "relabel_devices takes payloads without a checksum"
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, ext_hook=msgpack.ExtType)
+    unpacker.feed(payload[PREFIX_SIZE : PREFIX_SIZE + header_len])
+    spans: dict[str, Any] = {}
+    for _ in range(unpacker.read_map_header()):
+        key = unpacker.unpack()
+        start = unpacker.tell()
+        spans[key] = unpacker.unpack()
+        if key == "v":
+            spans["v_raw"] = payload[PREFIX_SIZE + start : PREFIX_SIZE + unpacker.tell()]
+    entries = spans["t"]
+    data = [payload[offset : offset + nbytes] for _, _, offset, nbytes, _ in entries]
+    for index, device in devices.items():
+        entries[index][4] = device
+    base = b"\x82\xa1v" + spans["v_raw"] + b"\xa1t"
+    start = align(PREFIX_SIZE + len(base) + 1)
+    while True:  # offsets and the header's length depend on each other: to the fixed point
+        cursor = start
+        for entry, raw in zip(entries, data):
+            entry[2], cursor = cursor, align(cursor + len(raw))
+        header = base + msgpack.packb(entries)
+        if align(PREFIX_SIZE + len(header)) <= start:
+            break
+        start = align(PREFIX_SIZE + len(header))
+    out = bytearray(PREFIX_SIZE) + header
+    for entry, raw in zip(entries, data):
+        out += bytes(entry[2] - len(out)) + raw
+    struct.pack_into("<4sHHQQQ", out, 0, b"DUW1", VERSION, 0, len(header), len(out), 0)
+    return bytes(out)

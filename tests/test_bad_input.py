@@ -109,11 +109,12 @@ TABLE: list[tuple[str, str, list[str]]] = [
         ["tests/test_bad_input.py::test_bad_call_fails_fast_everywhere"],
     ),
     (
-        "a tensor on a device the transport cannot read (`meta`)",
-        "`TypeError: tensor: a meta tensor has no data to send ...`, on every rank, before anything is written",
+        "a config tensor from a device the first rank does not have (`cuda:7` where it has none)",
+        "`DeviceUnavailableError: rank 2's config['layers'][1]['w'] is on cuda:7 at its sender, a device this "
+        "process does not have (...)`, on every rank, before anything is yielded (`device=` places it elsewhere)",
         [
-            "tests/test_wire.py::test_other_tensor_kinds_rejected",
-            "tests/test_bad_input.py::test_bad_call_fails_fast_everywhere",
+            "tests/test_devices.py::test_a_sender_device_the_first_rank_lacks_fails_every_rank_naming_path_and_device",
+            "tests/test_wire.py::test_a_device_this_process_lacks_is_named_with_the_tensors_path",
         ],
     ),
     (
@@ -330,8 +331,6 @@ def _bad_call(case: str, tmp: str) -> dict[str, Any]:
             del kwargs["timeout"]
     elif case == "not_a_tensor_one_rank":
         value = [1, 2] if rank == 1 else value
-    elif case == "meta_tensor_one_rank":
-        value = torch.empty(3, device="meta") if rank == 2 else value
     elif case == "device_unusable":
         kwargs["device"] = "cuda"
     elif case == "workspace_is_a_file":
@@ -412,13 +411,6 @@ BAD_CALLS: list[tuple[str, str, str | None, str | None, bool]] = [
         "not_a_tensor_one_rank",
         "TypeError",
         "rank 1 cannot take part in the gather: get_tensors_parallel gathers a torch.Tensor; got list",
-        None,
-        True,
-    ),
-    (
-        "meta_tensor_one_rank",
-        "TypeError",
-        "rank 2 cannot take part in the gather: tensor: a meta tensor has no data to send",
         None,
         True,
     ),

@@ -30,6 +30,8 @@ from distribute_utils import wire
 from distribute_utils.errors import PayloadError
 from distribute_utils.wire import ALIGN, PREFIX_SIZE, decode, encode, read_prefix
 
+from harness import relabel_devices
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -149,19 +151,41 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> 
 def test_golden_bytes() -> None:
     got = encode({"a": 1, "w": torch.arange(3, dtype=torch.int16)}).to_bytes()
     expected = (
-        # prefix: magic, version 1, flags 0, header_len 26, total_len 70, checksum 0
+        # prefix: magic, version 2, flags 0, header_len 30, total_len 70, checksum 0
         b"DUW1"
-        + b"\x01\x00"
+        + b"\x02\x00"
         + b"\x00\x00"
-        + (26).to_bytes(8, "little")
+        + (30).to_bytes(8, "little")
         + (70).to_bytes(8, "little")
         + bytes(8)
-        # header: {"v": {"a": 1, "w": ext1(0)}, "t": [["int16", [3], 64, 6]]}
-        + b"\x82\xa1v\x82\xa1a\x01\xa1w\xd4\x01\x00\xa1t\x91\x94\xa5int16\x91\x03\x40\x06"
-        + bytes(6)  # zero padding from byte 58 to the first tensor at 64
+        # header: {"v": {"a": 1, "w": ext1(0)}, "t": [["int16", [3], 64, 6, "cpu"]]}
+        + b"\x82\xa1v\x82\xa1a\x01\xa1w\xd4\x01\x00\xa1t\x91\x95\xa5int16\x91\x03\x40\x06\xa3cpu"
+        + bytes(2)  # zero padding from byte 62 to the first tensor at 64
         + b"\x00\x00\x01\x00\x02\x00"  # int16 [0, 1, 2], little-endian
     )
     assert got == expected
+
+
+def test_golden_bytes_of_version_1_still_decode() -> None:
+    """A version 1 payload (entries without a device: every tensor was on the CPU) reads as before."""
+    v1 = (
+        b"DUW1\x01\x00\x00\x00"
+        + (26).to_bytes(8, "little")
+        + (70).to_bytes(8, "little")
+        + bytes(8)
+        + b"\x82\xa1v\x82\xa1a\x01\xa1w\xd4\x01\x00\xa1t\x91\x94\xa5int16\x91\x03\x40\x06"
+        + bytes(6)
+        + b"\x00\x00\x01\x00\x02\x00"
+    )
+    for device in (None, wire.SOURCE_DEVICE):
+        got = decode(v1, device=device)
+        assert got["a"] == 1 and got["w"].tolist() == [0, 1, 2] and got["w"].device.type == "cpu"
+    with pytest.raises(PayloadError, match=r"is not \[dtype, shape, offset, nbytes\]"):
+        decode(
+            v1[:4] + b"\x01\x00" + encode({"a": 1, "w": torch.arange(3, dtype=torch.int16)}).to_bytes()[6:]
+        )
+    with pytest.raises(PayloadError, match=r"is not \[dtype, shape, offset, nbytes, device\]"):
+        decode(v1[:4] + b"\x02\x00" + v1[6:])
 
 
 def test_golden_ext_types() -> None:
@@ -281,8 +305,6 @@ def test_quantized_tensor_rejected() -> None:
 def test_other_tensor_kinds_rejected() -> None:
     with pytest.raises(TypeError, match=r"config\[0\]: tensor layout torch.sparse_coo"):
         encode([torch.eye(3).to_sparse()])
-    with pytest.raises(TypeError, match="meta tensor"):
-        encode([torch.empty(3, device="meta")])
 
     class MyTensor(torch.Tensor):
         pass
@@ -341,6 +363,124 @@ def test_cuda_tensors() -> None:  # pragma: no cover - runs on GPU machines only
     out = decode(p.to_bytes(), device="cuda")
     for k, t in cases.items():
         assert out[k].device.type == "cuda" and raw_bytes(out[k].cpu()) == raw_bytes(t.cpu())
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def table_of(payload: bytes) -> list[list[Any]]:
+    """The tensor table of a payload, read with msgpack alone."""
+    _, hl, _, _ = read_prefix(payload)
+    return msgpack.unpackb(
+        payload[PREFIX_SIZE : PREFIX_SIZE + hl], strict_map_key=False, ext_hook=lambda c, d: 0
+    )["t"]
+
+
+def test_each_tensor_entry_names_its_sender_device() -> None:
+    meta = torch.empty(3, 5, dtype=torch.bfloat16, device="meta")
+    p = encode({"w": torch.ones(4), "m": meta, "e": torch.empty(0), "g": torch.empty(2, 2, device="meta")})
+    b = p.to_bytes()
+    table = table_of(b)
+    assert [e[4] for e in table] == ["cpu", "meta", "cpu", "meta"]
+    assert [e[3] for e in table] == [16, 0, 0, 0]  # a meta tensor has no bytes
+    assert [o for o, _ in p.chunks] == [
+        table[0][2]
+    ]  # (the empty and meta ones end the payload at 64 further)
+    assert p.nbytes == table[-1][2] == table[0][2] + ALIGN
+    for device in (None, "cpu", wire.SOURCE_DEVICE):  # a meta tensor decodes as one, its dtype and shape kept
+        out = decode(b, device=device)
+        assert out["m"].is_meta and out["m"].dtype == torch.bfloat16 and out["m"].shape == (3, 5)
+        assert out["g"].is_meta and out["g"].shape == (2, 2) and out["w"].tolist() == [1.0] * 4
+    lone = encode(meta, root="tensor").to_bytes()
+    assert table_of(lone) == [["bfloat16", [3, 5], table_of(lone)[0][2], 0, "meta"]]
+    assert decode(lone).is_meta and decode(lone).shape == (3, 5)
+
+
+def test_the_layout_kept_for_a_shape_is_kept_per_device() -> None:
+    """Two payloads alike but for a tensor's device get their own headers (the encoder keeps layouts)."""
+    on_cpu = encode({"w": torch.ones(2, 3)}).to_bytes()
+    on_meta = encode({"w": torch.ones(2, 3, device="meta")}).to_bytes()
+    assert table_of(on_cpu)[0][3:] == [24, "cpu"] and table_of(on_meta)[0][3:] == [0, "meta"]
+    assert decode(on_cpu)["w"].tolist() == [[1.0] * 3] * 2 and decode(on_meta)["w"].is_meta
+
+
+def test_source_device_keeps_cpu_tensors_as_views() -> None:
+    p = encode({"a": torch.arange(5.0), "b": [torch.ones(3, dtype=torch.int8)], "c": torch.ones(2)})
+    buf = bytearray(p.to_bytes())
+    out = decode(buf, device=wire.SOURCE_DEVICE)
+    base = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+    assert out["a"].data_ptr() == base + p.chunks[0][0] and out["b"][0].data_ptr() == base + p.chunks[1][0]
+    assert out["a"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_device_this_process_lacks_is_named_with_the_tensors_path() -> None:
+    from distribute_utils.errors import DeviceUnavailableError
+
+    config = {"layers": [{"w": torch.ones(2)}, Inner(act=torch.arange(3.0))], "s": (torch.zeros(1),)}
+    payload = relabel_devices(encode(config).to_bytes(), {1: "cuda:7"})
+    assert [e[4] for e in table_of(payload)] == ["cpu", "cuda:7", "cpu"]
+    # Any other placement reads it: the bytes are all there (None / "cpu": views on the CPU).
+    for device in (None, "cpu"):
+        out = decode(payload, device=device)
+        assert out["layers"][1].act.tolist() == [0.0, 1.0, 2.0] and out["s"][0].tolist() == [0.0]
+    reason = "torch.cuda.is_available() is False" if not torch.cuda.is_available() else "device_count"
+    with pytest.raises(DeviceUnavailableError, match=r"config\['layers'\]\[1\]\.act is on cuda:7") as err:
+        decode(payload, device=wire.SOURCE_DEVICE)
+    assert reason in str(err.value) and isinstance(err.value, RuntimeError)
+    lone = relabel_devices(encode(torch.ones(2), root="tensor").to_bytes(), {0: "cuda:7"})
+    with pytest.raises(DeviceUnavailableError, match=r"^tensor is on cuda:7 at its sender"):
+        decode(lone, device=wire.SOURCE_DEVICE, root="tensor")
+    # Raised with nothing of the payload held: the caller may close its mapping at once.
+    with tempfile.TemporaryFile() as f:
+        f.write(payload)
+        f.flush()
+        m = mmap.mmap(f.fileno(), len(payload))
+        try:
+            decode(m, device=wire.SOURCE_DEVICE)
+        except DeviceUnavailableError:
+            m.close()
+        assert m.closed
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("nope", r"tensor 0: bad device 'nope'; expected a device as str\(tensor.device\) writes it"),
+        ("cuda:07", r"bad device 'cuda:07'"),
+        ("meta", r"tensor 0: nbytes 8 != 0: a meta tensor has no bytes"),
+    ],
+)
+def test_bad_device_entries_are_refused(device: str, message: str) -> None:
+    with pytest.raises(PayloadError, match=message):
+        decode(relabel_devices(encode([torch.ones(2)]).to_bytes(), {0: device}))
+
+
+def test_unusable_device_says_why() -> None:
+    assert wire.unusable_device("cpu") is None and wire.unusable_device("meta") is None
+    assert wire.unusable_device(torch.device("cpu")) is None
+    if not torch.cuda.is_available():
+        assert wire.unusable_device("cuda:0") == "torch.cuda.is_available() is False"
+    assert wire.unusable_device(f"cuda:{torch.cuda.device_count() + 3}") is not None
+    assert "device" in (wire.unusable_device("nope") or "").lower()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_restored_on_their_device() -> None:  # pragma: no cover - GPU machines only
+    last = torch.cuda.device_count() - 1
+    cases = {
+        "a": torch.randn(8, 8, device="cuda:0")[::2],
+        "b": torch.randn(5, device=f"cuda:{last}").to(torch.float8_e4m3fn),
+        "c": torch.ones(3),
+        "m": torch.empty(2, device="meta"),
+    }
+    b = encode(cases).to_bytes()
+    assert [e[4] for e in table_of(b)] == ["cuda:0", f"cuda:{last}", "cpu", "meta"]
+    out = decode(b, device=wire.SOURCE_DEVICE)
+    assert [str(out[k].device) for k in "abcm"] == ["cuda:0", f"cuda:{last}", "cpu", "meta"]
+    for k in "abc":
+        assert raw_bytes(out[k].cpu()) == raw_bytes(cases[k].cpu())
+    assert all(t.device.type == "cpu" for t in decode(b).values() if not t.is_meta)
 
 
 # --------------------------------------------------------------------------- zero copy
@@ -855,9 +995,9 @@ def test_prefix_errors() -> None:
     with pytest.raises(PayloadError, match=r"bad magic b'XUW1': expected b'DUW1'"):
         decode(b"X" + b[1:])
     with pytest.raises(
-        PayloadError, match="unsupported wire format version 2: this reader supports version 1"
+        PayloadError, match="unsupported wire format version 3: this reader supports versions 1, 2"
     ):
-        decode(patch_prefix(b, version=2))
+        decode(patch_prefix(b, version=3))
     with pytest.raises(PayloadError, match="unknown flags 0x0004"):
         decode(patch_prefix(b, flags=4))
     with pytest.raises(PayloadError, match="checksum flag is not set: expected 0"):
