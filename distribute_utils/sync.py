@@ -60,6 +60,7 @@ from .mailbox import ANSWER, Mailbox, MailboxError, answer_inquiries
 
 __all__ = [
     "COLLECT_EVERY",
+    "CONNECT_ATTEMPT_S",
     "DEFAULT_TIMEOUT_S",
     "TIMEOUT_ENV",
     "Call",
@@ -83,7 +84,7 @@ _WATCH_GRACE_S = 0.05  # waits shorter than this never cost the watchdog (or the
 GRACE_S = _WATCH_GRACE_S  # a direct round only listens this long before it looks at records and pids
 RETRY_S = 0.002  # how soon an undelivered direct message is sent again within the grace
 _PROBE_TIMEOUT_S = 1.0  # the janitor's look whether a store's server still takes connections
-CONNECT_TIMEOUT_S = 10.0  # the most a new store client may take (less where the call's timeout is shorter)
+CONNECT_ATTEMPT_S = 5.0  # one attempt of a new store client to connect (repeated while the server answers)
 _EXIT_S = 1.0  # how long a dead process's last threads may take to exit (and close its sockets)
 _JANITOR_CONNECT_S = 4 * _PROBE_TIMEOUT_S  # the janitor's new client: well within its join at exit (5 s)
 _RECORDS_KEPT = 16  # calls a rank remembers for inquiries (its latest first)
@@ -157,15 +158,21 @@ def _store_lost(what: str, exc: BaseException, store: dist.Store) -> PeerLostErr
     """The error of an operation on ``store`` that failed with ``exc``: when its server no longer takes
     connections, the store is gone for good (see :func:`_store_gone`)."""
     refused = _refusal(store)
-    if refused is not None:
+    if isinstance(refused, ConnectionRefusedError):
         return _store_gone(what, store, refused)
+    return _lost_contact(what, store, exc)
+
+
+def _lost_contact(what: str, store: dist.Store, exc: BaseException) -> PeerLostError:
+    """``store`` did not serve an operation, but its server was not seen gone (it may be slow, or its host
+    unreachable): this call fails, later ones try again."""
     address = _address(store)
     at = f" at {address}" if address else ""
     return PeerLostError(f"{what}: lost contact with the job's rendezvous store{at}: {exc}", ())
 
 
 def _store_gone(
-    what: str, store: dist.Store, exc: BaseException | str, missing: Sequence[int] = ()
+    what: str, store: dist.Store, exc: BaseException | str, missing: tuple[int, ...] | list[int] = ()
 ) -> PeerLostError:
     """``store``'s server is gone (it ran in the launcher or in a rank, rank 0 for ``env://`` and
     ``mp.spawn`` jobs, that exited): the error, which every later call of this incarnation raises at
@@ -198,33 +205,47 @@ _CLONE_LOCK = threading.Lock()
 
 def _new_client(store: dist.Store, what: str, timeout: float | None = None) -> dist.Store:
     """A new client of ``store``'s server (its clone, under the same prefixes), made within about
-    ``min(timeout, CONNECT_TIMEOUT_S)`` seconds. Every new client of the library is made here: a plain
-    ``clone()`` connects with the store's own timeout (often minutes) and retries, so a rank whose store
-    host died would wait that long.
+    ``timeout`` seconds (``$DISTRIBUTE_UTILS_TIMEOUT`` or the default when None). Every new client of the
+    library is made here: a plain ``clone()`` connects with the store's own timeout (often minutes) and
+    retries, so a rank whose store host died would wait that long.
+
+    A dead server refuses a connection at once: each attempt looks first, and raises then. A live one
+    may be slow to take a client (every new connection costs it a name lookup, and it may serve many
+    ranks on a loaded host): attempts of at most :data:`CONNECT_ATTEMPT_S` are repeated while it
+    answers, until ``timeout``.
 
     Raises:
-        PeerLostError: the server no longer takes connections (naming its ``host:port``).
+        PeerLostError: the server no longer takes connections (naming its ``host:port``), or took no
+            client within ``timeout``.
     """
     base = _tcp_store(store)
     if base is None:
         return store.clone()
-    bound = min(timeout if timeout is not None else CONNECT_TIMEOUT_S, CONNECT_TIMEOUT_S) / 4
-    # A dead server refuses at once; the clone retries a refused connection until its timeout,
-    # then waits and tries again (about 2.5 times its timeout in all): it gets a quarter of the bound.
-    refused = _refusal(store, bound)
-    if refused is not None:
-        raise _store_gone(what, store, refused)
-    with _CLONE_LOCK:  # (clones of one store from several threads: each restores what it found)
-        before = base.timeout
-        base.set_timeout(timedelta(seconds=bound))
-        try:
-            client = store.clone()
-        except Exception as exc:
-            raise _store_lost(what, exc, store) from None
-        finally:
-            base.set_timeout(before)
-    client.set_timeout(before)
-    return client
+    seconds = resolve_timeout(timeout)
+    deadline = time.monotonic() + seconds
+    while True:
+        # A clone that cannot connect waits its timeout, then may wait and try once more: a third of
+        # what is left keeps each attempt (a look, then a clone) within the deadline.
+        attempt = max(min((deadline - time.monotonic()) / 3, CONNECT_ATTEMPT_S), 0.01)
+        problem: BaseException | None = _refusal(store, attempt)
+        if isinstance(problem, ConnectionRefusedError):
+            raise _store_gone(what, store, problem)
+        if problem is None:
+            with _CLONE_LOCK:  # (clones of one store from several threads: each restores what it found)
+                before = base.timeout  # type: ignore[attr-defined]  # (a property the stubs do not list)
+                base.set_timeout(timedelta(seconds=attempt))
+                try:
+                    client = store.clone()
+                except Exception as exc:
+                    problem = exc
+                finally:
+                    base.set_timeout(before)
+            if problem is None:
+                client.set_timeout(before)
+                return client
+        if time.monotonic() + attempt > deadline:
+            raise _lost_contact(f"{what} (no new client within {seconds:g} s)", store, problem)
+        logger.debug("%s: no new store client within %g s, trying again: %s", what, attempt, problem)
 
 
 def _mark_lost(store: dist.Store, error: PeerLostError) -> None:
@@ -672,7 +693,7 @@ def _exited(what: str, dead: dict[int, int], store: dist.Store) -> PeerLostError
     message = f"{what}: rank(s) {ranks} exited while this rank was waiting for them"
     _await_last_threads(dead.values())
     refused = _refusal(store)
-    if refused is None:
+    if not isinstance(refused, ConnectionRefusedError):
         return PeerLostError(message, ranks)
     return _store_gone(message, store, refused, ranks)
 
@@ -1178,7 +1199,7 @@ def _answer(namespace: str, number: int) -> tuple[int, Any] | None:
 
 def companion(ranks: Sequence[int] | dist.ProcessGroup | None, timeout: float | None = None) -> GroupSync:
     """The cached :class:`GroupSync` of ``ranks`` (a rank list, a group, or None for the world); a new
-    one connects to the store within ``timeout`` (seconds; at most :data:`CONNECT_TIMEOUT_S`).
+    one connects to the store within ``timeout`` (seconds; None: ``$DISTRIBUTE_UTILS_TIMEOUT`` or the default).
 
     Raises:
         ValueError: the calling rank is not among ``ranks``.

@@ -414,12 +414,8 @@ def test_first_rank_hosting_the_store_killed(tmp_path: Path, row: Row, case: str
             assert f"the job's rendezvous store at {address} is gone" in outcome["message"], outcome
         assert report["elapsed"] < STORE_TIMEOUT_S / 3, report
         assert later["elapsed"] < SLACK_S, later
-        if case == "first_rank_dies_mid_read":
-            assert _names(report["message"], 0), report  # found by its pid: named, and the store too
-    for rank in (1, 2):
-        assert "terminate called" not in job.stderr[rank] and "Aborted" not in job.stderr[rank], job.stderr[
-            rank
-        ]
+    for err in job.stderr[1:]:  # the survivors exited by themselves, not by an abort
+        assert "terminate called" not in err and "Aborted" not in err, err[-2000:]
     assert not row.leaked
     slowest = max(r["elapsed"] for r in job.survivors(0))
     row.detail = (
