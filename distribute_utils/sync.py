@@ -266,7 +266,9 @@ def _mark_lost(store: dist.Store, error: PeerLostError) -> None:
 
 def _lost_again(error: PeerLostError) -> PeerLostError:
     """What a call raises once the store is known to be gone (see :func:`_mark_lost`)."""
-    return PeerLostError(f"{error} (found by an earlier call; every call of this process group fails so)", ())
+    return PeerLostError(
+        f"{error} (found by an earlier call; every call of this process group fails so)", error.missing
+    )
 
 
 # -- liveness of local peers ---------------------------------------------------------------------
