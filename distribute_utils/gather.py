@@ -676,7 +676,8 @@ class _Gather:
             if self.direct:
                 with contextlib.suppress(OSError):  # else the first rank hears it from its record
                     self.call.send_direct(self.first, _CLAIM, [_CLAIM_LENGTH.pack(len(failed)), failed])
-            self.call.post({"c": failed, "v": self.marker()})
+            with contextlib.suppress(PeerLostError):  # (a store that is gone: this error says more)
+                self.call.post({"c": failed, "v": self.marker()})
             self.record("send", _error_of(exc))
             self.release(taken=False)
             raise
@@ -736,7 +737,8 @@ class _Gather:
                 self.take_back_notes()
             error = error or _error_of(exc)
             self.record("send", error)
-            call.post({"c": self.claim("send", error).pack(), "v": self.marker()})
+            with contextlib.suppress(PeerLostError):  # (a store that is gone: this error says more)
+                call.post({"c": self.claim("send", error).pack(), "v": self.marker()})
             self.release(taken=False)
             raise
 
@@ -1116,7 +1118,7 @@ def gather_to_first(
         seconds = sync.resolve_timeout(timeout)
     except ValueError as exc:
         seconds, error = sync.DEFAULT_TIMEOUT_S, _error_of(exc)
-    companion = sync.companion(group)
+    companion = sync.companion(group, seconds)
     with companion.exclusive("a gather"):
         call = companion.new_call(seconds)
         try:

@@ -47,7 +47,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -60,6 +60,7 @@ from .mailbox import ANSWER, Mailbox, MailboxError, answer_inquiries
 
 __all__ = [
     "COLLECT_EVERY",
+    "CONNECT_ATTEMPT_S",
     "DEFAULT_TIMEOUT_S",
     "TIMEOUT_ENV",
     "Call",
@@ -83,6 +84,9 @@ _WATCH_GRACE_S = 0.05  # waits shorter than this never cost the watchdog (or the
 GRACE_S = _WATCH_GRACE_S  # a direct round only listens this long before it looks at records and pids
 RETRY_S = 0.002  # how soon an undelivered direct message is sent again within the grace
 _PROBE_TIMEOUT_S = 1.0  # the janitor's look whether a store's server still takes connections
+CONNECT_ATTEMPT_S = 5.0  # one attempt of a new store client to connect (repeated while the server answers)
+_EXIT_S = 1.0  # how long a dead process's last threads may take to exit (and close its sockets)
+_JANITOR_CONNECT_S = 4 * _PROBE_TIMEOUT_S  # the janitor's new client: well within its join at exit (5 s)
 _RECORDS_KEPT = 16  # calls a rank remembers for inquiries (its latest first)
 _ROOT = "distribute_utils"
 
@@ -150,9 +154,120 @@ def _digest(value: object) -> str:
     return hashlib.blake2b(repr(value).encode(), digest_size=8).hexdigest()
 
 
-def _store_lost(what: str, exc: BaseException) -> PeerLostError:
+def _store_lost(what: str, exc: BaseException, store: dist.Store) -> PeerLostError:
+    """The error of an operation on ``store`` that failed with ``exc``: when its server no longer takes
+    connections, the store is gone for good (see :func:`_store_gone`)."""
+    refused = _refusal(store)
+    if isinstance(refused, ConnectionRefusedError):
+        return _store_gone(what, store, refused)
+    return _lost_contact(what, store, exc)
+
+
+def _lost_contact(what: str, store: dist.Store, exc: BaseException) -> PeerLostError:
+    """``store`` did not serve an operation, but its server was not seen gone (it may be slow, or its host
+    unreachable): this call fails, later ones try again."""
+    address = _address(store)
+    at = f" at {address}" if address else ""
+    return PeerLostError(f"{what}: lost contact with the job's rendezvous store{at}: {exc}", ())
+
+
+def _store_gone(
+    what: str, store: dist.Store, exc: BaseException | str, missing: tuple[int, ...] | list[int] = ()
+) -> PeerLostError:
+    """``store``'s server is gone (it ran in the launcher or in a rank, rank 0 for ``env://`` and
+    ``mp.spawn`` jobs, that exited): the error, which every later call of this incarnation raises at
+    once (see :func:`_incarnation`)."""
+    error = PeerLostError(
+        f"{what}: the job's rendezvous store at {_address(store) or 'its address'} is gone: its server (in "
+        f"the launcher, or in the rank that hosts it, rank 0 for env:// and mp.spawn jobs) no longer takes "
+        f"connections ({exc or type(exc).__name__}); this process group cannot synchronise any more",
+        missing,
+    )
+    _mark_lost(store, error)
+    return error
+
+
+def _tcp_store(store: dist.Store) -> dist.TCPStore | None:
+    """The ``TCPStore`` under ``store`` (maybe under prefix stores); None for other stores."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store if isinstance(store, dist.TCPStore) else None
+
+
+def _address(store: dist.Store) -> str | None:
+    """``host:port`` of ``store``'s server, None when it is not a ``TCPStore``."""
+    base = _tcp_store(store)
+    return None if base is None else f"{base.host}:{base.port}"
+
+
+_CLONE_LOCK = threading.Lock()
+
+
+def _new_client(store: dist.Store, what: str, timeout: float | None = None) -> dist.Store:
+    """A new client of ``store``'s server (its clone, under the same prefixes), made within about
+    ``timeout`` seconds (``$DISTRIBUTE_UTILS_TIMEOUT`` or the default when None). Every new client of the
+    library is made here: a plain ``clone()`` connects with the store's own timeout (often minutes) and
+    retries, so a rank whose store host died would wait that long.
+
+    A dead server refuses a connection at once: each attempt looks first, and raises then. A live one
+    may be slow to take a client (every new connection costs it a name lookup, and it may serve many
+    ranks on a loaded host): attempts of at most :data:`CONNECT_ATTEMPT_S` are repeated while it
+    answers, until ``timeout``.
+
+    Raises:
+        PeerLostError: the server no longer takes connections (naming its ``host:port``), or took no
+            client within ``timeout``.
+    """
+    base = _tcp_store(store)
+    if base is None:
+        return store.clone()
+    seconds = resolve_timeout(timeout)
+    deadline = time.monotonic() + seconds
+    while True:
+        # A clone that cannot connect waits its timeout, then may wait and try once more: a third of
+        # what is left keeps each attempt (a look, then a clone) within the deadline.
+        attempt = max(min((deadline - time.monotonic()) / 3, CONNECT_ATTEMPT_S), 0.01)
+        problem: BaseException | None = _refusal(store, attempt)
+        if isinstance(problem, ConnectionRefusedError):
+            raise _store_gone(what, store, problem)
+        if problem is None:
+            with _CLONE_LOCK:  # (clones of one store from several threads: each restores what it found)
+                before = base.timeout  # type: ignore[attr-defined]  # (a property the stubs do not list)
+                base.set_timeout(timedelta(seconds=attempt))
+                try:
+                    client = store.clone()
+                except Exception as exc:
+                    problem = exc
+                finally:
+                    base.set_timeout(before)
+            if problem is None:
+                client.set_timeout(before)
+                return client
+        if time.monotonic() + attempt > deadline:
+            raise _lost_contact(f"{what} (no new client within {seconds:g} s)", store, problem)
+        logger.debug("%s: no new store client within %g s, trying again: %s", what, attempt, problem)
+
+
+def _mark_lost(store: dist.Store, error: PeerLostError) -> None:
+    """Remember that the default process group's store is gone (when ``store`` is a client of it):
+    every later call raises ``error`` again at once."""
+    address = _address(store)
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        same = address is not None and _address(dist.distributed_c10d._get_default_store()) == address
+    except (ValueError, RuntimeError, AttributeError):  # no default group (any more)
+        return
+    if same:
+        _LOST.setdefault(pg, error)
+        current = _CURRENT
+        if current is not None and current.pg() is pg and current.lost is None:
+            current.lost = error
+
+
+def _lost_again(error: PeerLostError) -> PeerLostError:
+    """What a call raises once the store is known to be gone (see :func:`_mark_lost`)."""
     return PeerLostError(
-        f"{what}: lost contact with the job's rendezvous store (hosted by the launcher or rank 0): {exc}", ()
+        f"{error} (found by an earlier call; every call of this process group fails so)", error.missing
     )
 
 
@@ -308,28 +423,32 @@ class _Janitor:
         try:
             client = self._clients.get(store)
             if client is None:
-                # At exit, or with the store's server gone: never a new connection.
-                if self._stopped or not _answers(store):
+                # At exit, or with the store's server gone: never a new connection (nor a long one).
+                if self._stopped:
                     return
-                client = self._clients[store] = store.clone()
+                client = self._clients[store] = _new_client(store, "deleting keys", _JANITOR_CONNECT_S)
             for key in keys:
                 client.delete_key(key)
         except Exception:  # the job is ending or the store is gone: nothing to clean
             logger.debug("could not delete %d keys", len(keys), exc_info=True)
 
 
-def _answers(store: dist.Store) -> bool:
-    """Whether the server of ``store`` (a ``TCPStore``, maybe under prefix stores) takes a connection
-    now; other stores are taken to."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    if not isinstance(store, dist.TCPStore):
-        return True
+def _refusal(store: dist.Store, timeout: float = _PROBE_TIMEOUT_S) -> OSError | None:
+    """Why the server of ``store`` (a ``TCPStore``, maybe under prefix stores) takes no connection within
+    ``timeout`` seconds now (a dead one refuses at once); None when it does, or is not a ``TCPStore``."""
+    base = _tcp_store(store)
+    if base is None:
+        return None
     try:
-        socket.create_connection((store.host, store.port), timeout=_PROBE_TIMEOUT_S).close()
-    except OSError:
-        return False
-    return True
+        socket.create_connection((base.host, base.port), timeout=timeout).close()
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _answers(store: dist.Store) -> bool:
+    """Whether the server of ``store`` takes a connection now (see :func:`_refusal`)."""
+    return _refusal(store) is None
 
 
 _JANITOR = _Janitor()
@@ -401,28 +520,38 @@ class _PeerDirectory:
             for r, v in zip(ranks, values):
                 self._infos[r] = ProcessInfo.from_wire(msgpack.unpackb(v))
 
-    def watch_client(self) -> dist.Store:
+    def watch_client(self, timeout: float | None = None) -> dist.Store:
         """The watchdog thread's own client of the store, one per process group incarnation (every new
-        connection costs the store server a name lookup: see docs/performance.md)."""
+        connection costs the store server a name lookup: see docs/performance.md); made by a waiter,
+        within ``timeout``.
+
+        Raises:
+            PeerLostError: the store's server is gone.
+        """
         if self._watch_client is None:
-            self._watch_client = self.store.clone()
+            self._watch_client = _new_client(self.store, "watching local ranks", timeout)
         return self._watch_client
 
     def local_peers(self) -> dict[int, ProcessInfo]:
-        """Ranks this process can watch by pid (read by the watchdog thread, refreshed ≤ 2/s)."""
+        """Ranks this process can watch by pid (read by the watchdog thread, refreshed ≤ 2/s; those
+        last read when the store does not answer)."""
         now = time.monotonic()
         if now - self._local_read < 0.5:
             return self._local
-        client = self.watch_client()
-        listed = client.get(self._domain_key(self.me)).decode().split(",")
-        ranks = [int(r) for r in listed if r and int(r) != self.rank]
-        found = {}
-        for r in ranks:
-            info = self._infos.get(r)
-            if info is None and client.check([self._key(r)]):
-                info = ProcessInfo.from_wire(msgpack.unpackb(client.get(self._key(r))))
-            if info is not None and self.me.can_watch(info):
-                found[r] = info
+        try:
+            client = self.watch_client()
+            listed = client.get(self._domain_key(self.me)).decode().split(",")
+            ranks = [int(r) for r in listed if r and int(r) != self.rank]
+            found = {}
+            for r in ranks:
+                info = self._infos.get(r)
+                if info is None and client.check([self._key(r)]):
+                    info = ProcessInfo.from_wire(msgpack.unpackb(client.get(self._key(r))))
+                if info is not None and self.me.can_watch(info):
+                    found[r] = info
+        except Exception as exc:  # the store is gone: its waiters say so
+            logger.debug("could not read the ranks on this host: %s", exc)
+            return self._local
         self._local, self._local_read = found, now
         return found
 
@@ -430,18 +559,24 @@ class _PeerDirectory:
 class _Incarnation:
     """Everything cached for one default process group; dropped when it is replaced."""
 
-    def __init__(self, pg: dist.ProcessGroup) -> None:
+    lost: PeerLostError | None = None  # the store is gone: every call raises this (see _mark_lost)
+
+    def __init__(self, pg: dist.ProcessGroup, timeout: float | None) -> None:
+        what = "joining the job's rendezvous store"
         self.pg = weakref.ref(pg)
-        weakref.finalize(pg, _run_reset_hooks)  # destroy_process_group() drops the group
-        self.store = dist.distributed_c10d._get_default_store().clone()
+        self.store = _new_client(dist.distributed_c10d._get_default_store(), what, timeout)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.generation = int(self.store.add(f"{_ROOT}/generation/{self.rank}", 1))
-        self.prefix = f"{_ROOT}/g{self.generation}"
         me = this_process()
         if not answer_inquiries(me, _answer):  # no direct rounds with a process that cannot listen
             me = dataclasses.replace(me, net_namespace=-1)
-        self.peers = _PeerDirectory(self.store, self.prefix, self.rank, me)
+        try:
+            self.generation = int(self.store.add(f"{_ROOT}/generation/{self.rank}", 1))
+            self.prefix = f"{_ROOT}/g{self.generation}"
+            self.peers = _PeerDirectory(self.store, self.prefix, self.rank, me)
+        except Exception as exc:
+            raise _store_lost(what, exc, self.store) from None
+        weakref.finalize(pg, _run_reset_hooks)  # destroy_process_group() drops the group
         self.companions: dict[tuple[int, ...], GroupSync] = {}
         self.by_namespace: dict[str, GroupSync] = {}  # the same, for the answering thread
         self.world: GroupSync | None = None
@@ -458,6 +593,8 @@ class _Incarnation:
 
 _STATE_LOCK = threading.Lock()
 _CURRENT: _Incarnation | None = None
+# Default process groups whose store is gone (see _mark_lost), also those whose incarnation never began.
+_LOST: weakref.WeakKeyDictionary[dist.ProcessGroup, PeerLostError] = weakref.WeakKeyDictionary()
 _RESET_HOOKS: list[Callable[[], None]] = []
 
 
@@ -491,11 +628,13 @@ def _note_fork() -> None:
 os.register_at_fork(after_in_child=_note_fork)
 
 
-def _incarnation() -> _Incarnation:
-    """The state of the current default process group, made anew after re-initialisation.
+def _incarnation(timeout: float | None = None) -> _Incarnation:
+    """The state of the current default process group, made anew after re-initialisation (its store
+    client within ``timeout``).
 
     Raises:
         ForkedProcessError: the default group is one this process inherited by a fork.
+        PeerLostError: the group's store is gone (found now, or by an earlier call: then at once).
     """
     global _CURRENT
     try:
@@ -511,14 +650,20 @@ def _incarnation() -> _Incarnation:
         )
     current = _CURRENT
     if current is not None and current.pg() is pg:
+        if current.lost is not None:
+            raise _lost_again(current.lost)
         return current
     with _STATE_LOCK:
         if _CURRENT is None or _CURRENT.pg() is not pg:
+            lost = _LOST.get(pg)
+            if lost is not None:
+                raise _lost_again(lost)
             if _CURRENT is not None:
                 _run_reset_hooks()
                 for old in _CURRENT.companions.values():
                     old.close()
-            _CURRENT = _Incarnation(pg)
+                _CURRENT = None
+            _CURRENT = _Incarnation(pg, timeout)
         return _CURRENT
 
 
@@ -552,7 +697,7 @@ def _wait_values(
         try:
             missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
         except Exception:
-            raise _store_lost(what, exc) from None
+            raise _store_lost(what, exc, store) from None
         if not missing:
             values = store.multi_get(keys)  # they arrived just as the wait gave up
         else:
@@ -564,6 +709,33 @@ def _wait_values(
     if dead:
         raise PeerLostError(f"{what}: rank(s) {dead} exited while this rank was waiting for them", dead)
     return values
+
+
+def _exited(what: str, dead: dict[int, int], store: dist.Store) -> PeerLostError:
+    """``dead`` (rank: pid) exited while this rank waited for them without the store (a direct round):
+    when one of them hosted the store, its server is gone too, and the error says so (naming both)."""
+    ranks = list(dead)
+    message = f"{what}: rank(s) {ranks} exited while this rank was waiting for them"
+    _await_last_threads(dead.values())
+    refused = _refusal(store)
+    if not isinstance(refused, ConnectionRefusedError):
+        return PeerLostError(message, ranks)
+    return _store_gone(message, store, refused, ranks)
+
+
+def _await_last_threads(pids: Iterable[int], limit: float = _EXIT_S) -> None:
+    """Waits (``limit`` seconds at most in all) until the processes ``pids``, whose main threads have
+    exited, have no other thread left: only then are their descriptors closed (a store server's
+    listening socket among them), so that a look at the server tells whether it went with them."""
+    deadline = time.monotonic() + limit
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                if len(os.listdir(f"/proc/{pid}/task")) <= 1:
+                    break
+            except OSError:  # reaped
+                break
+            time.sleep(0.005)
 
 
 def _late(
@@ -631,7 +803,7 @@ class Call:
         try:
             sync.store.multi_set(keys_all, data_all)
         except Exception as exc:
-            raise _store_lost(f"posting to ranks {short(sync.ranks)}", exc) from None
+            raise _store_lost(f"posting to ranks {short(sync.ranks)}", exc, sync.store) from None
         sync.own_keys.extend(keys)
 
     def post_shared(self, tag: str, value: bytes) -> None:
@@ -640,7 +812,7 @@ class Call:
         try:
             self.sync.store.set(key, value)
         except Exception as exc:
-            raise _store_lost(f"posting to ranks {short(self.sync.ranks)}", exc) from None
+            raise _store_lost(f"posting to ranks {short(self.sync.ranks)}", exc, self.sync.store) from None
         self.sync.own_keys.append(key)
 
     def wait_for(self, tag: str, ranks: Sequence[int], timeout: float, what: str) -> list[bytes]:
@@ -725,13 +897,10 @@ class Call:
                 )
             if now >= tick:
                 # A peer's message comes before its exit, and before its answer that it went past.
-                dead = [r for r, info in missing.items() if not process_alive(info)]
+                dead = {r: info.pid for r, info in missing.items() if not process_alive(info)}
                 self._take(mailbox.receive(self.number, missing, 0.0), kind, missing, there, judge, arrived)
-                dead = [r for r in dead if r in missing]
-                if dead:
-                    raise PeerLostError(
-                        f"{what}: rank(s) {dead} exited while this rank was waiting for them", dead
-                    )
+                if any(r in missing for r in dead):
+                    raise _exited(what, {r: pid for r, pid in dead.items() if r in missing}, sync.store)
                 if not missing:
                     break
                 if now >= deadline:
@@ -910,17 +1079,18 @@ class GroupSync:
     ) -> list[bytes]:
         watch = None
         if self.directory is not None and awaited:
-            watch = _Watch(self.directory, self._watch_store(), awaited, None)
+            watch = _Watch(self.directory, self._watch_store(timeout), awaited, None)
         generation, lookup = self.generation if self.generation is not None else (None, None)
         return _wait_values(self.store, keys, ranks, timeout, what, watch, lookup, generation)
 
-    def _watch_store(self) -> dist.Store:
-        """The watchdog thread's client of the store (shared by every group of the incarnation)."""
+    def _watch_store(self, timeout: float) -> dist.Store:
+        """The watchdog thread's client of the store (shared by every group of the incarnation), made
+        within ``timeout``."""
         if self.directory is not None:
-            return self.directory.watch_client()
+            return self.directory.watch_client(timeout)
         client = getattr(self, "_watch_client", None)
         if client is None:
-            client = self._watch_client = self.store.clone()
+            client = self._watch_client = _new_client(self.store, "watching local ranks", timeout)
         return client
 
     # -- barrier -------------------------------------------------------------------------------
@@ -938,7 +1108,7 @@ class GroupSync:
             if arrived >= n:
                 self.store.set(go, b"1")
         except Exception as exc:
-            raise _store_lost(what, exc) from None
+            raise _store_lost(what, exc, self.store) from None
         self.own_keys.append(call.key("in", self.rank))
         if arrived < n:
             others = [r for r in self.ranks if r != self.rank]
@@ -946,13 +1116,15 @@ class GroupSync:
             if self.peers is not None:
                 watch = _Watch(
                     self.directory,
-                    self._watch_store(),
+                    self._watch_store(timeout),
                     dict.fromkeys(others, go),
                     lambda r: call.key("in", r),
                 )
             try:
                 value = _wait_values(self.store, [go], [-1], timeout, what, watch, tombstones=False)[0]
-            except PeerLostError:
+            except PeerLostError as exc:
+                if not exc.missing:  # the store itself is gone: nobody can be named from it
+                    raise
                 missing = [r for r in others if not self.has(call.key("in", r))]
                 if not missing:
                     raise
@@ -1050,13 +1222,15 @@ def _answer(namespace: str, number: int) -> tuple[int, Any] | None:
     return None if sync is None else (sync.rank, sync.entry(number))
 
 
-def companion(ranks: Sequence[int] | dist.ProcessGroup | None) -> GroupSync:
-    """The cached :class:`GroupSync` of ``ranks`` (a rank list, a group, or None for the world).
+def companion(ranks: Sequence[int] | dist.ProcessGroup | None, timeout: float | None = None) -> GroupSync:
+    """The cached :class:`GroupSync` of ``ranks`` (a rank list, a group, or None for the world); a new
+    one connects to the store within ``timeout`` (seconds; None: ``$DISTRIBUTE_UTILS_TIMEOUT`` or the default).
 
     Raises:
         ValueError: the calling rank is not among ``ranks``.
+        PeerLostError: the job's store is gone (found now, or at once when an earlier call found it).
     """
-    inc = _incarnation()
+    inc = _incarnation(timeout)
     if ranks is None and inc.world is not None:
         return inc.world
     world = ranks is None
@@ -1075,7 +1249,7 @@ def companion(ranks: Sequence[int] | dist.ProcessGroup | None) -> GroupSync:
                 sync = inc.companions[key] = GroupSync(
                     key,
                     inc.rank,
-                    inc.store.clone(),
+                    _new_client(inc.store, f"joining group {short(key)}", timeout),
                     f"{inc.prefix}/{_digest(key)}",
                     inc.peers,
                     (inc.generation, inc.generation_of),
@@ -1097,5 +1271,6 @@ def barrier(
     Raises:
         PeerLostError: (a ``TimeoutError``) naming the ranks that did not arrive in time.
     """
-    sync = companion(group)
-    sync.barrier(resolve_timeout(timeout), what=f"barrier over ranks {short(sync.ranks)}")
+    seconds = resolve_timeout(timeout)
+    sync = companion(group, seconds)
+    sync.barrier(seconds, what=f"barrier over ranks {short(sync.ranks)}")

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from distribute_utils import sync
 from distribute_utils.transports.namespace import NAMESPACE_PREFIX
 
-from harness import torchrun_argv
+from harness import free_port, torchrun_argv
 
 JOB = Path(__file__).parent / "jobs" / "fault_job.py"
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,13 +145,24 @@ class Job:
 
 
 def _launch(
-    case: str, world: int, results: Path, env: dict[str, str] | None = None, limit: float = JOB_LIMIT_S
+    case: str,
+    world: int,
+    results: Path,
+    env: dict[str, str] | None = None,
+    limit: float = JOB_LIMIT_S,
+    store_port: int | None = None,
 ) -> Job:
-    """Run ``fault_job.py CASE`` on ``world`` independent processes and wait for all to exit."""
+    """Run ``fault_job.py CASE`` on ``world`` independent processes and wait for all to exit: with the
+    job's store hosted here, or with ``store_port``, by rank 0 on that port (as ``env://`` jobs start)."""
     results.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     base = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    base.update(DU_STORE_PORT=str(store.port), DU_RESULTS=str(results), DU_TIMEOUT=str(TIMEOUT_S))
+    base.update(DU_RESULTS=str(results), DU_TIMEOUT=str(TIMEOUT_S))
+    store = None
+    if store_port is None:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        base.update(DU_STORE_PORT=str(store.port))
+    else:
+        base.update(DU_STORE_ON_RANK0="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port))
     base.update(env or {})
     procs, logs = [], []
     start = time.monotonic()
@@ -373,6 +384,43 @@ def test_first_rank_killed_mid_read(tmp_path: Path, row: Row) -> None:
     _check_named_within(job, victim=0, bound=TIMEOUT_S + 1)
     assert not row.leaked
     row.detail = "PeerLostError naming [0] on both senders; no segment left"
+    row.passed = True
+
+
+# -- the first rank hosts the store (mp.spawn / env:// jobs) and dies ----------------------------
+STORE_TIMEOUT_S = 30.0  # the gather timeout of these cases: the store's loss must show well before it
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["first_rank_dies_before_gather", "first_rank_dies_mid_read", "first_rank_dies_while_idle"],
+    ids=["while_senders_wait", "after_mapping_a_payload", "while_idle"],
+)
+def test_first_rank_hosting_the_store_killed(tmp_path: Path, row: Row, case: str) -> None:
+    # Rank 0 hosts the TCPStore and is SIGKILLed: a new store client (a clone connects with the
+    # store's own timeout, 120 s here, and retries) must never keep the survivors waiting. Each raises
+    # PeerLostError naming the store within seconds, a later gather (without rank 0) raises it at
+    # once, and the process exits normally.
+    port = free_port()
+    job = _launch(case, 3, tmp_path, env={"DU_TIMEOUT": str(STORE_TIMEOUT_S)}, store_port=port)
+    row.lost = not _exited_cleanly(job, victim=0)
+    row.leaked = bool(_segments_of(job.pids))
+    assert not row.lost, job.explain()
+    address = f"127.0.0.1:{port}"
+    for report in job.survivors(0):
+        later = report["later"]
+        for outcome in (report, later):
+            assert outcome["error_type"] == "PeerLostError", job.explain()
+            assert f"the job's rendezvous store at {address} is gone" in outcome["message"], outcome
+        assert report["elapsed"] < STORE_TIMEOUT_S / 3, report
+        assert later["elapsed"] < SLACK_S, later
+    for err in job.stderr[1:]:  # the survivors exited by themselves, not by an abort
+        assert "terminate called" not in err and "Aborted" not in err, err[-2000:]
+    assert not row.leaked
+    slowest = max(r["elapsed"] for r in job.survivors(0))
+    row.detail = (
+        f"PeerLostError naming the store at 127.0.0.1:<port> after {slowest:.2f} s; a later gather at once"
+    )
     row.passed = True
 
 

@@ -2,8 +2,10 @@
 
 Started by ``tests/test_faults.py``, either directly (``RANK``, ``WORLD_SIZE`` and
 ``DU_STORE_PORT``: the test process hosts the job's ``TCPStore``, so the death of any rank,
-rank 0 included, never takes the rendezvous with it) or under ``torchrun`` (``MASTER_ADDR``
-set). Usage: ``fault_job.py CASE``. Every surviving rank writes ``$DU_RESULTS/rank<r>.json``
+rank 0 included, never takes the rendezvous with it), or directly as ``mp.spawn`` / ``env://``
+jobs start (``DU_STORE_ON_RANK0``, ``MASTER_ADDR``, ``MASTER_PORT``: rank 0 hosts the store, and
+every survivor then makes one more gather, without rank 0, reported as ``later``), or under
+``torchrun`` (``MASTER_ADDR`` set). Usage: ``fault_job.py CASE``. Every surviving rank writes ``$DU_RESULTS/rank<r>.json``
 and exits by itself; a rank that is meant to die SIGKILLs itself at the injection point
 (writing ``$DU_RESULTS/note<r>.json`` first when there is something to record).
 
@@ -21,6 +23,8 @@ Cases (the victim is the last rank unless the name says "first rank"):
   rank fetches its payload only after it has died.
 - ``first_rank_dies_before_gather`` / ``first_rank_dies_mid_read``: rank 0 dies before
   entering, or after fetching the first payload it reads (the first claim to come).
+- ``first_rank_dies_while_idle``: rank 0 dies before any rank used the library (with
+  ``DU_STORE_ON_RANK0``: its store goes with it); the others then enter a gather.
 - ``workspace_sender_dies_mid_publish``: as ``sender_dies_mid_publish`` through the workspace
   (``$DU_WORKSPACE``), leaving a half-written temporary file.
 - ``workspace_rounds``: a healthy job, ``$DU_ROUNDS`` gathers through the workspace with the
@@ -39,6 +43,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from typing import Any
@@ -179,6 +184,18 @@ def _wait_for(keys: list[str]) -> None:
     store.wait(keys)
 
 
+def _await_refused(port: int, timeout: float = 60.0) -> None:
+    """Waits until 127.0.0.1:``port`` refuses connections (the store's host has died: an event)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except ConnectionRefusedError:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"the store at 127.0.0.1:{port} still answers after {timeout:g} s")
+
+
 def _next_sync(report: dict[str, Any]) -> None:
     """The synchronisation after the gather: a barrier that must name a dead rank."""
     start = time.monotonic()
@@ -199,6 +216,14 @@ def run_case(case: str, report: dict[str, Any]) -> None:
         if rank == victim:
             _die()
         _gather(report, ranks)  # no timeout argument: $DISTRIBUTE_UTILS_TIMEOUT applies
+        return
+    if case == "first_rank_dies_while_idle":
+        if rank == 0:  # dies before anybody used distribute_utils; the others then enter a gather
+            _wait_for([f"idle_{r}" for r in ranks if r != 0])
+            _die()
+        _store().set(f"idle_{rank}", "1")
+        _await_refused(int(os.environ["MASTER_PORT"]))
+        _gather(report, ranks, timeout=TIMEOUT)
         return
     distribute_utils.barrier(timeout=60)  # the ranks meet: peers know each other's pid
     if case == "sender_dies_before_gather":
@@ -326,10 +351,16 @@ def main() -> None:
             timeout=datetime.timedelta(seconds=60),
         )
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    elif "DU_STORE_ON_RANK0" in os.environ:  # as mp.spawn / env:// jobs start: rank 0 hosts the store
+        dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=120))
     else:  # under torchrun
         dist.init_process_group("gloo")
     report: dict[str, Any] = {"rank": dist.get_rank(), "pid": os.getpid(), "case": case}
     run_case(case, report)
+    if "DU_STORE_ON_RANK0" in os.environ:  # the store is gone with rank 0: a later call must say so at once
+        later: dict[str, Any] = {}
+        _gather(later, [r for r in range(dist.get_world_size()) if r != 0], timeout=TIMEOUT)
+        report["later"] = later
     _write(f"rank{dist.get_rank()}.json", report)
     dist.destroy_process_group()
 
