@@ -27,6 +27,7 @@ import torch
 
 from ..errors import DistributeError
 from ..mesh_layout import MeshLayout
+from ..temporaries import write_atomically
 from .rules import MergeRule, RuleTable
 from .safe_load import safe_torch_load
 from .writers import SafetensorsWriter, TensorSpec, load_safetensors, read_safetensors_specs, standalone
@@ -524,32 +525,25 @@ def grid_of(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]) -> tup
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary name, fsync, rename (for tests, demos and benchmarks)."""
+    """``torch.save`` by temporary name, fsync, rename (for tests, demos and benchmarks); a temporary left by a
+    killed process is removed by ``distribute-utils clean`` (:func:`~distribute_utils.temporaries.write_atomically`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temp, "wb") as f:
+
+    def save(fd: int) -> None:
+        with open(fd, "wb", closefd=False) as f:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+
+    write_atomically(path, save)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Writes a text file by temporary name, fsync, rename."""
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temp, "w", encoding="utf-8") as f:
+    """Writes a text file by temporary name, fsync, rename (see :func:`atomic_torch_save`)."""
+
+    def put(fd: int) -> None:
+        with open(fd, "w", encoding="utf-8", closefd=False) as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+
+    write_atomically(path, put)
 
 
 def write_own_layout(
