@@ -8,7 +8,9 @@ dead owners with :func:`find_abandoned` and removes what they list with :func:`r
 
 Call order: ``Temporaries(finals)``, then :meth:`~Temporaries.create` each file (or write it by path
 after ``create``), then either :meth:`~Temporaries.publish` (rename into place, in one uninterruptible
-section) or :meth:`~Temporaries.remove`. The record lives in ``/dev/shm`` (per host, as pids are), in a
+section) or :meth:`~Temporaries.remove`. :func:`write_atomically` does all of it for one file: the one
+write-temporary / ``fsync`` / rename of the package (output files, layouts written for tests and
+benchmarks, and, unrecorded, the workspace's payload files). The record lives in ``/dev/shm`` (per host, as pids are), in a
 directory private to the user (mode 0700, checked); where it cannot be made, nothing is recorded and
 only the interrupt undo remains. ``clean`` removes a listed file only if it is still a regular file of
 this user whose name carries the dead owner's pid (``.<final>.tmp-<pid>-<hex>``).
@@ -21,9 +23,10 @@ import json
 import logging
 import os
 import re
+import secrets
 import stat
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +40,7 @@ __all__ = [
     "find_abandoned",
     "remove_abandoned",
     "remove_abandoned_by",
+    "write_atomically",
 ]
 
 logger = logging.getLogger(__name__)
@@ -121,12 +125,7 @@ class Temporaries:
     def remove(self) -> None:
         """Removes the temporaries that exist and forgets them. Safe to call more than once."""
         for temp in self.temps:
-            try:
-                temp.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:  # pragma: no cover - best effort
-                logger.warning("could not remove temporary file %s: %s", temp, exc)
+            _unlink(temp)
         self._forget()
 
     def _forget(self) -> None:
@@ -136,6 +135,85 @@ class Temporaries:
         if self._record is not None:
             _remove_record(self._record)
             self._record = None
+
+
+def write_atomically(
+    final: str | os.PathLike[str],
+    write: Callable[[int], None],
+    *,
+    mode: int = 0o666,
+    fsync: bool = True,
+    record: bool = True,
+    temps: set[str] | None = None,
+    remove: Callable[[str], bool] | None = None,
+) -> Path:
+    """Writes the file ``final`` whole or not at all; any process may call it.
+
+    ``write(fd)`` fills a new temporary beside ``final`` (``.<name>.tmp-<pid>-<hex>``, created with
+    ``O_EXCL``), which is ``fsync``ed (unless ``fsync`` is false), closed and renamed over ``final``; on any
+    error, the temporary is removed and the error raised. With ``record`` (the default) the temporary is
+    one of :class:`Temporaries`: removed on an interrupt, listed for ``distribute-utils clean`` after a
+    kill, and the directory is synced after the rename. Without, nothing outlives an error but the
+    caller's ``temps``: a set that holds the temporary's path while it exists (a transport removes what is
+    left there when it releases a payload); ``remove(path)`` removes it after an error (True once it is
+    gone; default: unlink, logging a failure).
+
+    Returns:
+        ``final`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        OSError: from creating, writing, syncing or renaming (the temporary is gone, except where it could
+            not be removed: then it stays in ``temps``).
+    """
+    path = Path(final)
+    held = Temporaries([path]) if record else None
+    if held is not None:
+        temp = held.temps[0]
+    else:
+        temp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        if held is not None:
+            fd = held.create(temp, mode)
+        else:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    except BaseException:
+        if held is not None:
+            held.remove()
+        raise
+    if temps is not None:
+        temps.add(str(temp))
+    try:
+        try:
+            write(fd)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)  # NFS reports deferred write errors (ENOSPC, EDQUOT) here too
+        if held is not None:
+            held.publish()
+        else:
+            os.rename(temp, path)
+    except BaseException:
+        if held is not None:
+            held.remove()
+        elif (remove or _unlink)(str(temp)) and temps is not None:
+            temps.discard(str(temp))  # else the caller tries again
+        raise
+    if temps is not None:
+        temps.discard(str(temp))
+    return path
+
+
+def _unlink(path: str | os.PathLike[str]) -> bool:
+    """Removes ``path``; True once it is gone (a failure is logged, not raised)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("could not remove temporary file %s: %s", path, exc)
+        return False
+    return True
 
 
 def _remove_record(record: str) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -414,3 +417,79 @@ def test_write_part_refuses_bytes_outside_the_tensor(tmp_path: Path) -> None:
         assert w.missing == ["w"]
         w.write_part("w", torch.float32, (2, 2), [(0, memoryview(bytes(8)))])
         assert w.missing == []
+
+
+_KILLED_WRITER = """
+import sys
+from pathlib import Path
+
+import torch
+
+from distribute_utils.consolidate import write_own_layout
+from distribute_utils.consolidate.synthetic import make_gpt_state_dict, shard_state_dict
+
+out, ready = Path(sys.argv[1]), Path(sys.argv[2])
+
+
+class Blocking(torch.Tensor):
+    # Pickled by torch.save inside the shard's temporary: says so, then waits for a SIGKILL (stdin
+    # stays open and empty).
+    def __reduce_ex__(self, protocol):
+        ready.write_text("writing")
+        sys.stdin.read()
+        raise SystemExit("stdin closed before the kill")
+
+
+sd = make_gpt_state_dict(num_layers=2, hidden=256, ffn_hidden=1024, vocab=4096, seed=1)
+shards = shard_state_dict(sd, 1, 2, layers_per_stage=[1, 1])
+shards[(0, 1)] = {**shards[(0, 1)], "zz.blocker": torch.zeros(4).as_subclass(Blocking)}
+write_own_layout(out, shards, file_format="torch")
+"""
+
+
+def test_clean_removes_the_temporary_of_a_killed_layout_write(tmp_path: Path) -> None:
+    """A layout writer killed outright (SIGKILL, mid-``torch.save``) leaves its shard's temporary; it is
+    recorded, so ``distribute-utils clean`` lists it (dry run) and removes it. The moment is the writer's
+    own signal (a file written from inside the save), not a sleep."""
+    out, ready = tmp_path / "ckpt", tmp_path / "ready"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(out), str(ready)],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            if proc.poll() is not None:
+                pytest.fail(
+                    f"the writer ended (exit {proc.returncode}): {proc.stderr.read().decode()[-2000:]}"
+                )
+            assert time.monotonic() < deadline, "the writer never reached the blocking tensor"
+            time.sleep(0.01)
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+        assert proc.stdin is not None and proc.stderr is not None
+        proc.stdin.close()
+        proc.stderr.close()
+    temps = sorted(out.glob(".*.tmp-*"))
+    assert [t.name.split(".tmp-")[0] for t in temps] == [".rank_00001.pt"], sorted(out.iterdir())
+    assert not (out / "mesh.json").exists()
+    dry = subprocess.run(
+        [sys.executable, "-m", "distribute_utils", "clean", "--dry-run", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dry.returncode == 0, dry.stderr
+    listed = [r["path"] for r in json.loads(dry.stdout)["removed"] if r["kind"] == "temporary"]
+    assert str(temps[0]) in listed, (listed, temps)
+    done = subprocess.run(
+        [sys.executable, "-m", "distribute_utils", "clean"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"removed temporary {temps[0]}" in done.stdout, done.stdout
+    assert not list(out.glob(".*.tmp-*")), sorted(out.iterdir())

@@ -21,8 +21,9 @@ from distribute_utils.consolidate import (
     write_own_layout,
 )
 from distribute_utils.consolidate.megatron import write_megatron_legacy
+from distribute_utils.consolidate.plan import check_space, make_batches
 from distribute_utils.consolidate.synthetic import make_gpt_state_dict, shard_state_dict, synthetic_size_for
-from distribute_utils.consolidate.tp_pp import _make_batches, peak_rss_bytes
+from distribute_utils.consolidate.tp_pp import peak_rss_bytes
 
 from harness import RankPool
 
@@ -251,13 +252,13 @@ def test_torch_output_format(
 def test_batches_cover_every_entry_in_order(own_st: Path) -> None:
     layout, plan = plan_checkpoint(own_st)
     for budget in (1, 10_000, 10**9):
-        batches = _make_batches(plan, layout.pp, budget)
+        batches = make_batches(plan, layout.stages, budget)
         flat = [e for stage in batches for batch in stage for e in batch]
         assert flat == plan
         for stage in batches:
             for batch in stage:
                 assert batch and (len(batch) == 1 or sum(e.spec.nbytes for e in batch) <= budget)
-    assert [len(s) for s in _make_batches(plan, layout.pp, 10**9)] == [1, 1]
+    assert [len(s) for s in make_batches(plan, layout.stages, 10**9)] == [1, 1]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -320,10 +321,8 @@ def test_missing_shard_and_world_mismatch(
 
 def test_space_check_names_the_path(tmp_path: Path) -> None:
     """A filesystem too small is named before any byte moves (a real full disk: tests/test_cli.py)."""
-    from distribute_utils.consolidate import tp_pp
-
     with pytest.raises(OSError, match="no space left for the consolidated checkpoint") as info:
-        tp_pp._check_space(tmp_path / "out", 2**62)
+        check_space(tmp_path / "out", 2**62)
     assert str(tmp_path / "out") in str(info.value)
 
 

@@ -43,22 +43,28 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PosixPath
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ..errors import DistributeError
+from ..mesh_layout import MeshLayout
 from .layouts import LayoutError, MergePlanEntry
+from .reading import BatchReads
 from .rules import Unknown
 from .safe_load import UnsafeCheckpointError, safe_pickle_load, safe_torch_load
 from .writers import (
     CheckpointFormatError,
+    CheckpointWriter,
     SafetensorsWriter,
     TensorSpec,
     _cause,
     describe_unreadable,
     tensor_bytes,
 )
+
+if TYPE_CHECKING:
+    from .plan import RuleChoice
 
 __all__ = ["DCP_METADATA", "MEGATRON_NAMES", "DcpCheckpoint", "read_dcp_metadata"]
 
@@ -170,6 +176,30 @@ class DcpCheckpoint:
         """One process reads the whole checkpoint (see :meth:`CheckpointLayout.stage_ranks`)."""
         return [0]
 
+    @property
+    def rank_grid(self) -> MeshLayout:
+        """One rank (see :attr:`CheckpointLayout.rank_grid`)."""
+        return MeshLayout((1, 1), axis_names=("stage", "tp"))
+
+    def check_ranks(self, world: int, name: str | os.PathLike[str]) -> None:
+        """Raises ValueError unless ``world`` is 1: one process streams it from its files."""
+        if world != 1:
+            raise ValueError(
+                f"'{name}' is {self.describe_grid()}: one process streams it from its files; run the "
+                f"consolidation on 1 rank, not {world}"
+            )
+
+    def open_shard(self, tp_rank: int, stage: int, batch_bytes: int) -> BatchReads:
+        """The whole checkpoint, read batch by batch with :meth:`read`."""
+        return BatchReads(self.read)
+
+    def stream(self, writer: CheckpointWriter, entries: Sequence[MergePlanEntry]) -> bool:
+        """:meth:`stream_into` a safetensors writer (True); False for any other writer."""
+        if not isinstance(writer, SafetensorsWriter):
+            return False
+        self.stream_into(writer, entries)
+        return True
+
     def __repr__(self) -> str:
         return f"DcpCheckpoint('{self.root}', kind={self.kind})"
 
@@ -229,8 +259,11 @@ class DcpCheckpoint:
             rest = _LOCAL_NORMS.get(rest, rest)
         return [(n + rest, idx) for n, idx in names]
 
-    def plan(self) -> list[MergePlanEntry]:
-        """One entry per output tensor, layer by layer (metadata only)."""
+    def plan(self, rules: RuleChoice | None = None) -> list[MergePlanEntry]:
+        """One entry per output tensor, layer by layer (metadata only); global tensors: ``rules`` do not
+        apply."""
+        if rules is not None and rules.given:
+            logger.info("%s holds global tensors: merge rules and quant_format do not apply", self.root)
         if self._plan is None:
             entries = self._entries()
             seen: dict[str, str] = {}

@@ -15,15 +15,84 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from .dcp import DCP_METADATA, DcpCheckpoint
-from .layouts import MESH_FILE, CheckpointLayout, LayoutError, OwnLayout
+from .layouts import MESH_FILE, LayoutError, OwnLayout
 from .megatron import MEGATRON_FILE, TRACKER_FILE, find_megatron_root, open_megatron_legacy
+
+if TYPE_CHECKING:
+    from ..mesh_layout import MeshLayout
+    from .layouts import MergePlanEntry
+    from .plan import RuleChoice
+    from .reading import ShardReader
+    from .writers import CheckpointWriter
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 
-#: What :func:`open_checkpoint` returns: a grid of shard files, or a DCP checkpoint.
-Checkpoint = CheckpointLayout | DcpCheckpoint
+
+class Checkpoint(Protocol):
+    """What :func:`open_checkpoint` returns and the consolidation jobs use, whatever the format: a grid of
+    shard files (:class:`~.layouts.CheckpointLayout`: the own layout, Megatron-LM legacy) or a checkpoint
+    of global tensors (:class:`~.dcp.DcpCheckpoint`, read by one process).
+
+    A new format is one class with these members, and one branch in :func:`open_checkpoint`.
+    """
+
+    @property
+    def kind(self) -> str:
+        """``"own"``, ``"megatron_legacy"``, ``"megatron_torch_dist"`` or ``"dcp"`` (the report's layout)."""
+        ...
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel size (1 for global tensors)."""
+        ...
+
+    @property
+    def pp(self) -> int:
+        """Pipeline-parallel size (1 for global tensors)."""
+        ...
+
+    @property
+    def stages(self) -> int:
+        """Rows of shard files: ``pp * ep``."""
+        ...
+
+    @property
+    def rank_grid(self) -> MeshLayout:
+        """The ranks of a consolidation, one per shard: axes ``("stage", "tp")``, TP fastest."""
+        ...
+
+    def describe_grid(self) -> str:
+        """``TP 2 x PP 2``, or what the checkpoint is (for messages)."""
+        ...
+
+    def describe_stage(self, stage: int) -> str:
+        """``stage p`` (for messages)."""
+        ...
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The ranks holding one stage's TP shards, in TP order."""
+        ...
+
+    def plan(self, rules: RuleChoice | None = None) -> list[MergePlanEntry]:
+        """One entry per output tensor, from metadata alone; ``rules`` apply where shards are merged."""
+        ...
+
+    def check_ranks(self, world: int, name: str | os.PathLike[str]) -> None:
+        """Raises ValueError (naming the checkpoint as ``name``) unless ``world`` ranks, one per shard file,
+        can consolidate it."""
+        ...
+
+    def open_shard(self, tp_rank: int, stage: int, batch_bytes: int) -> ShardReader:
+        """The reader of one shard's tensors, batch by batch (see :mod:`.reading`)."""
+        ...
+
+    def stream(self, writer: CheckpointWriter, entries: Sequence[MergePlanEntry]) -> bool:
+        """Writes ``entries`` straight into ``writer`` where this checkpoint can without building the
+        tensors (True), else does nothing (False: read them with :meth:`open_shard`)."""
+        ...
 
 
 def open_checkpoint(

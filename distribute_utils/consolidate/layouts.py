@@ -21,15 +21,27 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ..errors import DistributeError
 from ..mesh_layout import MeshLayout
-from .rules import MergeRule, RuleTable
+from ..temporaries import write_atomically
+from .reading import MappedShard
+from .rules import MergeError, MergeRule, RuleTable
 from .safe_load import safe_torch_load
-from .writers import SafetensorsWriter, TensorSpec, load_safetensors, read_safetensors_specs, standalone
+from .writers import (
+    CheckpointWriter,
+    SafetensorsWriter,
+    TensorSpec,
+    load_safetensors,
+    read_safetensors_specs,
+    standalone,
+)
+
+if TYPE_CHECKING:
+    from .plan import RuleChoice
 
 __all__ = [
     "MESH_FILE",
@@ -51,6 +63,7 @@ MESH_FILE = "mesh.json"
 _FILE_FORMATS = ("safetensors", "torch")
 _DEFAULT_FILES = {"safetensors": "rank_{rank:05d}.safetensors", "torch": "rank_{rank:05d}.pt"}
 _LAYER_RE = re.compile(r"(?<![^.])layers\.(\d+)\.")
+_TENSOR_IN_MESSAGE = re.compile(r"tensor '([^']+)'")
 
 
 class LayoutError(DistributeError, ValueError):
@@ -314,6 +327,50 @@ class CheckpointLayout(ABC):
             rest = global_layer_name(rest, self._layer_offset(p, chunk))
         return self._global_expert_name(rest, stage)
 
+    # -- what a consolidation asks of a checkpoint (:class:`~.formats.Checkpoint`) -------------------------
+    def plan(self, rules: RuleChoice | None = None) -> list[MergePlanEntry]:
+        """:func:`plan_merge` with the rules asked for (for this MLP); a merge error names, per TP rank of
+        the tensor's stage, its global rank and shard file."""
+        try:
+            return plan_merge(self, rules.table(self.gated_mlp) if rules is not None else None)
+        except MergeError as exc:
+            raise MergeError(f"{exc}{self._where(str(exc))}") from None
+
+    def _where(self, message: str) -> str:
+        """`` (stage p: TP rank t = global rank r in 'file', ...)`` for the tensor a message names."""
+        m = _TENSOR_IN_MESSAGE.search(message)
+        if m is None:
+            return ""
+        try:
+            for s in range(self.stages):
+                for spec in self.shard_specs(0, s):
+                    if self.global_name(spec.name, s) == m.group(1):
+                        shards = ", ".join(
+                            f"TP rank {t} = global rank {r} in '{self.file_for(t, s)}'"
+                            for t, r in enumerate(self.stage_ranks(s))
+                        )
+                        return f" ({self.describe_stage(s)}: {shards})"
+        except Exception:  # only decoration of an error message
+            logger.debug("could not locate tensor %r", m.group(1), exc_info=True)
+        return ""
+
+    def check_ranks(self, world: int, name: str | os.PathLike[str]) -> None:
+        """Raises ValueError unless ``world`` is one rank per shard file."""
+        needed = self.tp * self.stages
+        if world != needed:
+            raise ValueError(
+                f"'{name}' is a {self.describe_grid()} checkpoint and needs {needed} ranks, but the world "
+                f"has {world}; run it on {needed} ranks (or on 1 to consolidate in one process)"
+            )
+
+    def open_shard(self, tp_rank: int, stage: int, batch_bytes: int) -> MappedShard:
+        """The shard file, memory-mapped and remapped about every ``batch_bytes`` (:mod:`.reading`)."""
+        return MappedShard(self, tp_rank, stage, batch_bytes)
+
+    def stream(self, writer: CheckpointWriter, entries: Sequence[MergePlanEntry]) -> bool:
+        """Shards are merged by rules, never streamed: False."""
+        return False
+
 
 class OwnLayout(CheckpointLayout):
     """The project's own layout: ``mesh.json`` plus one file per rank.
@@ -524,32 +581,25 @@ def grid_of(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]) -> tup
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary name, fsync, rename (for tests, demos and benchmarks)."""
+    """``torch.save`` by temporary name, fsync, rename (for tests, demos and benchmarks); a temporary left by a
+    killed process is removed by ``distribute-utils clean`` (:func:`~distribute_utils.temporaries.write_atomically`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temp, "wb") as f:
+
+    def save(fd: int) -> None:
+        with open(fd, "wb", closefd=False) as f:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+
+    write_atomically(path, save)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Writes a text file by temporary name, fsync, rename."""
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temp, "w", encoding="utf-8") as f:
+    """Writes a text file by temporary name, fsync, rename (see :func:`atomic_torch_save`)."""
+
+    def put(fd: int) -> None:
+        with open(fd, "w", encoding="utf-8", closefd=False) as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+
+    write_atomically(path, put)
 
 
 def write_own_layout(

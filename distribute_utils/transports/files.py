@@ -1,7 +1,8 @@
 """File primitives of the shared workspace: atomic writes with an exact reservation, a reader that
 survives a network filesystem's stale caches, the mount table.
 
-- :func:`atomic_write` writes ``.<name>.tmp-<random>`` (``O_EXCL``, 0600), reserves its exact size first
+- :func:`atomic_write` writes ``.<name>.tmp-<pid>-<random>`` (``O_EXCL``, 0600; through
+  :func:`~distribute_utils.temporaries.write_atomically`, unrecorded), reserves its exact size first
   where the filesystem can (``fallocate``; a full disk or quota gives :class:`SpaceError` naming the path
   and the bytes needed), writes, ``fsync``s, and renames it: a reader never sees a half-written name.
 - :func:`read_payload_file` opens a payload (retrying while an NFS client's lookup cache hides it),
@@ -18,13 +19,13 @@ import logging
 import mmap
 import os
 import re
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DistributeError, PayloadError, SpaceError, WorkspaceError
+from ..temporaries import write_atomically
 from ..wire import PREFIX_SIZE, read_prefix
 
 __all__ = [
@@ -190,33 +191,20 @@ def atomic_write(
         raise FileExistsError(
             errno.EEXIST, f"{final} already exists: workspace names are never rewritten", final
         )
-    tmp = os.path.join(directory, f".{name}.tmp-{secrets.token_hex(4)}")
+    size = nbytes if nbytes is not None else reserve
+
+    def fill(fd: int) -> None:
+        reserved = reserve_space(fd, size) if size else False
+        write(fd)
+        if reserved and nbytes is None:
+            os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR))  # drop the unused reservation
+
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        write_atomically(final, fill, mode=0o600, fsync=fsync, record=False, temps=temps, remove=unlink)
     except OSError as exc:
-        raise write_error(exc, directory, nbytes, what) from None
-    if temps is not None:
-        temps.add(tmp)
-    try:
-        try:
-            size = nbytes if nbytes is not None else reserve
-            reserved = reserve_space(fd, size) if size else False
-            write(fd)
-            if reserved and nbytes is None:
-                os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR))  # drop the unused reservation
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)  # NFS reports deferred write errors (ENOSPC, EDQUOT) here too
-        os.rename(tmp, final)
-    except BaseException as exc:
-        if unlink(tmp) and temps is not None:
-            temps.discard(tmp)  # else ``release`` tries again
-        if isinstance(exc, OSError) and not isinstance(exc, DistributeError):
-            raise write_error(exc, directory, nbytes if nbytes is not None else reserve, what) from None
-        raise
-    if temps is not None:
-        temps.discard(tmp)
+        if isinstance(exc, DistributeError):
+            raise
+        raise write_error(exc, directory, size, what) from None
     return final
 
 

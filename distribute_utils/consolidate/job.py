@@ -1,0 +1,127 @@
+"""What both ways of running a consolidation share: the plan, rank 0's writer, the progress bar, the report.
+
+:class:`~.local_job.LocalJob` runs the whole consolidation in one process; :class:`~.rank_job.RankJob`
+is one rank's part of a job of one rank per shard. Each is built ready to run (planned, the output
+opened on rank 0) and then :meth:`Job.run` once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .layouts import MergePlanEntry
+from .plan import JobPlan, Options
+from .report import ConsolidationReport, peak_rss_bytes
+from .rules import write_merged
+from .writers import CheckpointWriter
+
+__all__ = ["Item", "Job", "progress_bar", "write_item"]
+
+#: One output tensor as it reaches rank 0: merged, or the list of its concat shards.
+Item = torch.Tensor | list[torch.Tensor]
+
+
+def write_item(writer: CheckpointWriter, entry: MergePlanEntry, item: Item, ranks: Sequence[int]) -> None:
+    """Writes one tensor (merged, or concat shards placed by the writer), naming the output on I/O errors."""
+    try:
+        if isinstance(item, torch.Tensor):
+            writer.write(entry.name, item)
+        else:
+            write_merged(writer, entry.name, entry.rule, item, ranks)
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"cannot write tensor '{entry.name}' of the consolidated checkpoint: {exc.strerror or exc}",
+            os.fspath(writer.directory),
+        ) from exc
+
+
+def progress_bar(total: int, enabled: bool, desc: str) -> Any:
+    """A tqdm bar of ``total`` bytes on stderr, drawn only when ``enabled`` and stderr is a terminal."""
+    from tqdm import tqdm
+
+    # tqdm's default lock is a multiprocessing semaphore, which a process ended by an interrupt
+    # (os._exit) leaves to the resource tracker to complain about; threads are all it has to guard.
+    tqdm.set_lock(threading.RLock())
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=desc,
+        disable=not enabled or not sys.stderr.isatty(),  # a bar is for a terminal, not a log
+        dynamic_ncols=True,
+        leave=False,
+    )
+
+
+class Job:
+    """One consolidation as this process takes part in it; subclasses say how (:meth:`run`).
+
+    Attributes:
+        start: ``time.perf_counter()`` at entry (the report's ``seconds`` count from it).
+        input_dir: the checkpoint, as given.
+        output: the output, as given.
+        options: what was asked.
+        plan: the plan and its batches (the same on every rank).
+        writer: the output's writer on rank 0 (or the one process), ``None`` elsewhere.
+        rank: this process's global rank (0 alone).
+        world: ranks taking part (1 alone).
+        transport: how shards travel, for the report (``"none"`` alone).
+    """
+
+    def __init__(
+        self,
+        start: float,
+        input_dir: str | os.PathLike[str],
+        output: str | os.PathLike[str],
+        options: Options,
+        plan: JobPlan,
+        writer: CheckpointWriter | None,
+        *,
+        rank: int,
+        world: int,
+        transport: str,
+    ) -> None:
+        self.start = start
+        self.input_dir, self.output, self.options = input_dir, output, options
+        self.plan, self.writer = plan, writer
+        self.rank, self.world, self.transport = rank, world, transport
+
+    def run(self) -> ConsolidationReport:
+        """Runs this process's part to the end; returns the report (rank 0's numbers on every rank)."""
+        raise NotImplementedError
+
+    def progress(self) -> Any:
+        """The progress bar of this run (drawn on rank 0 only); the caller closes it."""
+        return progress_bar(self.plan.total_bytes, self.options.progress and self.rank == 0, "consolidating")
+
+    def report(self, files: list[str]) -> ConsolidationReport:
+        """The report of the finished consolidation (rank 0's), ``files`` published."""
+        checkpoint = self.plan.checkpoint
+        return ConsolidationReport(
+            input_dir=os.fspath(self.input_dir),
+            output=os.fspath(self.output),
+            layout=checkpoint.kind,
+            tp=checkpoint.tp,
+            pp=checkpoint.pp,
+            world_size=self.world,
+            format=self.options.format,
+            tensors=len(self.plan.entries),
+            bytes=self.plan.total_bytes,
+            seconds=time.perf_counter() - self.start,
+            transport=self.transport,
+            rounds=self.plan.rounds,
+            batch_bytes=self.plan.batch_bytes,
+            peak_rss_bytes=peak_rss_bytes(),
+            files=files,
+            rank=0,
+        )

@@ -1,0 +1,218 @@
+"""Planning a consolidation from metadata alone: the rules, the merge plan, its batches, the options.
+
+Any process may call these; no collective. :func:`plan_checkpoint` opens a checkpoint and asks it for its
+plan (:meth:`~.formats.Checkpoint.plan`: a grid of TP shards merges by the rules, a checkpoint of global
+tensors ignores them). :class:`JobPlan` cuts the plan into batches: each stage's tensors, in plan order, in
+batches of at most ``batch_bytes`` merged bytes (a larger tensor travels alone), so that every rank knows
+every batch without a message; :meth:`JobPlan.digest` is what the ranks compare before anything moves.
+:class:`Options` is what a consolidation is asked to do, the same on every rank, whichever job runs it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+
+from .formats import Checkpoint, open_checkpoint
+from .layouts import MergePlanEntry
+from .rules import RuleTable
+from .writers import CheckpointWriter, open_writer
+
+__all__ = [
+    "JobPlan",
+    "Options",
+    "RuleChoice",
+    "check_space",
+    "make_batches",
+    "plan_checkpoint",
+    "resolve_rules",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_rules(
+    rules: RuleTable | str | os.PathLike[str] | None = None,
+    quant_format: str | None = None,
+    gated: bool | None = False,
+) -> RuleTable:
+    """The rule table to use.
+
+    Args:
+        rules: a table (used as is), a rules file (its patterns first, then the defaults, then its catch-all
+            ``*`` line if any: :meth:`RuleTable.then`), or ``None``
+            (the defaults).
+        quant_format: ``None``, ``"fp8"``, ``"int8_sq"`` or ``"int4_awq"``: picks the default table.
+        gated: whether the MLP is gated (SwiGLU), ``None`` if unknown (see :meth:`RuleTable.default`).
+
+    Raises:
+        RuleSyntaxError: a malformed rules file (``path:line:`` in the message).
+        FileNotFoundError: no such rules file.
+    """
+    default = RuleTable.default(quant_format, gated)
+    if rules is None:
+        return default
+    if isinstance(rules, RuleTable):
+        return rules
+    if isinstance(rules, (str, os.PathLike)):
+        return RuleTable.from_file(rules).then(default)
+    raise TypeError(f"rules must be a RuleTable, a rules file path or None; got {type(rules).__name__}")
+
+
+@dataclass(frozen=True)
+class RuleChoice:
+    """The merge rules a consolidation was asked for, resolved by a checkpoint that merges TP shards
+    (:meth:`table`, with what it knows of its MLP) and ignored by one of global tensors.
+
+    Attributes:
+        rules: a table, a rules file, or ``None`` (the defaults); see :func:`resolve_rules`.
+        quant_format: picks the default table's scales.
+        swiglu: whether the MLP is gated; ``None``: as the checkpoint says.
+    """
+
+    rules: RuleTable | str | os.PathLike[str] | None = None
+    quant_format: str | None = None
+    swiglu: bool | None = None
+
+    @property
+    def given(self) -> bool:
+        """Whether rules or a quantization format were asked for (not only the defaults)."""
+        return self.rules is not None or self.quant_format is not None
+
+    def table(self, gated: bool | None) -> RuleTable:
+        """The table, for a checkpoint whose MLP is ``gated`` (unless :attr:`swiglu` says otherwise)."""
+        return resolve_rules(self.rules, self.quant_format, gated if self.swiglu is None else self.swiglu)
+
+
+def plan_checkpoint(
+    input_dir: str | os.PathLike[str],
+    rules: RuleTable | str | os.PathLike[str] | None = None,
+    *,
+    quant_format: str | None = None,
+    layers_per_stage: Sequence[int] | None = None,
+    iteration: int | str | None = None,
+    swiglu: bool | None = None,
+    names: str | None = None,
+) -> tuple[Checkpoint, list[MergePlanEntry]]:
+    """Opens a checkpoint and plans its consolidation from metadata; no collective, any process.
+
+    Merge errors found while planning (e.g. shapes that cannot be concatenated) are extended with the stage
+    and, for each TP rank, its global rank and shard file. ``swiglu`` overrides what the checkpoint says
+    about its MLP (a Megatron checkpoint's ``args.swiglu``); ``names`` picks Megatron torch_dist's
+    layer-norm names (``"te"`` or ``"local"``, default from its ``args``). A DCP checkpoint holds global
+    tensors: ``rules`` and ``quant_format`` do not apply to it.
+
+    Raises:
+        FileNotFoundError: the directory or a shard file is missing (path named).
+        LayoutError: not a known layout, or an inconsistent one.
+        MergeError: the shards of a tensor cannot be merged (tensor, ranks and files named).
+    """
+    checkpoint = open_checkpoint(input_dir, layers_per_stage, iteration, names=names)
+    return checkpoint, checkpoint.plan(RuleChoice(rules, quant_format, swiglu))
+
+
+def make_batches(
+    plan: Sequence[MergePlanEntry], stages: int, batch_bytes: int
+) -> list[list[tuple[MergePlanEntry, ...]]]:
+    """Per stage, its entries in plan order cut into batches of at most ``batch_bytes`` merged bytes (a
+    larger tensor alone)."""
+    batches_of: list[list[list[MergePlanEntry]]] = [[] for _ in range(stages)]
+    sizes = [0] * stages
+    for entry in plan:
+        p = entry.pp_rank
+        batches = batches_of[p]
+        if not batches or (batches[-1] and sizes[p] + entry.spec.nbytes > batch_bytes):
+            batches.append([])
+            sizes[p] = 0
+        batches[-1].append(entry)
+        sizes[p] += entry.spec.nbytes
+    return [[tuple(b) for b in batches] for batches in batches_of]
+
+
+def check_space(output: str | os.PathLike[str], nbytes: int) -> None:
+    """Fails early, naming the path, when the output's filesystem cannot hold ``nbytes``.
+
+    Raises:
+        OSError: ``ENOSPC``, with the bytes needed and free.
+    """
+    probe = Path(output).absolute()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left for the consolidated checkpoint: it needs {nbytes:,} bytes, "
+            f"the filesystem of '{probe}' has {free:,} free",
+            os.fspath(output),
+        )
+
+
+class JobPlan:
+    """An opened checkpoint, its merge plan and the plan's batches; the same on every rank.
+
+    Attributes:
+        checkpoint: the opened checkpoint.
+        entries: one per output tensor, in output order.
+        tp: tensor-parallel size of the input.
+        stages: its pipeline stages (``pp * ep``).
+        batch_bytes: merged bytes per stage and batch.
+        batches: per stage, its batches (see :func:`make_batches`).
+        rounds: batches of the largest stage.
+        total_bytes: bytes of the output's tensors.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, entries: list[MergePlanEntry], batch_bytes: int) -> None:
+        self.checkpoint = checkpoint
+        self.entries = entries
+        self.tp, self.stages = checkpoint.tp, checkpoint.stages
+        self.batch_bytes = batch_bytes
+        self.batches = make_batches(entries, self.stages, batch_bytes)
+        self.rounds = max((len(b) for b in self.batches), default=0)
+        self.total_bytes = sum(e.spec.nbytes for e in entries)
+
+    def digest(self, *parts: object) -> str:
+        """A digest of the plan (and of ``parts``): ranks that planned the same consolidation agree on it."""
+        rows = [
+            [e.name, e.pp_rank, e.local_name, str(e.rule), str(e.spec.dtype), list(e.spec.shape)]
+            for e in self.entries
+        ]
+        packed = msgpack.packb([rows, [repr(p) for p in parts]])
+        return hashlib.blake2b(packed, digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a consolidation is asked to do, the same on every rank, whichever way it runs (one process, or
+    one rank per shard): the plan's inputs and the output's shape (see
+    :func:`~.tp_pp.consolidate_checkpoint` for each)."""
+
+    format: str
+    rules: RuleChoice
+    max_shard_size: int | None
+    progress: bool
+    batch_bytes: int
+    layers_per_stage: Sequence[int] | None
+    iteration: int | str | None
+    names: str | None
+
+    def plan(self, input_dir: str | os.PathLike[str]) -> JobPlan:
+        """Opens ``input_dir`` and plans it (metadata only; see :func:`plan_checkpoint`)."""
+        checkpoint = open_checkpoint(input_dir, self.layers_per_stage, self.iteration, names=self.names)
+        return JobPlan(checkpoint, checkpoint.plan(self.rules), self.batch_bytes)
+
+    def open_writer(self, output: str | os.PathLike[str], plan: JobPlan) -> CheckpointWriter:
+        """Rank 0 (or the one process): checks the space, then opens the output's writer."""
+        check_space(output, plan.total_bytes)
+        return open_writer(self.format, output, [e.spec for e in plan.entries], self.max_shard_size)
