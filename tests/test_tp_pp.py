@@ -278,7 +278,7 @@ def test_same_mismatch_at_data_time_fails_everywhere(
     # the merge happens on stage 1's first TP rank (global rank 2), which raises the MergeError itself
     assert kinds == ["ConsolidationError", "ConsolidationError", "MergeError", "ConsolidationError"], results
     assert "decoder.layers.3.input_layernorm.weight" in results[2][1]
-    assert "rank 3 differ from rank 2" in results[2][1]
+    assert "rank 3 differs from rank 2" in results[2][1]
     assert all(r[2] == 2 and "(on rank 2)" in r[1] for i, r in enumerate(results) if i != 2)
     _no_leftovers(out)
     # the pool is still healthy
