@@ -93,7 +93,7 @@ def _reps_for(nbytes: int, reps: int | None) -> int:
 
 def _modelopt() -> Any | None:
     try:
-        import modelopt.torch.export.distribute as mo_dist
+        import modelopt.torch.export.distribute as mo_dist  # type: ignore[import-untyped]
     except Exception:
         return None
     return mo_dist
@@ -174,6 +174,7 @@ class _Floor:
             finally:
                 os.close(fd)
             self.maps[self.rank][:] = bytes(nbytes)  # warm: every page written once
+            self.views[self.rank] = torch.frombuffer(self.maps[self.rank], dtype=torch.uint8)
         dist.barrier()
         if self.rank == 0:
             for r in range(1, self.world):
@@ -187,7 +188,7 @@ class _Floor:
 
     def run(self, tensor: torch.Tensor, check: Callable[[str, int], None]) -> None:
         if self.rank != 0:
-            self.maps[self.rank][:] = memoryview(tensor.numpy()).cast("B")
+            self.views[self.rank].copy_(tensor.view(torch.uint8))  # one plain copy into the kept map
             self.dgram.sock.sendto(self.rank.to_bytes(4, "little"), self.dgram.names[0])
             return
         total = _checksum([tensor])
