@@ -66,7 +66,6 @@ import torch.distributed as dist
 
 from . import sync, wire
 from ._host import process_alive
-from ._sched import BehindPeers
 from .errors import (
     DeviceUnavailableError,
     GatherError,
@@ -718,17 +717,16 @@ class _Gather:
                 return not delivered
 
             found: list[bytes] = []
-            with BehindPeers():  # woken by the verdict, it does not take the CPU from the first rank
-                call.receive_direct(
-                    _VERDICT,
-                    [self.first],
-                    self.seconds,
-                    self.what,
-                    self.judge_first,
-                    lambda _, data: found.append(data),
-                    None if delivered else undelivered,
-                    second_chance=True,
-                )
+            call.receive_direct(
+                _VERDICT,
+                [self.first],
+                self.seconds,
+                self.what,
+                self.judge_first,
+                lambda _, data: found.append(data),
+                None if delivered else undelivered,
+                second_chance=True,
+            )
             if found[0] == self.success():
                 return _Verdict(True, self.shown, self.digest)
             return _Verdict.unpack(found[0])
@@ -756,8 +754,7 @@ class _Gather:
                     _raise_from(go, f"the first rank ({self.first}) failed: ")
                 assert self._sent is not None
                 self.collective(device).publish(self._sent[1], self.me, payload)
-            with BehindPeers():
-                verdict = self.call.wait_verdict(self.first, self.seconds, self.what)
+            verdict = self.call.wait_verdict(self.first, self.seconds, self.what)
             return _Verdict.unpack(verdict)
         except BaseException:
             self.release(taken=False)

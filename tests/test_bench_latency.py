@@ -1,23 +1,27 @@
-"""Smoke runs of ``scripts/bench_latency.py``'s measuring modes (not timed: they must run and report).
+"""Smoke runs of ``scripts/bench_latency.py`` (not timed: its modes must run, read what they gather and
+print ratios that are the ratios of the figures they print).
 
-The latency targets live in the benchmark and ``docs/performance.md``; these tests only keep its
-modes working: ``--against`` (this checkout and an older revision in the same ranks), ``--cpu``
-(every method back to back, the store-free ``direct`` one included), ``--steps --cold`` (one call's
-CPU split into steps, caches evicted before each call), ``--timeline`` (where a cold call's wall time
-goes), ``--first`` (gathers that need new segments) and the sweep's paired ratios and spread.
+The latency targets live in ``docs/performance.md``; these tests keep the sweep (with ``--busy`` and
+``--json``) and ``--against`` working, and check the parts the figures rest on: the checksum reads
+every byte, the whole-round figures are worked out from every rank's stamps, and the script uses no
+private name of the package.
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness import SCRIPTS, load_script
+
+Table = dict[str, dict[str, float]]
 
 
 def _bench(*args: str) -> str:
@@ -32,6 +36,29 @@ def _bench(*args: str) -> str:
     return done.stdout
 
 
+def _tables(out: str) -> dict[str, Table]:
+    """Every printed table by its title's first word(s) before ':' or ' (': a row per label, a value per
+    column (methods, then ratios ``a/b``)."""
+    lines = out.splitlines()
+    tables: dict[str, Table] = {}
+    for i, line in enumerate(lines):
+        if i + 1 >= len(lines) or not lines[i + 1].startswith(" ") or not lines[i + 1].split():
+            continue
+        header = lines[i + 1].split()
+        if "/" not in header[-1] or line.startswith(" "):
+            continue
+        title = line.split(":")[0].split(" (")[0]
+        rows: Table = {}
+        for row in lines[i + 2 :]:
+            cells = row.split()
+            if not row.startswith(" ") or len(cells) <= len(header):
+                break
+            label = " ".join(cells[: len(cells) - len(header)])
+            rows[label] = dict(zip(header, map(float, cells[-len(header) :]), strict=True))
+        tables[title] = rows
+    return tables
+
+
 def _printed_ratio_fits(ratio: float, num: float, den: float, places: int) -> bool:
     """Whether a printed ratio (2 decimals) can be ``num / den`` for values printed with ``places``
     decimals: the bench divides the unrounded values, so only the rounding interval can be asserted."""
@@ -40,17 +67,42 @@ def _printed_ratio_fits(ratio: float, num: float, den: float, places: int) -> bo
     return (num - half) / (den + half) - 0.005 <= ratio <= (num + half) / (den - half) + 0.005
 
 
-def test_against_a_revision_runs_both_versions_in_the_same_ranks() -> None:
-    out = _bench("--against", "HEAD", "--sizes", "4K", "--reps", "3")
-    row = next(line for line in out.splitlines() if line.strip().startswith("4K"))
-    wall_ours, wall_then, wall_ratio, all_ours, all_then, all_ratio, cpu_ours, cpu_then, cpu_ratio = map(
-        float, row.split()[1:]
-    )
-    assert wall_ours > 0 and wall_then > 0 and cpu_ours > 0 and cpu_then > 0, row
-    assert all_ours >= wall_ours and all_then >= wall_then, "every rank's return includes rank 0's"
-    assert _printed_ratio_fits(wall_ratio, wall_ours, wall_then, 3), row
-    assert _printed_ratio_fits(all_ratio, all_ours, all_then, 3), row
-    assert _printed_ratio_fits(cpu_ratio, cpu_ours, cpu_then, 0), row
+def _assert_consistent(table: Table, out: str) -> None:
+    for label, row in table.items():
+        for column, value in row.items():
+            if "/" in column:
+                num, den = column.split("/")
+                assert _printed_ratio_fits(value, row[num], row[den], 3), (label, column, out)
+            else:
+                assert value > 0, (label, column, out)
+
+
+def test_the_sweep_times_whole_rounds_and_prints_ratios_of_its_figures(tmp_path: Path) -> None:
+    out = _bench("--sizes", "4K", "--reps", "3", "--busy", "1", "--json", str(tmp_path / "r.json"))
+    tables = _tables(out)
+    assert set(tables) == {"all done", "rank 0", "cpu", "tiny round trip"}, out
+    for table in tables.values():
+        _assert_consistent(table, out)
+    done, rank0 = tables["all done"]["4K"], tables["rank 0"]["4K"]
+    for method in ("ours", "floor", "gloo", "modelopt"):
+        assert done[method] > 0 and done[method] >= rank0[method], (method, out)
+    assert {"ours/floor", "gloo/ours", "modelopt/ours"} <= set(done), out
+    tiny = tables["tiny round trip"]
+    assert set(tiny) == {"all done", "rank 0", "cpu"}, out
+    assert {"ours", "gather_object", "ping", "ours/ping", "gather_object/ours"} == set(tiny["all done"]), out
+    assert "1 spinning processes beside the ranks" in out, out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["reps"] == {"4K": 3, "tiny": 3}, saved
+    assert round(saved["summary"]["4K"]["ours"]["all done"][1], 3) == done["ours"], saved
+
+
+def test_against_a_revision_runs_both_versions_in_the_same_rounds() -> None:
+    out = _bench("--against", "HEAD", "--sizes", "4K", "--reps", "2")
+    tables = _tables(out)
+    for table in tables.values():
+        _assert_consistent(table, out)
+    assert {"ours", "then", "floor", "ours/then", "ours/floor", "then/floor"} == set(tables["all done"]["4K"])
+    assert {"ours", "then", "ping", "ours/then", "ours/ping"} == set(tables["tiny round trip"]["cpu"])
 
 
 def test_against_an_unknown_revision_says_so() -> None:
@@ -78,103 +130,54 @@ def test_a_copy_that_imports_itself_by_name_is_refused(tmp_path: Path) -> None:
     assert not bench._imports_itself(relative)
 
 
-def test_cpu_mode_measures_every_method_including_the_store_free_round() -> None:
-    out = _bench("--cpu", "--sizes", "4K", "--rounds", "30")
-    methods = {m.group(1) for m in re.finditer(r"^\s+4K\s+(\S+)\s", out, re.MULTILINE)}
-    assert methods >= {"ours", "limit", "gloo", "bare", "bare+wire", "direct"}, out
-    # The store server's CPU (the launching process): the store round costs it, the direct one not.
-    server = {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r"^\s+4K\s+(\S+)\s.*store server\s+(\d+)", out, re.M)
-    }
-    assert server.keys() == methods and server["bare"] > server["direct"], out
-
-
-def test_steps_mode_splits_a_cold_call_into_steps() -> None:
-    """``--steps --cold``: every rank evicts its caches before each call; a call's steps add up to it."""
-    out = _bench("--steps", "--cold", "--sizes", "4K", "--rounds", "20")
-    assert "caches evicted before each call" in out, out
-    header = next(line for line in out.splitlines() if line.strip().startswith("size")).split()
-    for rank in ("0", "1"):
-        row = next(line.split() for line in out.splitlines() if line.split()[:2] == ["4K", rank])
-        spent = dict(zip(header[2:], map(float, row[2:]), strict=True))
-        assert spent["python"] > 0 and spent["wire"] > 0 and spent["call"] > 0, out
-        # Medians of parts need not add up exactly; each part is within the call.
-        assert max(spent[s] for s in ("python", "wire", "publish", "fetch")) <= spent["call"], out
-
-
-def test_timeline_mode_follows_cold_calls_on_the_shared_clock() -> None:
-    """``--timeline``: every span of a call is reported for each size, the parts within their whole."""
-    out = _bench("--timeline", "--sizes", "4K", "--rounds", "20")
-    assert "where a cold call's wall time goes" in out, out
-    spans = {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r"^ +(\w+(?: \w+)?) +(-?[\d.]+) \(", out, flags=re.MULTILINE)
-    }
-    assert set(spans) == {"spread", "after", "sender", "on way", "rank 0", "cpu s", "cpu 0"}, out
-    assert spans["after"] > 0 and spans["sender"] > 0 and spans["rank 0"] > 0, out
-    assert spans["cpu s"] > 0 and spans["cpu 0"] > 0, out
-    assert spans["rank 0"] <= spans["after"], out
-
-
-def test_timeline_spans_are_worked_out_from_each_ranks_marks() -> None:
-    """The spans of one call, from made-up marks (ns): which rank started last, whose claim went last."""
+def test_the_checksum_reads_every_byte() -> None:
+    """A change of any one byte, of a tensor of any size, changes the checksum."""
     bench = load_script("bench_latency")
-    rank0 = {"start": 1_000, "start cpu": 0, "taken": 9_000, "end": 12_000, "end cpu": 7_000}
-    early = {"start": 2_000, "start cpu": 100, "sent": 8_000, "sent cpu": 3_100}  # starts first, sends last
-    late = {"start": 4_000, "start cpu": 500, "sent": 6_000, "sent cpu": 2_000}
-    rows = bench._timeline_rows([[rank0], [early], [late]])
-    assert rows["spread"] == [3.0]  # 1 000 to 4 000 ns
-    assert rows["after"] == [8.0]  # from the last start (4 000) to rank 0's end (12 000)
-    assert rows["sender"] == [2.0]  # the last to start: 4 000 to its claim at 6 000
-    assert rows["on way"] == [1.0]  # the last claim to go (8 000) to rank 0 taking it (9 000)
-    assert rows["rank 0"] == [3.0] and rows["cpu 0"] == [7.0]
-    assert rows["cpu s"] == [3.0, 1.5]  # each sender's
+    for nbytes in (4096, 4100, 7):
+        base = torch.zeros(nbytes, dtype=torch.uint8)
+        want = bench._checksum([base, base])
+        for at in range(nbytes):
+            changed = base.clone()
+            changed[at] = 1
+            assert bench._checksum([base, changed]) != want, (nbytes, at)
 
 
-def test_cold_without_steps_is_refused() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_latency.py"), "--cold", "--sizes", "4K"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 2 and "--cold goes with --steps" in done.stderr, done.stderr
+def test_whole_round_figures_come_from_every_ranks_stamps() -> None:
+    """Made-up stamps (ns): all done from the earliest entry to the latest return, rank 0's own span, and
+    the CPU of all ranks."""
+    bench = load_script("bench_latency")
+    rank0 = {"m": [(1_000_000, 3_000_000, 500_000), (0, 1_000_000, 100_000)]}
+    early = {"m": [(500_000, 1_500_000, 200_000), (0, 4_000_000, 300_000)]}  # enters first / returns last
+    late = {"m": [(2_000_000, 6_000_000, 300_000), (100_000, 200_000, 100_000)]}
+    got = bench.summarise([rank0, early, late])["m"]
+    low, median, high = got["all done"]
+    assert 4.0 <= low <= median == 4.75 <= high <= 5.5 and got["rank 0"][1] == 1.5 and got["cpu"][1] == 0.75
 
 
-def test_the_sweep_reports_paired_ratios_beside_the_ratios_of_medians() -> None:
-    out = _bench("--sizes", "4K", "--reps", "3")
-    row = next(line for line in out.splitlines() if line.strip().startswith("4K"))
-    assert float(row.split()[-3]) > 0, row  # ours/limit of the medians
-    paired = re.search(r"paired .*: 4K ([0-9.]+) / ([0-9.]+)", out)
-    assert paired is not None and float(paired[1]) > 0 and float(paired[2]) > 0, out
-    # The spread: the 10th, 50th and 90th percentile of ours and of the limit, in order.
-    spread = re.search(
-        r"spread .*: 4K ours ([0-9.]+)/([0-9.]+)/([0-9.]+) · limit ([0-9.]+)/([0-9.]+)/([0-9.]+)", out
-    )
-    assert spread is not None, out
-    ours, limit = [float(x) for x in spread.groups()[:3]], [float(x) for x in spread.groups()[3:]]
-    assert ours == sorted(ours) and limit == sorted(limit) and ours[0] > 0, out
+def test_the_script_uses_no_private_name_of_the_package() -> None:
+    """No ``_name`` imported from the package, nor read off anything imported from it."""
+    tree = ast.parse((SCRIPTS / "bench_latency.py").read_text())
+    imported = {"du_against", "against"}  # the package at --against's revision
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distribute_utils"):
+            assert not any(p.startswith("_") for p in (node.module or "").split(".")), node.module
+            assert not any(a.name.startswith("_") for a in node.names), ast.dump(node)
+            imported |= {a.asname or a.name for a in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported:
+            assert not node.attr.startswith("_"), f"{node.value.id}.{node.attr} (line {node.lineno})"
 
 
-def test_first_mode_times_gathers_that_need_new_segments() -> None:
-    out = _bench("--first", "--sizes", "1M", "--reps", "3")
-    row = next(line.split() for line in out.splitlines() if line.strip().startswith("1M"))
-    ours, fresh, ratio = map(float, row[1:])
-    assert ours > 0 and _printed_ratio_fits(ratio, ours, fresh, 2), out
-
-
-def test_a_failed_run_leaves_none_of_its_limit_segments(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ranks that fail never close their limits: the launching process removes this run's segments (and
+def test_a_failed_run_leaves_none_of_its_floor_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks that fail never close their floors: the launching process removes this run's segments (and
     only this run's) however the run ends."""
     monkeypatch.delenv("DU_BENCH_RUN", raising=False)
     bench = load_script("bench_latency")
-    other = Path("/dev/shm/du-bench-limit-otherrun-copy-1")
+    other = Path("/dev/shm/du-bench-floor-otherrun-4096-1")
     other.write_bytes(b"x")
     try:
-        with pytest.raises(RuntimeError, match="a rank failed"), bench._limits_removed_at_end():
-            mine = Path(f"{bench._limit_prefix()}copy-{os.getpid()}")
+        with pytest.raises(RuntimeError, match="a rank failed"), bench._segments_removed_at_end():
+            mine = Path(f"{bench._run_prefix()}4096-{os.getpid()}")
             mine.write_bytes(b"x")
             raise RuntimeError("a rank failed")
         assert not mine.exists(), "this run's segment is removed"
