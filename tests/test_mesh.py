@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import time
@@ -319,30 +320,42 @@ def test_first_ranks_own_values_are_yielded_on_the_target_device(ranks4: RankPoo
     assert results[0]["devices"] == ["cpu"]
 
 
-def test_placing_the_first_ranks_own_config_copies_only_what_moves() -> None:
-    """The walk behind "every yielded tensor on one device", with the meta device as target."""
-    import dataclasses
+@dataclasses.dataclass
+class _Linear:
+    weight: torch.Tensor
+    name: str = "fc"
 
-    from distribute_utils.gather import _place
 
-    @dataclasses.dataclass
-    class Linear:
-        weight: torch.Tensor
-        name: str = "fc"
+def _place_own_config_on(device: str) -> dict:
+    """Each rank the first rank of its own one-rank gather (disjoint lists under the world): what it yields."""
+    from distribute_utils import get_configs_parallel
 
     keep = {"note": "no tensors", "n": (1, 2)}
     config = {
-        "fc": Linear(torch.ones(2)),
+        "fc": _Linear(torch.ones(2)),
         "list": [torch.zeros(1), 3],
         "pair": (torch.ones(1),),
         "keep": keep,
     }
-    placed = _place(config, torch.device("meta"))
-    assert placed is not config and config["fc"].weight.device.type == "cpu", (
-        "the caller's config is untouched"
-    )
-    assert placed["fc"].weight.device.type == "meta" and placed["fc"].name == "fc"
-    assert type(placed["fc"]) is Linear and placed["list"][0].device.type == "meta" and placed["list"][1] == 3
-    assert type(placed["pair"]) is tuple and placed["pair"][0].device.type == "meta"
-    assert placed["keep"] is keep, "a subtree without tensors is not copied"
-    assert _place(config, torch.device("cpu")) is config, "nothing to move: the same object"
+    with get_configs_parallel(config, [dist.get_rank()], device=device) as got:
+        placed = got[0]
+        return {
+            "same_object": placed is config,
+            "caller_untouched": config["fc"].weight.device.type == "cpu",
+            "devices": sorted(
+                {t.device.type for t in (placed["fc"].weight, placed["list"][0], placed["pair"][0])}
+            ),
+            "kinds": (type(placed["fc"]) is _Linear, type(placed["pair"]) is tuple, placed["list"][1]),
+            "name": placed["fc"].name,
+            "keep_shared": placed["keep"] is keep,
+        }
+
+
+def test_placing_the_first_ranks_own_config_copies_only_what_moves(ranks4: RankPool) -> None:
+    """The walk behind "every yielded tensor on one device" (``device=``), with the meta device as target."""
+    for moved in ranks4.run(_place_own_config_on, "meta"):
+        assert not moved["same_object"] and moved["caller_untouched"], "the caller's config is untouched"
+        assert moved["devices"] == ["meta"] and moved["kinds"] == (True, True, 3) and moved["name"] == "fc"
+        assert moved["keep_shared"], "a subtree without tensors is not copied"
+    for kept in ranks4.run(_place_own_config_on, "cpu"):
+        assert kept["same_object"], "nothing to move: the same object"
