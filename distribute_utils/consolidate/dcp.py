@@ -313,7 +313,8 @@ class DcpCheckpoint:
             self._reader.set_up_storage_reader(self._metadata, True)
         planner = _IntoBuffers(buffers)
         try:
-            self._reader.read_data(LoadPlan(items), cast("LoadPlanner", planner)).wait()  # duck-typed (see _IntoBuffers)
+            # _IntoBuffers is the part of a LoadPlanner that read_data calls
+            self._reader.read_data(LoadPlan(items), cast("LoadPlanner", planner)).wait()
         except Exception as exc:
             raise self._damaged([item.storage_index for item in items], exc) from None
         expected = sum(math.prod(b.shape) for b in out)
