@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["SHM_DIR", "ProcessInfo", "pid_alive", "process_alive", "this_process"]
 
@@ -59,10 +61,10 @@ class ProcessInfo:
         ]
 
     @classmethod
-    def from_wire(cls, items: list[object]) -> ProcessInfo:
+    def from_wire(cls, items: Sequence[Any]) -> ProcessInfo:
         """Read :meth:`to_wire`'s list (also one of 6 items, written before the network namespace was)."""
         hostname, boot_id, shm_device, pid_ns, pid, start, *rest = items
-        net_ns = int(rest[0]) if rest else -1  # type: ignore[call-overload]
+        net_ns = int(rest[0]) if rest else -1
         return cls(str(hostname), str(boot_id), int(shm_device), int(pid_ns), int(pid), int(start), net_ns)
 
 

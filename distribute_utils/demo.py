@@ -54,6 +54,7 @@ def mesh_rank(tp: int, pp: int) -> dict[str, Any]:
     report: dict[str, Any] = {"rank": mesh.rank, "coord": mesh.coordinate(), "axes": {}}
     for axis in ("pp", "tp"):
         group = mesh.get_group_along_axis(axis)
+        assert group is not None  # no indices_at_axis: every rank is in a group along each axis
         value = torch.tensor([mesh.rank], dtype=torch.int64)
         start = time.perf_counter()
         dist.all_reduce(value, group=group)

@@ -46,6 +46,7 @@ participant on each remote host collects its host's payloads and forwards one bu
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -58,7 +59,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from os import PathLike
-from typing import Any, NamedTuple, NoReturn, ParamSpec, TypeVar
+from typing import Any, NamedTuple, NoReturn, ParamSpec, TypedDict, TypeVar
 
 import msgpack
 import torch
@@ -162,8 +163,7 @@ def _check_ranks_now(ranks: Sequence[int], members: tuple[int, ...], world: int)
     if bad:
         raise ValueError(f"ranks must be ints; got {bad!r} in {ranks}")
     if len(set(ranks)) != len(ranks):
-        seen: set[int] = set()
-        duplicates = sorted({r for r in ranks if r in seen or seen.add(r)})
+        duplicates = sorted(r for r, n in collections.Counter(ranks).items() if n > 1)
         raise ValueError(f"ranks {ranks} lists {duplicates} more than once; each rank may appear once")
     outside_world = [r for r in ranks if not 0 <= r < world]
     if outside_world:
@@ -204,7 +204,7 @@ class _Claim(NamedTuple):
         return msgpack.packb(self)  # an array of the fields, in order
 
     @classmethod
-    def unpack(cls, data: bytes) -> _Claim:
+    def unpack(cls, data: bytes | bytearray | memoryview) -> _Claim:
         return cls._make(msgpack.unpackb(data))  # raises TypeError when the fields do not match
 
 
@@ -221,7 +221,7 @@ class _Verdict(NamedTuple):
         return msgpack.packb(self)  # an array of the fields, in order
 
     @classmethod
-    def unpack(cls, data: bytes) -> _Verdict:
+    def unpack(cls, data: bytes | bytearray | memoryview) -> _Verdict:
         return cls._make(msgpack.unpackb(data))  # raises TypeError when the fields do not match
 
 
@@ -448,7 +448,7 @@ class _Gather:
         call (True), not yet (False), or doing something else (raises)?"""
         if entry is None:
             return False
-        if entry == "past":
+        if isinstance(entry, str):  # "past"
             raise _mismatch(self.me, self.shown, rank, None)
         kind, ranks, digest, mode, error, path = entry
         self.check_claim(rank, _Claim(kind, ranks, digest, mode, error))
@@ -460,8 +460,8 @@ class _Gather:
         """A sender of a direct round, on its first rank whose verdict has not come (see judge_sender)."""
         if entry is None:
             return False
-        if entry == "past" or entry[0] != "first" or entry[2] != self.digest:
-            raise _mismatch(self.me, self.shown, rank, None if entry == "past" else entry[1])
+        if isinstance(entry, str) or entry[0] != "first" or entry[2] != self.digest:  # str: "past"
+            raise _mismatch(self.me, self.shown, rank, None if isinstance(entry, str) else entry[1])
         mode, error, path = entry[3:]
         if error is not None:
             _raise_from(error, f"the first rank ({rank}) failed: ")
@@ -586,7 +586,7 @@ class _Gather:
             raise PayloadError(f"rank {rank} sent its payload on an unknown device {receipt!r:.40}")
         return self.collective(receipt)
 
-    def fetch(self, rank: int, plan: _Plan | None, body: list[Any]) -> Any:
+    def fetch(self, rank: int, plan: _Plan | None, body: list[Any] | None) -> Any:
         """The buffer of ``rank``'s payload, from the transport that carried it."""
         if type(body) is not list or len(body) != 2 or type(body[0]) is not str:
             raise PayloadError(f"rank {rank} posted a malformed claim body {body!r:.80}")
@@ -702,7 +702,7 @@ class _Gather:
         there. On any failure the store gets what the store round would hold (its claim and marker)."""
         call = self.call
         delivered = False
-        message = [_CLAIM_LENGTH.pack(len(claim)), claim]
+        message: list[bytes | memoryview] = [_CLAIM_LENGTH.pack(len(claim)), claim]
         if self._attached is not None:
             message += self._attached.buffers()
         try:
@@ -716,7 +716,7 @@ class _Gather:
                 delivered = delivered or call.send_direct(self.first, _CLAIM, message, sync.RETRY_S)
                 return not delivered
 
-            found: list[bytes] = []
+            found: list[bytearray] = []
             call.receive_direct(
                 _VERDICT,
                 [self.first],
@@ -1194,6 +1194,15 @@ def _check_device(device: str | torch.device | None) -> None:
 Workspace = str | PathLike[str] | None
 
 
+class _Options(TypedDict):
+    """The options each public gather passes on to :func:`gather_to_first`."""
+
+    transport: str
+    workspace_path: Workspace
+    timeout: float | timedelta | None
+    device: str | torch.device | None
+
+
 def get_tensors_parallel(
     tensor: torch.Tensor,
     ranks: Sequence[int],
@@ -1233,7 +1242,7 @@ def get_tensors_parallel(
         SpaceError: no room for a payload in ``/dev/shm`` (and no workspace given) or in the
             workspace.
     """
-    options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
+    options = _Options(transport=transport, workspace_path=workspace_path, timeout=timeout, device=device)
     return gather_to_first(tensor, ranks, group, root="tensor", **options)
 
 
@@ -1263,7 +1272,7 @@ def get_configs_parallel(
         DeviceUnavailableError: with ``device=None``, a received tensor's device does not exist on
             the first rank (sender, path and device named), on every rank, before anything is yielded.
     """
-    options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
+    options = _Options(transport=transport, workspace_path=workspace_path, timeout=timeout, device=device)
     return gather_to_first(config, ranks, group, root="config", **options)
 
 
@@ -1284,7 +1293,7 @@ def gather_tensors(
     """
     ranks = mesh.ranks_along_axis(axis)
     group = mesh.cached_group_along_axis(axis) or ranks
-    options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
+    options = _Options(transport=transport, workspace_path=workspace_path, timeout=timeout, device=device)
     return gather_to_first(tensor, ranks, group, root="tensor", **options)
 
 
@@ -1304,5 +1313,5 @@ def gather_configs(
     """
     ranks = mesh.ranks_along_axis(axis)
     group = mesh.cached_group_along_axis(axis) or ranks
-    options = {"transport": transport, "workspace_path": workspace_path, "timeout": timeout, "device": device}
+    options = _Options(transport=transport, workspace_path=workspace_path, timeout=timeout, device=device)
     return gather_to_first(config, ranks, group, root="config", **options)

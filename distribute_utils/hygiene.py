@@ -34,7 +34,7 @@ import secrets
 import stat
 import time
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from ._host import SHM_DIR, pid_alive, process_alive, this_process
 from .errors import DistributeError
@@ -191,7 +191,7 @@ def workspace_round_trip(workspace: str, nbytes: int = PROBE_BYTES, timeout: flo
         start = time.perf_counter()
         try:
             tr.publish(token, 0, payload)
-            back = wire.decode(tr.fetch(token, 0))
+            back = cast("dict[str, torch.Tensor]", wire.decode(tr.fetch(token, 0)))
         finally:
             tr.release(token, 0)
         elapsed = time.perf_counter() - start
@@ -350,7 +350,8 @@ def _workspace_section(rep: _Report, workspace: str) -> None:
     from .transports import files as wsfiles
 
     path = os.path.abspath(workspace)
-    rep.data["workspace"] = info = {"path": path}
+    info: dict[str, Any] = {"path": path}
+    rep.data["workspace"] = info
     if not os.path.exists(path):
         parent = os.path.dirname(path)
         if os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):

@@ -17,6 +17,7 @@ import logging
 import math
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any, cast
 
 import msgpack
 import torch
@@ -156,9 +157,9 @@ class ProcessGroupMesh:
         """
         axes = [axis] if isinstance(axis, int) else list(axis)
         if isinstance(axis, int):
-            per_axis = [list(indices_at_axis or [])]
+            per_axis = [list(cast("Sequence[int]", indices_at_axis or []))]
         else:
-            per_axis = [list(i) for i in indices_at_axis or []]
+            per_axis = [list(i) for i in cast("Sequence[Sequence[int]]", indices_at_axis or [])]
         if len(per_axis) != len(axes):
             raise ValueError(
                 f"indices_at_axis needs one list per axis: {len(axes)} axes, {len(per_axis)} lists"
@@ -197,7 +198,7 @@ class ProcessGroupMesh:
         backend_name = self._resolve_backend(backend)
         mine: dist.ProcessGroup | None = None
         member = False
-        extra: dict[str, object] = {}
+        extra: dict[str, Any] = {}
         if pg_options is not None:
             extra["pg_options"] = pg_options
         if group_desc is not None:

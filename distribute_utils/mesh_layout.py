@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -291,7 +291,7 @@ class MeshLayout:
     ) -> list[list[int] | None]:
         if indices_at_axis is None:
             return [None] * len(grouped)
-        items = list(indices_at_axis)
+        items: list[Any] = list(indices_at_axis)  # checked below: ints, or one sequence per axis
         if len(grouped) == 1 and all(isinstance(i, int) for i in items):
             per_axis: list[Sequence[int] | None] = [items]
         else:

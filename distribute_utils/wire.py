@@ -35,7 +35,7 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import msgpack
 import torch
@@ -534,7 +534,7 @@ class _Encoder:
             self._enter(obj)
             items: list[Any] = [] if tp is list else [_TUPLE_EXT]  # a tuple is a marked array
             append = items.append
-            for i, item in enumerate(obj):  # type: ignore[arg-type]
+            for i, item in enumerate(cast("Sequence[Any]", obj)):
                 ti = type(item)
                 if ti in _PLAIN or (ti is int and _I64_MIN <= item <= _U64_MAX):  # fast path
                     append(item)
@@ -797,7 +797,7 @@ def _layout(
     # few steps from the lower bound.
     start = _align(PREFIX_SIZE + len(header_base) + 1)
     while True:
-        entries = []
+        entries: list[list[Any]] = []
         cursor = start
         end = 0
         for t, where in zip(tensors, devices):

@@ -43,7 +43,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PosixPath
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 
@@ -64,6 +64,8 @@ from .writers import (
 )
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.planner import LoadPlanner
+
     from .plan import RuleChoice
 
 __all__ = ["DCP_METADATA", "MEGATRON_NAMES", "DcpCheckpoint", "read_dcp_metadata"]
@@ -311,7 +313,8 @@ class DcpCheckpoint:
             self._reader.set_up_storage_reader(self._metadata, True)
         planner = _IntoBuffers(buffers)
         try:
-            self._reader.read_data(LoadPlan(items), planner).wait()
+            # _IntoBuffers is the part of a LoadPlanner that read_data calls
+            self._reader.read_data(LoadPlan(items), cast("LoadPlanner", planner)).wait()
         except Exception as exc:
             raise self._damaged([item.storage_index for item in items], exc) from None
         expected = sum(math.prod(b.shape) for b in out)
@@ -430,7 +433,8 @@ class _ChunkLoader:
         if f is None:
             f = self._files[info.relative_path] = open(self._root / info.relative_path, "rb")  # noqa: SIM115
         try:
-            chunk = torch.load(_FileView(f, info.offset, info.length), map_location="cpu", weights_only=True)
+            # torch.load hints IO[bytes]; its documented contract is any file-like object (read, seek, tell)
+            chunk = torch.load(_FileView(f, info.offset, info.length), map_location="cpu", weights_only=True)  # type: ignore[arg-type]
         except Exception as exc:  # a damaged item: torch raises anything (RuntimeError, EOFError, ...)
             raise CheckpointFormatError(
                 f"checkpoint file '{self._root / info.relative_path}' is corrupt: item '{key.fqn}' (bytes "

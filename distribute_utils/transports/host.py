@@ -18,7 +18,7 @@ in its verdict, :meth:`HostTransport.heed` acts on it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._host import ProcessInfo
@@ -141,7 +141,7 @@ class HostTransport:
         keep_freed([(pid, ident) for _, ident, pid in notes])
 
     @staticmethod
-    def heed(rank: int, notes: list[Any]) -> None:
+    def heed(rank: int, notes: Sequence[Any]) -> None:
         """A sender, given its receiver's :meth:`notes`: its segments named there may be written again."""
         if notes:
             segments_freed({n[1] for n in notes if type(n) is list and len(n) == 3 and n[0] == rank})

@@ -423,7 +423,8 @@ def owner_process(record: dict[str, Any]) -> ProcessInfo:
 def judge(path: str, me: ProcessInfo, max_age: float, now: float) -> str | None:
     """Why the namespace at ``path`` can be removed, or None to keep it."""
     owners, unreadable, newest = owner_records(path)
-    local, remote = [], []
+    local: list[ProcessInfo] = []
+    remote: list[ProcessInfo] = []
     for r in owners:
         info = owner_process(r)
         (local if me.can_watch(info) else remote).append(info)
