@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -46,6 +47,10 @@ def test_small_dev_shm_gives_clear_error_not_sigbus(tmp_path: Path) -> None:
     assert all(errors), f"every rank must fail loudly: {reports}"
     space = [e for e in errors if e.startswith("SpaceError")]
     assert space, errors
-    assert "/dev/shm (size 67,108,864 bytes" in space[0] and "cannot hold the 33,554,496 bytes" in space[0]
+    assert "/dev/shm (size 67,108,864 bytes" in space[0], space[0]
+    payload = re.search(r"cannot hold the ([\d,]+) bytes", space[0])
+    assert payload, space[0]
+    # 32 MiB of tensor bytes and the header (its exact size is the wire format's business)
+    assert 32 * 2**20 < int(payload[1].replace(",", "")) < 32 * 2**20 + 4096, space[0]
     assert "SpaceError" in errors[0], "the first rank names the cause"
     assert all(r["shm_left"] == [] for r in reports), reports
