@@ -407,19 +407,9 @@ class GroupSync:
     ) -> list[bytes]:
         watch = None
         if self.directory is not None and awaited:
-            watch = Watch(self.directory, self._watch_store(timeout), awaited, None)
+            watch = Watch(self.directory, self.directory.watch_client(timeout), awaited, None)
         generation, lookup = self.generation if self.generation is not None else (None, None)
         return wait_watched(self.store, keys, ranks, timeout, what, watch, lookup, generation)
-
-    def _watch_store(self, timeout: float) -> dist.Store:
-        """The watchdog thread's client of the store (shared by every group of the incarnation), made
-        within ``timeout``."""
-        if self.directory is not None:
-            return self.directory.watch_client(timeout)
-        client = getattr(self, "_watch_client", None)
-        if client is None:
-            client = self._watch_client = new_client(self.store, "watching local ranks", timeout)
-        return client
 
     # -- barrier -------------------------------------------------------------------------------
     def barrier(self, timeout: float, what: str = "barrier") -> None:
@@ -441,10 +431,10 @@ class GroupSync:
         if arrived < n:
             others = [r for r in self.ranks if r != self.rank]
             watch = None
-            if self.peers is not None:
+            if self.directory is not None:  # (without one, dead peers are found at the timeout)
                 watch = Watch(
                     self.directory,
-                    self._watch_store(timeout),
+                    self.directory.watch_client(timeout),
                     dict.fromkeys(others, go),
                     lambda r: call.key("in", r),
                 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import os
 import re
 import signal
@@ -122,7 +123,9 @@ def test_overlapping_lists_raise_on_the_ranks_concerned_without_hanging(ranks4: 
         assert errors[1]["error"] == "ArgumentError" and "[0, 1, 2]" in errors[1]["message"], errors[1]
     if case == "crossed":
         assert set(errors) == {0, 1}, results
-        assert all(e["error"] == "ArgumentError" and "[1, 0]" in e["message"] for e in errors.values()), errors
+        assert all(e["error"] == "ArgumentError" and "[1, 0]" in e["message"] for e in errors.values()), (
+            errors
+        )
         assert results[2]["got"] == [[2.0] * 3, [3.0] * 3]  # the disjoint gather is untouched
     if case in ("first_is_sender", "sender_is_a_first"):
         assert errors[2]["error"] == "ArgumentError" and "[0, 1]" in errors[2]["message"], errors[2]
@@ -817,3 +820,19 @@ def test_a_corrupt_payload_in_a_direct_round_fails_every_rank_naming_its_sender(
     for rank, r in enumerate(results):
         assert "rank 1" in r["message"] and "magic" in r["message"] and r["seconds"] < 10, (rank, r)
     assert results[0]["next"] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_companion_without_a_directory_waits_without_the_watchdog(caplog: pytest.LogCaptureFixture) -> None:
+    """A GroupSync made without a peer directory has no local peers to watch: a barrier on it must not
+    hand the watchdog a watch (whose every check failed, logged at debug level only)."""
+    master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore(
+        "127.0.0.1", master.port, 1, is_master=False, timeout=datetime.timedelta(seconds=60)
+    )
+    group = sync.GroupSync((0, 1), 0, client, "test/no-directory")
+    caplog.set_level(logging.DEBUG, logger="distribute_utils")
+    with pytest.raises(PeerLostError) as failed:  # rank 1 never comes: the wait outlasts the watchdog's grace
+        group.barrier(3, what="barrier over ranks [0, 1]")
+    assert failed.value.missing == (1,)
+    failures = [r.getMessage() for r in caplog.records if "watchdog check failed" in r.getMessage()]
+    assert not failures, f"the watchdog was given a watch it cannot check ({len(failures)} failed checks)"
