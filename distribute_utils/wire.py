@@ -767,7 +767,7 @@ def encode(
     )
 
 
-_LAYOUTS = Recent(_RECENT_MAX)
+_LAYOUTS: Recent[Any, Any] = Recent(_RECENT_MAX)
 
 
 def _layout(
@@ -1074,7 +1074,8 @@ def _head_key(mv: memoryview, max_header_bytes: int) -> bytes | None:
     return mv[: PREFIX_SIZE + header_len].tobytes()
 
 
-_HEADS = Recent(_RECENT_MAX)  # checked heads (prefix and header): their bytes -> what they say
+# Checked heads (prefix and header): their bytes -> what they say.
+_HEADS: Recent[Any, Any] = Recent(_RECENT_MAX)
 
 
 _MSGPACK_DEPTH = 1024  # msgpack's unpacker nests at most this many containers
@@ -1166,7 +1167,8 @@ class _Slot(NamedTuple):
     device: str  # where its sender had it ("cpu" for a version 1 payload)
 
 
-_TABLES = Recent(_RECENT_MAX)  # checked tensor tables: configs differ in values more often than in shapes
+# Checked tensor tables: configs differ in values more often than in shapes.
+_TABLES: Recent[Any, Any] = Recent(_RECENT_MAX)
 
 
 def _tensor_table(raw: memoryview, header_end: int, total_len: int, version: int) -> tuple[_Slot, ...]:
