@@ -1,8 +1,13 @@
-"""One exception hierarchy for the whole package.
+"""One exception hierarchy for the whole package, all of it defined here.
 
 Every error we raise on purpose derives from :class:`DistributeError`, and also from
-the built-in a caller would naturally catch (``ValueError``, ``TimeoutError``, ...).
-All of them survive pickling, so a worker's error can be re-raised in its parent.
+the built-in a caller would naturally catch (``ValueError``, ``TimeoutError``, ``OSError``,
+``RuntimeError``, ``TypeError``), so ``except ValueError`` keeps working where a plain
+``ValueError`` was raised before. The modules that raise them re-export them under their old
+names (``distribute_utils.mailbox.MailboxError``, ``distribute_utils.consolidate.rules.MergeError``, ...).
+All of them survive pickling, so a worker's error can be re-raised in its parent. (Private
+exceptions that never leave their module, and :class:`~distribute_utils.interrupts.Interrupted`, a
+``BaseException`` like ``KeyboardInterrupt``, are not errors in this sense.)
 """
 
 from __future__ import annotations
@@ -10,15 +15,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "ArgumentError",
+    "CheckpointFormatError",
+    "ConcurrentUseError",
+    "ConsolidationError",
     "DeviceUnavailableError",
     "DistributeError",
     "ForkedProcessError",
     "GatherError",
     "LaunchError",
+    "LayoutError",
+    "MailboxError",
+    "MergeError",
+    "NotInitializedError",
+    "OutputError",
     "PayloadError",
     "PeerLostError",
+    "RuleSyntaxError",
     "SpaceError",
     "TransportUnavailableError",
+    "UnsafeCheckpointError",
+    "UnsupportedTypeError",
     "WorkspaceError",
     "one_line",
     "plural_list",
@@ -89,3 +106,71 @@ class WorkspaceError(DistributeError, OSError):
 
 class LaunchError(DistributeError, RuntimeError):
     """A spawned local rank failed or died; the message holds its error (the traceback at debug level)."""
+
+
+class ArgumentError(DistributeError, ValueError):
+    """An argument (or ``$DISTRIBUTE_UTILS_TIMEOUT``) is not valid: the message says what is wrong and
+    what is valid (ranks lists, transports, timeouts, devices, sizes)."""
+
+
+class UnsupportedTypeError(DistributeError, TypeError):
+    """A value of a type this package cannot take: a config value that cannot travel (named by its path,
+    with what is supported), a buffer that is not bytes-like, a tensor gather given no tensor."""
+
+
+class NotInitializedError(DistributeError, RuntimeError):
+    """Something needed was not set up first: ``torch.distributed``'s default process group (the message
+    says what to call), or a companion's peer directory."""
+
+
+class ConcurrentUseError(DistributeError, RuntimeError):
+    """A second thread of a rank entered an operation on a group while another was inside one (operations
+    on one group must come from one thread at a time)."""
+
+
+class MailboxError(DistributeError, OSError):
+    """This process cannot listen for a group's messages (its address is taken or not allowed)."""
+
+
+class OutputError(DistributeError, ValueError):
+    """The output path cannot be used as asked (missing parent, not a directory, files in the way)."""
+
+
+# -- consolidation ---------------------------------------------------------------------------------
+class LayoutError(DistributeError, ValueError):
+    """A checkpoint directory is not a known layout, or its description is inconsistent."""
+
+
+class CheckpointFormatError(DistributeError, ValueError):
+    """A checkpoint file is malformed, or a tensor does not fit the format (dtype, spec)."""
+
+
+class MergeError(DistributeError, ValueError):
+    """Shards of a tensor cannot be merged (shapes, dtypes or contents disagree)."""
+
+
+class RuleSyntaxError(DistributeError, ValueError):
+    """A rule, a rules file or a rules mapping is malformed."""
+
+
+class UnsafeCheckpointError(DistributeError, ValueError):
+    """A ``torch.save`` file holds objects that cannot be loaded without running pickled code."""
+
+
+class ConsolidationError(DistributeError, RuntimeError):
+    """The consolidation failed on another rank (or in a spawned local rank).
+
+    Attributes:
+        cause: the originating error's message.
+        rank: the global rank where it happened (``None`` when unknown).
+        kind: the originating exception's type name, e.g. ``"MergeError"``.
+    """
+
+    def __init__(self, cause: str, rank: int | None = None, kind: str | None = None) -> None:
+        super().__init__(cause, rank, kind)
+        self.cause = cause
+        self.rank = rank
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return self.cause if self.rank is None else f"{self.cause} (on rank {self.rank})"

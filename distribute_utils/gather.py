@@ -67,12 +67,15 @@ import torch.distributed as dist
 
 from . import sync, wire
 from ._host import process_alive
+from .caches import Recent
 from .errors import (
+    ArgumentError,
     DeviceUnavailableError,
     GatherError,
     PayloadError,
     PeerLostError,
     TransportUnavailableError,
+    UnsupportedTypeError,
 )
 from .mesh import ProcessGroupMesh
 from .transports import CollectiveTransport, Transport
@@ -104,7 +107,15 @@ the receiving process, not at all by the sender's); larger ones as :data:`INLINE
 
 _RAISABLE: dict[str, type[Exception]] = {
     cls.__name__: cls
-    for cls in (TypeError, ValueError, TransportUnavailableError, PeerLostError, DeviceUnavailableError)
+    for cls in (
+        TypeError,
+        ValueError,
+        ArgumentError,
+        UnsupportedTypeError,
+        TransportUnavailableError,
+        PeerLostError,
+        DeviceUnavailableError,
+    )
 }
 
 
@@ -119,16 +130,11 @@ class _List:
         self.ranks, self.first, self.digest = ranks, ranks[0], digest
         self.shown = ranks if len(ranks) <= 64 else None  # (in messages: a long list is left out)
         self.what = f"gather to rank {self.first}"
-        self._kept: dict[tuple[Any, ...], bytes] = {}
+        self._kept: Recent[tuple[Any, ...], bytes] = Recent(256)
 
     def kept(self, key: tuple[Any, ...], make: Callable[[], bytes]) -> bytes:
         """``make()``, kept under ``key`` (a message of this list: what it says besides the list)."""
-        found = self._kept.get(key)
-        if found is None:
-            if len(self._kept) >= 256:
-                self._kept.clear()
-            found = self._kept[key] = make()
-        return found
+        return self._kept.make(key, make)
 
 
 def _checked(ranks: Sequence[int], companion: sync.GroupSync) -> _List:
@@ -142,36 +148,36 @@ def _checked(ranks: Sequence[int], companion: sync.GroupSync) -> _List:
         found = _LISTS.get(key)
         if found is None:
             checked = _check_ranks_now(ranks, companion.ranks, dist.get_world_size())
-            if len(_LISTS) >= 256:
-                _LISTS.clear()
-            found = _LISTS[key] = _List(checked, companion.digest(checked))
+            found = _LISTS.put(key, _List(checked, companion.digest(checked)))
         return found
     checked = _check_ranks_now(ranks, companion.ranks, dist.get_world_size())
     return _List(checked, companion.digest(checked))
 
 
-_LISTS: dict[tuple[tuple[int, ...], tuple[int, ...]], _List] = {}
+_LISTS: Recent[tuple[tuple[int, ...], tuple[int, ...]], _List] = Recent(256)
 
 
 def _check_ranks_now(ranks: Sequence[int], members: tuple[int, ...], world: int) -> list[int]:
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
-        raise ValueError(f"ranks must be a list of global ranks; got {type(ranks).__name__}")
+        raise ArgumentError(f"ranks must be a list of global ranks; got {type(ranks).__name__}")
     ranks = list(ranks)
     if not ranks:
-        raise ValueError("ranks is empty; list the participating global ranks, the receiver first")
+        raise ArgumentError("ranks is empty; list the participating global ranks, the receiver first")
     bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)]
     if bad:
-        raise ValueError(f"ranks must be ints; got {bad!r} in {ranks}")
+        raise ArgumentError(f"ranks must be ints; got {bad!r} in {ranks}")
     if len(set(ranks)) != len(ranks):
         duplicates = sorted(r for r, n in collections.Counter(ranks).items() if n > 1)
-        raise ValueError(f"ranks {ranks} lists {duplicates} more than once; each rank may appear once")
+        raise ArgumentError(f"ranks {ranks} lists {duplicates} more than once; each rank may appear once")
     outside_world = [r for r in ranks if not 0 <= r < world]
     if outside_world:
-        raise ValueError(f"ranks {outside_world} are outside the world (valid: 0..{world - 1})")
+        raise ArgumentError(f"ranks {outside_world} are outside the world (valid: 0..{world - 1})")
     member_set = set(members) if len(members) != world else None
     outside_group = [] if member_set is None else [r for r in ranks if r not in member_set]
     if outside_group:
-        raise ValueError(f"ranks {outside_group} are not in the group {_short(members)}; list members only")
+        raise ArgumentError(
+            f"ranks {outside_group} are not in the group {_short(members)}; list members only"
+        )
     return ranks
 
 
@@ -246,23 +252,23 @@ def _raise_from(error: Sequence[Any], prefix: str) -> NoReturn:
     raise exc_type(f"{prefix}{message}")
 
 
-def _mismatch(me: int, mine: list[int] | None, other: int, theirs: list[int] | None) -> ValueError:
-    return ValueError(
+def _mismatch(me: int, mine: list[int] | None, other: int, theirs: list[int] | None) -> ArgumentError:
+    return ArgumentError(
         f"ranks disagree on a gather: rank {me} passed ranks={mine}, but rank {other}, which it names, "
         f"passed ranks={theirs}; every rank named in a list must pass that same list (lists may differ "
         "between ranks only when they share no rank)"
     )
 
 
-def _modes_differ(me: int, mine: str, other: int, theirs: str) -> ValueError:
-    return ValueError(
+def _modes_differ(me: int, mine: str, other: int, theirs: str) -> ArgumentError:
+    return ArgumentError(
         f"ranks asked for different transports: rank {me} {mine!r}, rank {other} "
         f"{theirs!r} (transport:has-workspace); pass the same everywhere"
     )
 
 
-def _not_direct(me: int, other: int) -> ValueError:
-    return ValueError(
+def _not_direct(me: int, other: int) -> ArgumentError:
+    return ArgumentError(
         f"rank {other} takes part in this gather through the store while rank {me} sends through "
         "this host's sockets (distribute_utils.mailbox): it could not listen for direct messages "
         "(see its log), or the ranks asked for different transports; pass the same everywhere"
@@ -329,7 +335,7 @@ def _plan(requested: str, ranks: list[int], domains: dict[int, str], has_workspa
     first, order = ranks[0], tuple(ranks)
     if requested in ("workspace", "collective"):
         if requested == "workspace" and not has_workspace:
-            raise ValueError(
+            raise ArgumentError(
                 "transport='workspace' needs a workspace_path (a directory every rank can reach)"
             )
         return _Plan(order, requested, {r: [r] for r in ranks})
@@ -397,7 +403,7 @@ class _Gather:
             from .transports.workspace import WorkspaceTransport
 
             if self.workspace_path is None:
-                raise ValueError("this gather needs a workspace_path (a directory every rank can reach)")
+                raise ArgumentError("this gather needs a workspace_path (a directory every rank can reach)")
             self._workspace = WorkspaceTransport(
                 self.workspace_path, job_token(), self.seconds, sweep_stale=True
             )
@@ -476,7 +482,7 @@ class _Gather:
         if claim.digest != self.digest:
             raise _mismatch(self.me, self.shown, rank, claim.ranks)
         if claim.kind != "send":
-            raise ValueError(f"rank {rank} passed ranks={claim.ranks} but does not send in it")
+            raise ArgumentError(f"rank {rank} passed ranks={claim.ranks} but does not send in it")
         if claim.error is not None:
             _raise_from(claim.error, f"rank {rank} cannot take part in the gather: ")
         if claim.mode != self.mode:
@@ -489,10 +495,7 @@ class _Gather:
         key = (tuple(self.ranks), self.transport, self.workspace_path is not None)
         found = routes.get(key)
         if found is None:
-            found = self._plan_now()
-            if len(routes) >= 256:
-                routes.clear()
-            routes[key] = found
+            found = routes.put(key, self._plan_now())
         return found
 
     def _plan_now(self) -> _Plan:
@@ -1106,8 +1109,8 @@ def gather_to_first(
       (ModelOpt's workspace path, ``map_location="cpu"``). A device the first rank lacks raises
       :class:`~distribute_utils.errors.DeviceUnavailableError` on every rank, before anything is yielded.
 
-    Every rank of ``group`` must enter it (see ``docs/design.md``: ``group`` synchronises, ``ranks``
-    routes); the gather runs when it is entered.
+    Every rank of ``group`` must enter it (see ``docs/api.md``, "The contract: ``group`` synchronises,
+    ``ranks`` routes"); the gather runs when it is entered.
     """
     # A local mistake is posted in this rank's claim: its gather partners raise it too, none waits.
     error: tuple[Any, ...] | None = None
@@ -1134,10 +1137,12 @@ def gather_to_first(
             ).check_in(_error_of(exc))
             raise
         if error is None and transport not in TRANSPORTS:
-            error = _error_of(ValueError(f"unknown transport {transport!r}; valid: {list(TRANSPORTS)}"))
+            error = _error_of(ArgumentError(f"unknown transport {transport!r}; valid: {list(TRANSPORTS)}"))
         if error is None and root == "tensor" and not isinstance(value, torch.Tensor):
             error = _error_of(
-                TypeError(f"get_tensors_parallel gathers a torch.Tensor; got {type(value).__name__}")
+                UnsupportedTypeError(
+                    f"get_tensors_parallel gathers a torch.Tensor; got {type(value).__name__}"
+                )
             )
         checked = listed.ranks
         this = _Gather(
@@ -1184,7 +1189,7 @@ def _check_device(device: str | torch.device | None) -> None:
     except TypeError as exc:  # (not hashable: not a device either)
         why = str(exc)
     if why is not None:
-        raise ValueError(
+        raise ArgumentError(
             f"device={device!r} is not usable on the first rank ({why}); pass a device it has, "
             "or None for the CPU"
         )

@@ -42,6 +42,8 @@ from typing import Any
 import msgpack
 
 from ._host import ProcessInfo
+from .caches import Recent
+from .errors import MailboxError
 
 __all__ = [
     "ANCILLARY_SIZE",
@@ -80,10 +82,6 @@ _INQUIRIES = "inquiries"  # the namespace of each process's answering socket
 _NO_WAIT, _TRUNCATED = int(socket.MSG_DONTWAIT), int(socket.MSG_TRUNC)
 
 
-class MailboxError(OSError):
-    """This process cannot listen for a group's messages (its address is taken or not allowed)."""
-
-
 def _address(process: ProcessInfo, namespace: str) -> bytes:
     """A process's address for one namespace: unique on the host, since the pid namespace is part of
     it (simulated nodes or containers share a network namespace but number their pids alike), and
@@ -100,7 +98,7 @@ def _socket(address: bytes, what: str) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_MESSAGE_BYTES)
         room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 1024  # (the kernel's own part)
         if room < MAX_MESSAGE_BYTES + _HEADER.size:  # a datagram must fit in the send buffer
-            raise OSError(
+            raise MailboxError(
                 f"its send buffer holds {room} bytes, less than {MAX_MESSAGE_BYTES} (net.core.wmem_max)"
             )
         sock.bind(address)
@@ -140,11 +138,12 @@ class Mailbox:
         ] = []  # later calls' (call, rank, kind, pid, data)
         self._buffer = bytearray(MAX_MESSAGE_BYTES)
         self._uid = os.geteuid()
-        self._addresses: dict[tuple[ProcessInfo, str], bytes] = {}
+        self._addresses: Recent[tuple[ProcessInfo, str], bytes] = Recent(4096)
         self._sock: socket.socket | None = _socket(
             _address(me, namespace), f"direct messages of group {namespace}"
         )
         self._rcvtimeo = 0.0  # SO_RCVTIMEO as set (0: none)
+        _hook_fork()
         _MAILBOXES.add(self)
 
     @property
@@ -168,9 +167,7 @@ class Mailbox:
         key = (peer, namespace)
         found = self._addresses.get(key)
         if found is None:
-            if len(self._addresses) > 4096:
-                self._addresses.clear()
-            found = self._addresses[key] = _address(peer, namespace)
+            found = self._addresses.put(key, _address(peer, namespace))
         return found
 
     def send(
@@ -330,6 +327,16 @@ _answering_sock: socket.socket | None = None
 _answering: threading.Thread | None = None
 _answering_lock = threading.Lock()
 _closing = False
+_fork_hooked = False
+
+
+def _hook_fork() -> None:
+    """Registers :func:`_forked` once, when this process first has sockets to close in a child (nothing
+    is registered at import; registered twice by a race, the reset runs twice, harmlessly)."""
+    global _fork_hooked
+    if not _fork_hooked:
+        _fork_hooked = True
+        os.register_at_fork(after_in_child=_forked)
 
 
 def answer_inquiries(me: ProcessInfo, lookup: Callable[[str, int], tuple[int, Any] | None]) -> bool:
@@ -342,6 +349,7 @@ def answer_inquiries(me: ProcessInfo, lookup: Callable[[str, int], tuple[int, An
         logs why and must take no part in direct rounds (see :class:`~distribute_utils.sync.GroupSync`).
     """
     global _answering, _answering_sock
+    _hook_fork()
     with _answering_lock:
         if _answering is not None:
             return _answering.is_alive()
@@ -352,6 +360,7 @@ def answer_inquiries(me: ProcessInfo, lookup: Callable[[str, int], tuple[int, An
             _answering = threading.Thread()  # not started: nothing to retry
             return False
         _answering_sock = sock
+        atexit.register(_stop_answering)  # (only once: the thread is made once per process)
         _answering = threading.Thread(
             target=_answer, args=(sock, lookup), name="distribute-utils-answers", daemon=True
         )
@@ -405,7 +414,3 @@ def _forked() -> None:
     if _answering_sock is not None:
         _answering_sock.close()
     _answering, _answering_lock, _answering_sock = None, threading.Lock(), None
-
-
-atexit.register(_stop_answering)
-os.register_at_fork(after_in_child=_forked)

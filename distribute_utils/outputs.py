@@ -27,13 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import DistributeError
+from .errors import OutputError
 
 __all__ = ["OutputError", "OutputTarget", "prepare_output"]
-
-
-class OutputError(DistributeError, ValueError):
-    """The output path cannot be used as asked (missing parent, not a directory, files in the way)."""
 
 
 @dataclass

@@ -40,7 +40,8 @@ from typing import Any, NamedTuple, cast
 import msgpack
 import torch
 
-from .errors import DeviceUnavailableError, PayloadError
+from .caches import Recent
+from .errors import ArgumentError, DeviceUnavailableError, PayloadError, UnsupportedTypeError
 
 __all__ = [
     "ALIGN",
@@ -197,12 +198,12 @@ def _bytes_view(buf: Any) -> memoryview:
     try:
         mv = memoryview(buf)
     except TypeError:
-        raise TypeError(
+        raise UnsupportedTypeError(
             f"expected a bytes-like object (bytes, bytearray, memoryview, mmap), got {_type_name(type(buf))}"
         ) from None
     if mv.ndim != 1 or mv.format != "B":
         if not mv.c_contiguous:
-            raise TypeError("the payload buffer must be C-contiguous")
+            raise UnsupportedTypeError("the payload buffer must be C-contiguous")
         mv = mv.cast("B")
     return mv
 
@@ -259,27 +260,6 @@ def pwrite_all(fd: int, bufs: Iterable[memoryview], offset: int) -> None:
             i += 1
         if written:
             segs[i] = segs[i][written:]
-
-
-class _Recent(dict):  # type: ignore[type-arg]
-    """A bounded map of recent results of a pure function: ``get`` as a dict's, ``put`` drops them all
-    once it holds ``max_items``.
-
-    Gathers repeat the same shapes round after round; the encoder's layouts and the decoder's
-    checked heads are such pure functions of their bytes, kept here rather than redone. Both
-    operations are single dict operations, safe between threads (gathers on different groups).
-    """
-
-    __slots__ = ("_max",)
-
-    def __init__(self, max_items: int) -> None:
-        super().__init__()
-        self._max = max_items
-
-    def put(self, key: Any, value: Any) -> None:
-        if len(self) >= self._max:
-            self.clear()
-        self[key] = value
 
 
 _RECENT_MAX = 256  # layouts and headers kept
@@ -375,9 +355,11 @@ class EncodedPayload:
         """
         with _bytes_view(buf) as mv:  # released on exit, so an mmap can be closed right after
             if mv.readonly:
-                raise TypeError("write_into needs a writable buffer (bytearray, writable mmap, memoryview)")
+                raise UnsupportedTypeError(
+                    "write_into needs a writable buffer (bytearray, writable mmap, memoryview)"
+                )
             if mv.nbytes < self.nbytes:
-                raise ValueError(
+                raise ArgumentError(
                     f"buffer of {mv.nbytes} bytes is too small for a payload of {self.nbytes} bytes"
                 )
             pos = 0
@@ -416,16 +398,16 @@ def _segments_after(pos: int, chunks: tuple[tuple[int, torch.Tensor], ...], nbyt
     out = []
     for offset, tensor in chunks:
         if not (tensor.is_cpu and tensor.is_contiguous()):
-            raise ValueError(f"chunk at offset {offset} must be a contiguous CPU tensor")
+            raise ArgumentError(f"chunk at offset {offset} must be a contiguous CPU tensor")
         if offset < pos:
-            raise ValueError(f"chunk at offset {offset} overlaps the previous bytes ending at {pos}")
+            raise ArgumentError(f"chunk at offset {offset} overlaps the previous bytes ending at {pos}")
         if offset > pos:
             out.append(_zeros(offset - pos))
         view = _tensor_bytes(tensor)
         out.append(view)
         pos = offset + view.nbytes
     if pos > nbytes:
-        raise ValueError(f"payload content ends at byte {pos}, past its stated length {nbytes}")
+        raise ArgumentError(f"payload content ends at byte {pos}, past its stated length {nbytes}")
     if pos < nbytes:
         out.append(_zeros(nbytes - pos))
     return out
@@ -460,22 +442,22 @@ def _short_path(root: str, path: Sequence[Any]) -> str:
     return f"{_path_text(root, path[:_PATH_ENDS])}...({left_out} more)...{_path_text('', path[-_PATH_ENDS:])}"
 
 
-def _too_deep_error(root: str, path: Sequence[Any], obj: object) -> TypeError:
-    return TypeError(
+def _too_deep_error(root: str, path: Sequence[Any], obj: object) -> UnsupportedTypeError:
+    return UnsupportedTypeError(
         f"{_short_path(root, path)}: containers nested deeper than {MAX_DEPTH} levels: this "
         f"{_type_name(type(obj))} is at level {len(path) + 1}, past the limit of {MAX_DEPTH} (wire.MAX_DEPTH) "
         "that every rank applies; flatten the config (e.g. a dict keyed by path) before gathering it"
     )
 
 
-def _cycle_error(root: str, path: Sequence[Any], obj: object, first: Sequence[Any]) -> TypeError:
-    return TypeError(
+def _cycle_error(root: str, path: Sequence[Any], obj: object, first: Sequence[Any]) -> UnsupportedTypeError:
+    return UnsupportedTypeError(
         f"{_short_path(root, path)}: reference cycle: this {_type_name(type(obj))} is the object at "
         f"{_short_path(root, first)}, which contains it; break the cycle before encoding"
     )
 
 
-def nesting_error(root: str, path: Sequence[Any], containers: Sequence[object]) -> TypeError:
+def nesting_error(root: str, path: Sequence[Any], containers: Sequence[object]) -> UnsupportedTypeError:
     """The ``TypeError`` :func:`encode` raises for containers nested deeper than :data:`MAX_DEPTH` or in a
     reference cycle, for code that walks a config tree without encoding it (the first rank's own value).
 
@@ -552,7 +534,7 @@ class _Encoder:
                 wkey = key
                 if tk is not str:
                     if tk is not int:
-                        raise TypeError(
+                        raise UnsupportedTypeError(
                             f"{self.path()}: dict key {key!r:.60} of type {_type_name(tk)} is not "
                             "supported; keys must be str or int"
                         )
@@ -574,7 +556,7 @@ class _Encoder:
         typed = self._typed(obj, tp)
         if typed is not None:
             return typed
-        raise TypeError(
+        raise UnsupportedTypeError(
             f"{self.path()}: cannot encode a value of type {_type_name(tp)}; {_SUPPORTED_TEXT}{_hint(tp)}"
         )
 
@@ -583,7 +565,9 @@ class _Encoder:
         if isinstance(obj, enum.Enum):
             module, qualname = tp.__module__, tp.__qualname__
             if "<" in qualname:
-                raise TypeError(f"{self.path()}: enum {module}.{qualname} is defined inside a function")
+                raise UnsupportedTypeError(
+                    f"{self.path()}: enum {module}.{qualname} is defined inside a function"
+                )
             return [_TYPED_EXT, "enum", module, qualname, self.walk(obj.value)]
         if tp is collections.OrderedDict:
             return [_TYPED_EXT, "odict", self.walk(dict(obj))]
@@ -600,7 +584,7 @@ class _Encoder:
     def _dataclass(self, obj: object, tp: type) -> list[Any]:
         module, qualname = tp.__module__, tp.__qualname__
         if "<" in qualname:
-            raise TypeError(
+            raise UnsupportedTypeError(
                 f"{self.path()}: dataclass {module}.{qualname} is defined inside a function, so the "
                 "reading rank cannot look it up; define it at module level"
             )
@@ -611,7 +595,7 @@ class _Encoder:
             try:
                 value = getattr(obj, f.name)
             except AttributeError:
-                raise TypeError(f"{self.path()}: dataclass field is not set") from None
+                raise UnsupportedTypeError(f"{self.path()}: dataclass field is not set") from None
             fields[f.name] = self.walk(value)
             self._path.pop()
         del self._active[id(obj)]
@@ -634,14 +618,16 @@ def _plain_tensor(t: torch.Tensor, keep_device: bool, path: Callable[[], str]) -
     (``path()`` names it in the error)."""
     tp = type(t)
     if tp is not torch.Tensor and tp is not torch.nn.Parameter:
-        raise TypeError(
+        raise UnsupportedTypeError(
             f"{path()}: tensor subclass {_type_name(tp)} is not supported; pass a plain "
             "torch.Tensor (e.g. .full_tensor() for a DTensor, .as_subclass(torch.Tensor))"
         )
     if t.layout != torch.strided:
-        raise TypeError(f"{path()}: tensor layout {t.layout} is not supported; call .to_dense() first")
+        raise UnsupportedTypeError(
+            f"{path()}: tensor layout {t.layout} is not supported; call .to_dense() first"
+        )
     if t.dtype not in _DTYPE_NAMES:
-        raise TypeError(
+        raise UnsupportedTypeError(
             f"{path()}: tensor dtype {t.dtype} is not supported (quantized tensors carry "
             "scales the format does not store); use .int_repr() and send the scales separately"
         )
@@ -748,7 +734,7 @@ def encode(
             (what every reader accepts), raised before anything is written.
     """
     if checksum and keep_device:
-        raise ValueError("encode: checksum needs the bytes on the CPU; do not combine it with keep_device")
+        raise ArgumentError("encode: checksum needs the bytes on the CPU; do not combine it with keep_device")
     if type(obj) is torch.Tensor:  # the tree is the one tensor (``get_tensors_parallel``): nothing to walk
         v_bytes, tensors = _LONE_TREE, [_plain_tensor(obj, keep_device, lambda: root)]
         devices = [_device_name(obj)]
@@ -759,7 +745,7 @@ def encode(
         try:
             v_bytes = _LONE_TREE if tree is _TENSOR_REFS[0] else _pack(tree)
         except UnicodeEncodeError as e:
-            raise TypeError(f"{root}: contains a str that is not valid UTF-8 ({e})") from None
+            raise UnsupportedTypeError(f"{root}: contains a str that is not valid UTF-8 ({e})") from None
         tensors, devices = enc.tensors, enc.devices
         shapes = tuple((t.dtype, t.shape, d) for t, d in zip(tensors, devices))
     small = len(v_bytes) <= _RECENT_BYTES_MAX
@@ -781,7 +767,7 @@ def encode(
     )
 
 
-_LAYOUTS = _Recent(_RECENT_MAX)
+_LAYOUTS: Recent[Any, Any] = Recent(_RECENT_MAX)
 
 
 def _layout(
@@ -812,7 +798,7 @@ def _layout(
             break
         start = new_start
     if len(header) > DEFAULT_MAX_HEADER_BYTES:
-        raise ValueError(
+        raise ArgumentError(
             f"{root}: its non-tensor part (strings, bytes, numbers, structure) takes {len(header):,} bytes "
             f"encoded, over the limit of {DEFAULT_MAX_HEADER_BYTES:,} that every reader applies; put bulk "
             "data in tensors (e.g. torch.frombuffer(bytearray(data), dtype=torch.uint8))"
@@ -947,7 +933,7 @@ def decode(
     data: torch.Tensor | None = None
     if isinstance(buf, torch.Tensor):
         if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-            raise TypeError("decode takes a flat, contiguous uint8 tensor")
+            raise UnsupportedTypeError("decode takes a flat, contiguous uint8 tensor")
         if buf.device.type == "cpu":
             buf = tensor_buffer(buf)
         else:  # device memory: read the header on the host, build tensors as device views
@@ -1088,7 +1074,8 @@ def _head_key(mv: memoryview, max_header_bytes: int) -> bytes | None:
     return mv[: PREFIX_SIZE + header_len].tobytes()
 
 
-_HEADS = _Recent(_RECENT_MAX)  # checked heads (prefix and header): their bytes -> what they say
+# Checked heads (prefix and header): their bytes -> what they say.
+_HEADS: Recent[Any, Any] = Recent(_RECENT_MAX)
 
 
 _MSGPACK_DEPTH = 1024  # msgpack's unpacker nests at most this many containers
@@ -1180,7 +1167,8 @@ class _Slot(NamedTuple):
     device: str  # where its sender had it ("cpu" for a version 1 payload)
 
 
-_TABLES = _Recent(_RECENT_MAX)  # checked tensor tables: configs differ in values more often than in shapes
+# Checked tensor tables: configs differ in values more often than in shapes.
+_TABLES: Recent[Any, Any] = Recent(_RECENT_MAX)
 
 
 def _tensor_table(raw: memoryview, header_end: int, total_len: int, version: int) -> tuple[_Slot, ...]:
@@ -1698,7 +1686,7 @@ def tensor_buffer(t: torch.Tensor) -> Any:
     a bundle): views made from the returned buffer hold it, and it holds ``t``.
     """
     if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("tensor_buffer needs a contiguous CPU tensor")
+        raise ArgumentError("tensor_buffer needs a contiguous CPU tensor")
     buf = (ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())
     buf._owner = t  # type: ignore[attr-defined]
     return buf

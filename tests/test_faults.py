@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from distribute_utils import sync
+from distribute_utils import liveness, sync
 from distribute_utils.transports.namespace import NAMESPACE_PREFIX
 
 from harness import free_port, torchrun_argv
@@ -57,8 +57,8 @@ needs_root = pytest.mark.skipif(
 def test_a_forked_child_runs_its_own_watchdog() -> None:
     """A fork copies the watchdog's state but not its thread: the child must start one of its own,
     or no dead peer of the child's would ever be tombstoned (its waits would last the whole timeout)."""
-    dog = sync._Watchdog()
-    watch = sync._Watch(None, None, {}, None)  # type: ignore[arg-type]  # nothing to check: no grace passes
+    dog = liveness.Watchdog()
+    watch = liveness.Watch(None, None, {}, None)  # type: ignore[arg-type]  # nothing to check: no grace passes
     dog.remove(dog.add(watch))
     assert dog._thread is not None and dog._thread.is_alive()
     pid = os.fork()

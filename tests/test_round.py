@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import os
 import re
 import signal
@@ -30,6 +31,8 @@ from distribute_utils import (
     barrier,
     get_configs_parallel,
     get_tensors_parallel,
+    incarnation,
+    liveness,
     sync,
 )
 from distribute_utils.transports import shm
@@ -117,13 +120,15 @@ def test_overlapping_lists_raise_on_the_ranks_concerned_without_hanging(ranks4: 
     errors = {rank: r for rank, r in enumerate(results) if "error" in r}
     if case == "superset":
         assert set(errors) >= {0, 1, 2}, results
-        assert errors[1]["error"] == "ValueError" and "[0, 1, 2]" in errors[1]["message"], errors[1]
+        assert errors[1]["error"] == "ArgumentError" and "[0, 1, 2]" in errors[1]["message"], errors[1]
     if case == "crossed":
         assert set(errors) == {0, 1}, results
-        assert all(e["error"] == "ValueError" and "[1, 0]" in e["message"] for e in errors.values()), errors
+        assert all(e["error"] == "ArgumentError" and "[1, 0]" in e["message"] for e in errors.values()), (
+            errors
+        )
         assert results[2]["got"] == [[2.0] * 3, [3.0] * 3]  # the disjoint gather is untouched
     if case in ("first_is_sender", "sender_is_a_first"):
-        assert errors[2]["error"] == "ValueError" and "[0, 1]" in errors[2]["message"], errors[2]
+        assert errors[2]["error"] == "ArgumentError" and "[0, 1]" in errors[2]["message"], errors[2]
         assert results[0]["got"] == [[0.0] * 3, [1.0] * 3]
     for r in errors.values():
         assert "disagree" in r["message"] or "cannot take part" in r["message"] or "failed" in r["message"], r
@@ -531,7 +536,7 @@ def test_sync_is_linear_in_store_operations() -> None:
 def test_the_janitor_never_connects_to_a_store_that_is_gone_or_dropped() -> None:
     """A store whose server went away (a test's, a dead job's) would make a new client retry for the
     store's whole timeout, and hold the process at exit: the janitor deletes nothing there instead."""
-    janitor = sync._Janitor()
+    janitor = liveness.Janitor()
     master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     client = dist.PrefixStore("p/", dist.TCPStore("127.0.0.1", master.port, 1, is_master=False))
     client.set("k", b"1")
@@ -761,7 +766,7 @@ def _polls_with(cores: int | None) -> dict[str, Any]:
         def unreadable(self: Any, store: Any) -> int:
             raise RuntimeError("the store cannot be read (the test)")
 
-        sync._PeerDirectory.on_this_host = unreadable  # type: ignore[method-assign]
+        incarnation.PeerDirectory.on_this_host = unreadable  # type: ignore[method-assign]
     os.sched_getaffinity = lambda pid: set(range(cores or 64))  # type: ignore[assignment]
     with get_tensors_parallel(torch.full((4,), float(dist.get_rank())), [0, 1], timeout=30) as got:
         values = [float(t[0]) for t in got]
@@ -815,3 +820,19 @@ def test_a_corrupt_payload_in_a_direct_round_fails_every_rank_naming_its_sender(
     for rank, r in enumerate(results):
         assert "rank 1" in r["message"] and "magic" in r["message"] and r["seconds"] < 10, (rank, r)
     assert results[0]["next"] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_companion_without_a_directory_waits_without_the_watchdog(caplog: pytest.LogCaptureFixture) -> None:
+    """A GroupSync made without a peer directory has no local peers to watch: a barrier on it must not
+    hand the watchdog a watch (whose every check failed, logged at debug level only)."""
+    master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore(
+        "127.0.0.1", master.port, 1, is_master=False, timeout=datetime.timedelta(seconds=60)
+    )
+    group = sync.GroupSync((0, 1), 0, client, "test/no-directory")
+    caplog.set_level(logging.DEBUG, logger="distribute_utils")
+    with pytest.raises(PeerLostError) as failed:  # rank 1 never comes: the wait outlasts the watchdog's grace
+        group.barrier(3, what="barrier over ranks [0, 1]")
+    assert failed.value.missing == (1,)
+    failures = [r.getMessage() for r in caplog.records if "watchdog check failed" in r.getMessage()]
+    assert not failures, f"the watchdog was given a watch it cannot check ({len(failures)} failed checks)"

@@ -200,8 +200,8 @@ def test_crafted_values_fail_cleanly_through_a_real_gather(ranks4: RankPool, tmp
     assert [p.name for p in marker_dir.iterdir()] == [str(ranks4.pids[1])], "only the sender ran the module"
     before = set(os.listdir("/dev/shm"))
     results = ranks4.run(_crafted_through_a_gather, str(tmp_path), "oversized", timeout=90)
-    assert results[2]["error"] == "ValueError" and "over the limit" in results[2]["message"], results[2]
-    assert results[0]["error"] == "ValueError" and "rank 2 cannot take part" in results[0]["message"], (
+    assert results[2]["error"] == "ArgumentError" and "over the limit" in results[2]["message"], results[2]
+    assert results[0]["error"] == "ArgumentError" and "rank 2 cannot take part" in results[0]["message"], (
         results[0]
     )
     assert set(os.listdir("/dev/shm")) - before == set(), "nothing was written"

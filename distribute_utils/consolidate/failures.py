@@ -16,30 +16,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DistributeError, PeerLostError, one_line
+from ..errors import ConsolidationError, PeerLostError, one_line
 
 __all__ = ["ConsolidationError", "Failure", "Failures"]
 
 logger = logging.getLogger(__name__)
-
-
-class ConsolidationError(DistributeError, RuntimeError):
-    """The consolidation failed on another rank (or in a spawned local rank).
-
-    Attributes:
-        cause: the originating error's message.
-        rank: the global rank where it happened (``None`` when unknown).
-        kind: the originating exception's type name, e.g. ``"MergeError"``.
-    """
-
-    def __init__(self, cause: str, rank: int | None = None, kind: str | None = None) -> None:
-        super().__init__(cause, rank, kind)
-        self.cause = cause
-        self.rank = rank
-        self.kind = kind
-
-    def __str__(self) -> str:
-        return self.cause if self.rank is None else f"{self.cause} (on rank {self.rank})"
 
 
 @dataclass

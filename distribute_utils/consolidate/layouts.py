@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..errors import DistributeError
+from ..errors import LayoutError
 from ..mesh_layout import MeshLayout
 from ..temporaries import write_atomically
 from .reading import MappedShard
@@ -64,10 +64,6 @@ _FILE_FORMATS = ("safetensors", "torch")
 _DEFAULT_FILES = {"safetensors": "rank_{rank:05d}.safetensors", "torch": "rank_{rank:05d}.pt"}
 _LAYER_RE = re.compile(r"(?<![^.])layers\.(\d+)\.")
 _TENSOR_IN_MESSAGE = re.compile(r"tensor '([^']+)'")
-
-
-class LayoutError(DistributeError, ValueError):
-    """A checkpoint directory is not a known layout, or its description is inconsistent."""
 
 
 def local_layer_index(name: str) -> int | None:

@@ -28,7 +28,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..errors import DistributeError, plural_list
+from ..errors import MergeError, RuleSyntaxError, plural_list
 from ..wire import as_uint8
 from .writers import CheckpointWriter, SafetensorsWriter, TensorSpec, tensor_bytes
 
@@ -73,14 +73,6 @@ RULE_NAMES: tuple[str, ...] = (
     "scalar_max:<rule>",
     "unknown",
 )
-
-
-class MergeError(DistributeError, ValueError):
-    """Shards of a tensor cannot be merged (shapes, dtypes or contents disagree)."""
-
-
-class RuleSyntaxError(DistributeError, ValueError):
-    """A rule, a rules file or a rules mapping is malformed."""
 
 
 def _labels(count: int, ranks: Sequence[int] | None) -> list[str]:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DistributeError
+from ..errors import UnsafeCheckpointError
 from .writers import unreadable_file
 
 __all__ = [
@@ -49,10 +49,6 @@ __all__ = [
 
 #: Globals from these packages are rebuilt as inert :class:`StandIn` records.
 STAND_IN_MODULES: tuple[str, ...] = ("megatron.", "nemo.", "transformer_engine.", "modelopt.")
-
-
-class UnsafeCheckpointError(DistributeError, ValueError):
-    """A ``torch.save`` file holds objects that cannot be loaded without running pickled code."""
 
 
 class StandIn:

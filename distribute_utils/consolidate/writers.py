@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DistributeError, one_line
+from ..errors import CheckpointFormatError, one_line
 from ..temporaries import Temporaries
 from ..wire import pwrite_all, tensor_buffer
 
@@ -57,10 +57,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class CheckpointFormatError(DistributeError, ValueError):
-    """A checkpoint file is malformed, or a tensor does not fit the format (dtype, spec)."""
 
 
 def _build_dtype_map() -> dict[torch.dtype, str]:

@@ -63,9 +63,6 @@ def _remove_last_files(path: str) -> None:
             state.remove_last()
 
 
-on_namespace_close(_remove_last_files)
-
-
 class _RecordingWriter:
     """A file object for ``torch.save`` that keeps the ``OSError`` torch turns into RuntimeError."""
 
@@ -156,6 +153,8 @@ class NFSWorkspace:
         self._mmap = self._ns.fs_type in LOCAL_FS
         key = (self._ns.path, self.rank)
         with _STATES_LOCK:
+            if not _WORKSPACE_STATES:  # (registered once: the states are never emptied)
+                on_namespace_close(_remove_last_files)
             self._state = _WORKSPACE_STATES.setdefault(key, _RankState(self._ns.path, self.rank))
             self._state.last = []
             self._remove_own_files()  # ModelOpt's _clean_up() at construction

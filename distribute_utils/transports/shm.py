@@ -110,6 +110,7 @@ class SharedMemoryTransport:
             notice = _NOTICES.name()
             return f"p:{os.getpid()}:{pooled.ident}:{pooled.fd}:{pooled.inode}:{payload.nbytes}:{notice}"
         path = segment_path(token, rank, os.getpid())
+        _hook("interrupt")
         with interrupts.uninterruptible():  # an interrupt then sees the segment and removes it
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
@@ -390,6 +391,7 @@ class _SegmentPool:
         """A free pooled segment (marked busy), a new one, or None to use a fresh named one."""
         if nbytes < self.MIN_BYTES or not hasattr(os, "O_TMPFILE"):
             return None
+        _hook("fork")
         if self._segments and not self._fits(nbytes):  # a notice since the last send may free one
             self.heed(_NOTICES.take())
         with self._lock:
@@ -502,6 +504,7 @@ class _Notices:
     def name(self) -> str:
         """The name of this process's notice socket, for its receipts ("" when it cannot listen)."""
         if not self._tried:
+            _hook("fork")
             with self._lock:
                 if not self._tried:
                     self._listen()
@@ -751,8 +754,23 @@ def segments_freed(idents: set[str]) -> None:
     _POOL.freed(idents)
 
 
-# An interrupted process removes the named segments it published that nobody took (pooled ones have
-# no name: the kernel frees them at exit).
-interrupts.on_interrupt(lambda: remove_segments_of(None, os.getpid()))
-os.register_at_fork(after_in_child=_NOTICES.forked)
-os.register_at_fork(after_in_child=lambda: _POOL.forked())
+_HOOKED: set[str] = set()  # the process hooks registered so far (nothing is registered at import)
+
+
+def _hook(what: str) -> None:
+    """Registers a process hook once, before this process first has what it resets (registered twice by a
+    race, it runs twice, harmlessly): ``"fork"``, a forked child closes its copies of the pool's segments
+    and of the notice socket; ``"interrupt"``, an interrupted process removes the named segments it
+    published that nobody took (pooled ones have no name: the kernel frees them at exit)."""
+    if what in _HOOKED:
+        return
+    _HOOKED.add(what)
+    if what == "fork":
+        os.register_at_fork(after_in_child=_forked)
+    else:
+        interrupts.on_interrupt(lambda: remove_segments_of(None, os.getpid()))
+
+
+def _forked() -> None:
+    _NOTICES.forked()
+    _POOL.forked()

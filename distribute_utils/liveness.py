@@ -1,0 +1,287 @@
+"""Liveness of peers: noticing dead local ranks while waiting, and removing finished calls' keys.
+
+- The **watchdog** (:class:`Watchdog`, one daemon thread per process, started by the first wait that
+  outlasts :data:`GRACE_S`) checks the pids of the local peers a wait depends on, and posts a
+  tombstone (:data:`TOMBSTONE` plus the rank) in the key a dead one never posted, so survivors fail
+  within a fraction of a second instead of at the timeout. Peers on other hosts are reported when
+  the timeout expires.
+- The **janitor** (:class:`Janitor`, one daemon thread per process) deletes keys of finished calls
+  off the critical path, on its own store clients.
+
+Both threads are stopped and joined at interpreter exit (registered when each starts, so that they
+stop before torch's own exit handlers run); a forked child starts without them. Nothing is
+registered at import.
+
+Call order: :func:`wait_watched` from any thread; :data:`WATCHDOG` and :data:`JANITOR` are this
+process's instances.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+
+import torch.distributed as dist
+
+from ._host import process_alive
+from .errors import PeerLostError
+from .incarnation import PROBE_TIMEOUT_S, PeerDirectory, new_client, refusal, store_gone, wait_values
+
+__all__ = [
+    "GRACE_S",
+    "JANITOR",
+    "TOMBSTONE",
+    "WATCHDOG",
+    "WATCH_INTERVAL_S",
+    "Janitor",
+    "Watch",
+    "Watchdog",
+    "await_last_threads",
+    "exited",
+    "wait_watched",
+]
+
+logger = logging.getLogger(__name__)
+
+TOMBSTONE = b"\x00dead"
+WATCH_INTERVAL_S = 0.1  # how often the watchdog looks at the peers of a wait past the grace
+GRACE_S = 0.05  # waits shorter than this never cost the watchdog (or the CPU) anything
+_EXIT_S = 1.0  # how long a dead process's last threads may take to exit (and close its sockets)
+_JANITOR_CONNECT_S = 4 * PROBE_TIMEOUT_S  # the janitor's new client: well within its join at exit (5 s)
+
+
+class Watch:
+    """One wait in progress: the keys a rank waits on, and whose death would fill them.
+
+    ``awaited`` maps a rank to the key its death must fill (with :data:`TOMBSTONE` plus its
+    rank number); ``arrived_key`` (for barriers) tells whether the rank had arrived first.
+    """
+
+    def __init__(
+        self,
+        source: PeerDirectory,
+        store: dist.Store,
+        awaited: dict[int, str],
+        arrived_key: Callable[[int], str] | None,
+    ) -> None:
+        self.source, self.store, self.awaited, self.arrived_key = source, store, awaited, arrived_key
+        self.since = time.monotonic()
+
+
+class Watchdog:
+    """One daemon thread per process that tombstones what dead local peers never posted."""
+
+    def __init__(self) -> None:
+        self._forked()
+        self._closed = False
+        self._fork_hook = False
+
+    def _hook_fork(self) -> None:
+        """A child starts without the thread (registered by the first :meth:`add`: before it, there is
+        nothing to reset; registered twice by a race, the reset runs twice, harmlessly)."""
+        if not self._fork_hook:
+            self._fork_hook = True
+            os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._watches: dict[int, Watch] = {}
+        self._thread: threading.Thread | None = None
+
+    def close(self) -> None:
+        """End the thread (at exit: never leave it inside a store call, see :class:`Janitor`)."""
+        with self._lock:
+            self._closed = True
+            self._watches.clear()
+        self._wake.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def add(self, watch: Watch) -> int:
+        self._hook_fork()
+        with self._lock:
+            if self._closed:
+                return 0
+            ident = id(watch)
+            self._watches[ident] = watch
+            if self._thread is None:
+                # Stop it at exit before anything registered earlier runs (torch registers its
+                # own handlers at init_process_group): LIFO, so register when the thread starts.
+                atexit.register(self.close)
+                self._thread = threading.Thread(
+                    target=self._run, name="distribute-utils-watchdog", daemon=True
+                )
+                self._thread.start()
+        if not self._wake.is_set():  # the thread waits for it only when it found nothing to watch
+            self._wake.set()
+        return ident
+
+    def remove(self, ident: int) -> None:
+        with self._lock:
+            self._watches.pop(ident, None)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            with self._lock:
+                if self._closed:
+                    return
+                watches = list(self._watches.values())
+                if not watches:
+                    self._wake.clear()
+            if not watches:
+                continue
+            # Most waits end within a millisecond: look only at those that outlast the grace.
+            now = time.monotonic()
+            due = [w for w in watches if now - w.since >= GRACE_S]
+            for watch in due:
+                try:
+                    self._check(watch)
+                except Exception:  # the store may be gone: the waiter will say so
+                    logger.debug("watchdog check failed", exc_info=True)
+            if due:
+                time.sleep(WATCH_INTERVAL_S)
+            else:
+                oldest = min(w.since for w in watches)
+                time.sleep(max(0.0, GRACE_S - (now - oldest)))
+
+    @staticmethod
+    def _check(watch: Watch) -> None:
+        local = watch.source.local_peers()
+        for rank, key in watch.awaited.items():
+            info = local.get(rank)
+            if info is None or process_alive(info):
+                continue
+            if watch.arrived_key is not None and watch.store.check([watch.arrived_key(rank)]):
+                continue  # it arrived, then exited: not what anybody waits for
+            watch.store.compare_set(key, b"", TOMBSTONE + str(rank).encode())  # type: ignore[arg-type]  # torch's stub: compare_set takes bytes too
+
+
+WATCHDOG = Watchdog()
+
+
+class Janitor:
+    """Deletes keys of finished calls off the critical path, on its own store clients.
+
+    Stopped and joined at interpreter exit: a daemon thread still inside a store call while
+    the interpreter tears down makes the process abort ("terminate called without an active
+    exception"), so the queue is drained first (bounded to a few seconds). It never connects
+    to a store that nobody holds any more, or whose server no longer answers (a new client
+    would retry for the store's whole timeout): their keys go with them.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[weakref.ref[dist.Store], list[str]] | None] = queue.SimpleQueue()
+        self._clients: weakref.WeakKeyDictionary[dist.Store, dist.Store] = weakref.WeakKeyDictionary()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def delete(self, store: dist.Store, keys: list[str]) -> None:
+        if self._stopped or not keys:
+            return
+        if self._thread is None or not self._thread.is_alive():
+            atexit.register(self.stop)  # as the watchdog: registered after torch's, so it runs first
+            self._thread = threading.Thread(target=self._run, name="distribute-utils-janitor", daemon=True)
+            self._thread.start()
+        self._queue.put((weakref.ref(store), keys))
+
+    def stop(self) -> None:
+        """Finish the pending deletions and end the thread (at exit)."""
+        self._stopped = True
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._delete(*item)
+
+    def _delete(self, store_ref: weakref.ref[dist.Store], keys: list[str]) -> None:
+        store = store_ref()  # (held only during the call: a store the job dropped is not kept alive)
+        if store is None:
+            return
+        try:
+            client = self._clients.get(store)
+            if client is None:
+                # At exit, or with the store's server gone: never a new connection (nor a long one).
+                if self._stopped:
+                    return
+                client = self._clients[store] = new_client(store, "deleting keys", _JANITOR_CONNECT_S)
+            for key in keys:
+                client.delete_key(key)
+        except Exception:  # the job is ending or the store is gone: nothing to clean
+            logger.debug("could not delete %d keys", len(keys), exc_info=True)
+
+
+JANITOR = Janitor()
+
+
+def wait_watched(
+    store: dist.Store,
+    keys: list[str],
+    ranks: Sequence[int],
+    timeout: float,
+    what: str,
+    watch: Watch | None,
+    generation: Callable[[int], int | None] | None = None,
+    mine: int | None = None,
+    tombstones: bool = True,
+) -> list[bytes]:
+    """Values of ``keys`` (posted by ``ranks``, one each), waiting at most ``timeout`` seconds, while the
+    watchdog checks the peers of ``watch`` (when given).
+
+    With ``tombstones`` (the default), a value the watchdog posted for a dead rank raises.
+
+    Raises:
+        PeerLostError: some of ``ranks`` did not post in time, or died (named), or the store
+            itself is gone.
+    """
+    if not keys:
+        return []
+    ident = WATCHDOG.add(watch) if watch is not None else 0
+    try:
+        values = wait_values(store, keys, ranks, timeout, what, generation, mine)
+    finally:
+        if ident:
+            WATCHDOG.remove(ident)
+    dead = [r for r, v in zip(ranks, values) if v.startswith(TOMBSTONE)] if tombstones else []
+    if dead:
+        raise PeerLostError(f"{what}: rank(s) {dead} exited while this rank was waiting for them", dead)
+    return values
+
+
+def exited(what: str, dead: dict[int, int], store: dist.Store) -> PeerLostError:
+    """``dead`` (rank: pid) exited while this rank waited for them without the store (a direct round):
+    when one of them hosted the store, its server is gone too, and the error says so (naming both)."""
+    ranks = list(dead)
+    message = f"{what}: rank(s) {ranks} exited while this rank was waiting for them"
+    await_last_threads(dead.values())
+    refused = refusal(store)
+    if not isinstance(refused, ConnectionRefusedError):
+        return PeerLostError(message, ranks)
+    return store_gone(message, store, refused, ranks)
+
+
+def await_last_threads(pids: Iterable[int], limit: float = _EXIT_S) -> None:
+    """Waits (``limit`` seconds at most in all) until the processes ``pids``, whose main threads have
+    exited, have no other thread left: only then are their descriptors closed (a store server's
+    listening socket among them), so that a look at the server tells whether it went with them."""
+    deadline = time.monotonic() + limit
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                if len(os.listdir(f"/proc/{pid}/task")) <= 1:
+                    break
+            except OSError:  # reaped
+                break
+            time.sleep(0.005)

@@ -1,0 +1,122 @@
+"""Every exception class of the package lives in ``distribute_utils.errors``, derives from
+``DistributeError`` and from the built-in it resembles, and survives pickling (errors cross process
+boundaries: a spawned rank's error is re-raised in its parent)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pickle
+import pkgutil
+
+import pytest
+
+import distribute_utils
+from distribute_utils import errors, interrupts
+from distribute_utils.caches import Recent
+
+BUILTINS = (ValueError, TypeError, OSError, TimeoutError, RuntimeError)
+
+
+def _package_exceptions() -> dict[str, type[BaseException]]:
+    """Every exception class defined in the package (by its defining module), every module imported."""
+    found: dict[str, type[BaseException]] = {}
+    for info in pkgutil.walk_packages(distribute_utils.__path__, "distribute_utils."):
+        if info.name.endswith(".__main__"):  # (runs the command line)
+            continue
+        module = importlib.import_module(info.name)
+        for obj in vars(module).values():
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, BaseException)
+                and obj.__module__.startswith("distribute_utils")
+            ):
+                found[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    return found
+
+
+def test_every_public_exception_is_defined_in_errors_and_derives_from_a_builtin() -> None:
+    found = _package_exceptions()
+    assert errors.DistributeError in found.values()
+    # Private classes (a leading underscore) are control flow caught inside their module; Interrupted is a
+    # BaseException on purpose, like KeyboardInterrupt (``except Exception`` must not swallow a signal).
+    public = {
+        name: cls
+        for name, cls in found.items()
+        if not cls.__name__.startswith("_") and cls is not interrupts.Interrupted
+    }
+    elsewhere = sorted(name for name, cls in public.items() if cls.__module__ != "distribute_utils.errors")
+    assert not elsewhere, f"exception classes defined outside distribute_utils/errors.py: {elsewhere}"
+    assert not issubclass(interrupts.Interrupted, Exception)
+    for name, cls in public.items():
+        if cls is errors.DistributeError:
+            continue
+        assert issubclass(cls, errors.DistributeError), name
+        assert issubclass(cls, BUILTINS), f"{name} derives from no built-in a caller would catch"
+    assert set(errors.__all__) >= {cls.__name__ for cls in public.values()}
+
+
+def _sample(cls: type[BaseException]) -> BaseException:
+    if cls is errors.PeerLostError:
+        return cls("ranks [2] did not arrive", [2])
+    if cls is errors.ConsolidationError:
+        return cls("shapes differ", 3, "MergeError")
+    return cls(f"a {cls.__name__}")
+
+
+@pytest.mark.parametrize(
+    "cls", [c for c in vars(errors).values() if inspect.isclass(c) and issubclass(c, BaseException)]
+)
+def test_each_error_survives_pickling(cls: type[BaseException]) -> None:
+    error = _sample(cls)
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is cls and str(again) == str(error) and again.args == error.args
+    if isinstance(error, errors.PeerLostError):
+        assert isinstance(again, errors.PeerLostError) and again.missing == (2,)
+    if isinstance(error, errors.ConsolidationError):
+        assert isinstance(again, errors.ConsolidationError) and (again.rank, again.kind) == (3, "MergeError")
+
+
+def test_old_module_names_still_import() -> None:
+    """Code and docs import errors from the modules that raise them: those names are the same classes."""
+    from distribute_utils.consolidate.failures import ConsolidationError
+    from distribute_utils.consolidate.layouts import LayoutError
+    from distribute_utils.consolidate.rules import MergeError, RuleSyntaxError
+    from distribute_utils.consolidate.safe_load import UnsafeCheckpointError
+    from distribute_utils.consolidate.writers import CheckpointFormatError
+    from distribute_utils.mailbox import MailboxError
+    from distribute_utils.outputs import OutputError
+
+    assert (ConsolidationError, LayoutError, MergeError, RuleSyntaxError) == (
+        errors.ConsolidationError,
+        errors.LayoutError,
+        errors.MergeError,
+        errors.RuleSyntaxError,
+    )
+    assert (UnsafeCheckpointError, CheckpointFormatError, MailboxError, OutputError) == (
+        errors.UnsafeCheckpointError,
+        errors.CheckpointFormatError,
+        errors.MailboxError,
+        errors.OutputError,
+    )
+    assert issubclass(MailboxError, OSError) and issubclass(MailboxError, errors.DistributeError)
+
+
+def test_bad_input_errors_keep_their_builtin() -> None:
+    """Callers' ``except ValueError`` / ``except TypeError`` keep catching what plain built-ins were."""
+    from distribute_utils import sync, wire
+
+    with pytest.raises(ValueError, match="timeout must be a positive number") as bad:
+        sync.resolve_timeout(-1)
+    assert isinstance(bad.value, errors.ArgumentError)
+    with pytest.raises(TypeError, match="cannot encode a value of type") as unsupported:
+        wire.encode({"f": object()})
+    assert isinstance(unsupported.value, errors.UnsupportedTypeError)
+
+
+def test_recent_is_bounded() -> None:
+    cache: Recent[int, int] = Recent(3)
+    for i in range(10):
+        assert cache.make(i, lambda i=i: i * i) == i * i
+        assert len(cache) <= 3
+    assert cache.make(9, lambda: -1) == 81, "a kept value is not made again"
