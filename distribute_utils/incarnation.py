@@ -69,7 +69,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "DISTRIBUTE_UTILS_TIMEOUT"
 PROBE_TIMEOUT_S = 1.0  # a look whether a store's server still takes connections
-CONNECT_ATTEMPT_S = 5.0  # one attempt of a new store client to connect (repeated while the server answers)
+# One attempt of a new store client to connect (repeated while the server answers). A dead server is found
+# by the look before it (refused at once), so this bounds only a live but slow one: long enough that a
+# loaded host does not time out (torch prints each timed-out attempt as an error with a C++ stack).
+CONNECT_ATTEMPT_S = 30.0
 _ROOT = "distribute_utils"
 
 

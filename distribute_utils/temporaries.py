@@ -40,6 +40,7 @@ __all__ = [
     "find_abandoned",
     "remove_abandoned",
     "remove_abandoned_by",
+    "remove_file",
     "write_atomically",
 ]
 
@@ -125,7 +126,7 @@ class Temporaries:
     def remove(self) -> None:
         """Removes the temporaries that exist and forgets them. Safe to call more than once."""
         for temp in self.temps:
-            _unlink(temp)
+            remove_file(temp)
         self._forget()
 
     def _forget(self) -> None:
@@ -196,7 +197,7 @@ def write_atomically(
     except BaseException:
         if held is not None:
             held.remove()
-        elif (remove or _unlink)(str(temp)) and temps is not None:
+        elif (remove or remove_file)(str(temp)) and temps is not None:
             temps.discard(str(temp))  # else the caller tries again
         raise
     if temps is not None:
@@ -204,8 +205,8 @@ def write_atomically(
     return path
 
 
-def _unlink(path: str | os.PathLike[str]) -> bool:
-    """Removes ``path``; True once it is gone (a failure is logged, not raised)."""
+def remove_file(path: str | os.PathLike[str]) -> bool:
+    """Removes ``path``; True once it is gone (a failure is logged, never raised)."""
     try:
         os.unlink(path)
     except FileNotFoundError:

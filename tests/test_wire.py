@@ -1415,17 +1415,6 @@ def test_the_header_limit_is_checked_when_encoding() -> None:
         encode({"s": "x" * (64 * 2**20 + 1)})
 
 
-def test_the_kept_results_are_bounded() -> None:
-    """The encoder's layouts and the decoder's checked heads are kept up to a bound, then dropped at once
-    (worked out again by the caller)."""
-    recent = wire._Recent(2)
-    recent.put("a", 1)
-    recent.put("b", 2)
-    assert recent.get("a") == 1 and len(recent) == 2
-    recent.put("c", 3)
-    assert dict(recent) == {"c": 3}
-
-
 def test_a_known_head_still_has_its_length_checksum_and_limit_checked() -> None:
     """A payload whose head (prefix and header) was checked before skips those checks, and only those:
     a truncated copy, a corrupted checksummed one and a header over a smaller limit are refused as the
