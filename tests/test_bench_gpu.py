@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import glob
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -173,3 +174,56 @@ def test_the_script_uses_no_private_name_of_the_package() -> None:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported:
             assert not node.attr.startswith("_"), f"{node.value.id}.{node.attr} (line {node.lineno})"
+
+
+def _gpu_check(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``scripts/gpu_check.sh`` here, with its output folder in ``tmp_path``; no editable install (it would
+    change this machine's environment) and one gpu-marked test as pytest's target."""
+    out = tmp_path / "out"
+    settings = {
+        "OUT": str(out),
+        "PYTHON": sys.executable,
+        "WHEELS": str(tmp_path / "no-wheels"),
+        "GPU_CHECK_SKIP": "editable",
+        "GPU_CHECK_TESTS": "tests/test_wire.py::test_cuda_tensors",
+        **env,
+    }
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_check.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, **settings},
+    )
+    return done, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_gpu_check_runs_every_step_past_failures_and_sums_them_up(tmp_path: Path) -> None:
+    """Without a GPU: nvidia-smi is missing and the bench refuses (exit 2), a carried wheel is broken, yet
+    every later step runs; the last line names each step's exit status, and the log is in $OUT."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "broken-0.1-py3-none-any.whl").write_bytes(b"not a zip")
+    done, out = _gpu_check(tmp_path, WHEELS=str(wheels))
+    assert done.returncode == 1, done.stdout[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    steps = dict(s.split("=", 1) for s in last.removeprefix("gpu_check: ").split(" -> ")[0].split())
+    assert last.endswith("-> SOME FAILED"), last
+    assert steps["versions"] == "0" and steps["imports"] == "0" and steps["gpu-tests"] == "0", last
+    assert steps["editable"] == "skipped" and steps["bench"] == "2", last
+    assert steps["wheels"] != "0" and steps["machine"] != "0", last
+    assert "1 skipped" in done.stdout and "CUDA is not available here" in done.stdout
+    assert (out / "gpu_check.log").read_text() == done.stdout
+    assert (out / "pytest-gpu.xml").exists()
+
+
+def test_gpu_check_stays_within_its_budget(tmp_path: Path) -> None:
+    done, _ = _gpu_check(tmp_path, GPU_CHECK_BUDGET_S="0")
+    assert done.returncode == 1
+    last = done.stdout.strip().splitlines()[-1]
+    assert last == (
+        "gpu_check: machine=no-time versions=no-time wheels=none editable=skipped imports=no-time "
+        "gpu-tests=no-time bench=no-time -> SOME FAILED"
+    ), done.stdout
