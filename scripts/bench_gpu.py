@@ -61,7 +61,7 @@ import secrets
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -241,12 +241,6 @@ def tensor_payload(nbytes: int, seed: int, device: torch.device | str) -> torch.
 
 
 # -- shared memory and CUDA ---------------------------------------------------------------------------
-def _run_token() -> str:
-    """This run's name in segment paths: set by the launching process (``$DU_BENCH_GPU_RUN``), which the
-    ranks inherit and which removes what is left at the end (:func:`_segments_removed_at_end`)."""
-    return os.environ.get("DU_BENCH_GPU_RUN", "solo")
-
-
 class Segment:
     """A ``/dev/shm`` file of ``size`` bytes mapped in this process (``view``: a uint8 tensor over it),
     registered with the CUDA runtime on request. Whoever made it calls :meth:`close`."""
@@ -280,16 +274,11 @@ class Segment:
             self.map = None
 
 
-@contextlib.contextmanager
-def _segments_removed_at_end() -> Iterator[None]:
-    """Name this run's segments, and remove any left when it ends, however (a failed rank leaves its)."""
-    os.environ["DU_BENCH_GPU_RUN"] = secrets.token_hex(4)
-    try:
-        yield
-    finally:
-        for path in glob.glob(f"{SEGMENT_PREFIX}{_run_token()}-*"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+def _remove_segments(prefix: str) -> None:
+    """The launching process, at the end however it came: remove what failed ranks left of this run's."""
+    for path in glob.glob(f"{prefix}*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _sync(device: torch.device) -> None:
@@ -310,9 +299,12 @@ def _timed_ms(fn: Callable[[], Any], reps: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def copy_rates(nbytes: int, reps: int, device: torch.device) -> dict[str, dict[str, float] | str]:
+def copy_rates(
+    nbytes: int, reps: int, device: torch.device, prefix: str
+) -> dict[str, dict[str, float] | str]:
     """One process's copy rates of ``nbytes`` between ``device`` and the host, each way, per kind of host
-    memory, and device to device: ``{name: {"ms": median, "GiB/s": rate}}`` (or why it was not measured)."""
+    memory, and device to device: ``{name: {"ms": median, "GiB/s": rate}}`` (or why it was not measured).
+    Its ``/dev/shm`` file is named ``prefix`` + ``rates``."""
     x = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     y = torch.empty_like(x)
     pageable = torch.ones(nbytes, dtype=torch.uint8)
@@ -325,7 +317,7 @@ def copy_rates(nbytes: int, reps: int, device: torch.device) -> dict[str, dict[s
         "pinned copy_ H2D": lambda: y.copy_(pinned, non_blocking=True),
     }
     out: dict[str, dict[str, float] | str] = {}
-    path = f"{SEGMENT_PREFIX}{_run_token()}-rates"
+    path = f"{prefix}rates"
     segment = Segment(path, nbytes, create=True)
     try:
         os.unlink(path)  # mapped: nothing need stay in /dev/shm
@@ -351,25 +343,26 @@ def copy_rates(nbytes: int, reps: int, device: torch.device) -> dict[str, dict[s
 class ShmFloor:
     """The registered-memory floor of one case (see the module doc); made and closed on every rank."""
 
-    def __init__(self, tensors: list[torch.Tensor], device: torch.device, tag: str, notes: list[str]) -> None:
+    def __init__(
+        self, tensors: list[torch.Tensor], device: torch.device, prefix: str, notes: list[str]
+    ) -> None:
         self.tensors, self.device = tensors, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.offsets, size = layout(tensors)
         self.segments: dict[int, Segment] = {}
         self.staging: dict[int, torch.Tensor] = {}  # rank 0: a device buffer per sender
         self.signal = torch.zeros(1, dtype=torch.int64)
-        path = f"{SEGMENT_PREFIX}{_run_token()}-{tag}-"
         if self.rank != 0:
-            self.segments[self.rank] = Segment(f"{path}{self.rank}", size, create=True)
+            self.segments[self.rank] = Segment(f"{prefix}{self.rank}", size, create=True)
         dist.barrier()
         if self.rank == 0:
             for r in range(1, self.world):
-                self.segments[r] = Segment(f"{path}{r}", size, create=False)
+                self.segments[r] = Segment(f"{prefix}{r}", size, create=False)
                 if device.type != "cpu":
                     self.staging[r] = torch.empty(size, dtype=torch.uint8, device=device)
         dist.barrier()
         if self.rank != 0:
-            os.unlink(f"{path}{self.rank}")  # mapped at both ends: nothing need stay in /dev/shm
+            os.unlink(f"{prefix}{self.rank}")  # mapped at both ends: nothing need stay in /dev/shm
         for segment in self.segments.values():
             assert segment.view is not None
             segment.view.fill_(0)  # every page written once
@@ -603,8 +596,9 @@ def _methods(
     return methods
 
 
-def _case(case: str, reps: int, device_name: str, hidden: int) -> dict[str, Any]:
-    """One rank's part in one case: its stamps per method, and (rank 0) what it saw."""
+def _case(case: str, reps: int, device_name: str, hidden: int, prefix: str) -> dict[str, Any]:
+    """One rank's part in one case: its stamps per method, and (rank 0) what it saw. Its ``/dev/shm``
+    files are named ``prefix`` + the case + ``-``."""
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -621,15 +615,15 @@ def _case(case: str, reps: int, device_name: str, hidden: int) -> dict[str, Any]
     tensors = tensors_of(value)
     check = _Check(checksum(tensors))
     notes: list[str] = [] if modelopt else ["no modelopt: nvidia-modelopt does not import"]
-    shm = ShmFloor(tensors, device, case, notes)
+    shm = ShmFloor(tensors, device, f"{prefix}{case}-", notes)
     ipc = open_ipc(tensors, device, notes) if device.type == "cuda" else None
-    try:
-        stamps = _interleaved(_methods(value, tensors, device, modelopt, (shm, ipc), check), reps, device)
-        ipc_ms = ipc.copy_ms(max(reps, 3)) if ipc is not None else None
-    finally:
-        shm.close()
-        if ipc is not None:
-            ipc.close()
+    # No collective clean-up after a failure (the other ranks are elsewhere: it would hang): the failing
+    # rank reports, run_local stops the others, and what they hold goes with their processes.
+    stamps = _interleaved(_methods(value, tensors, device, modelopt, (shm, ipc), check), reps, device)
+    ipc_ms = ipc.copy_ms(max(reps, 3)) if ipc is not None else None
+    shm.close()
+    if ipc is not None:
+        ipc.close()
     report: dict[str, Any] = {"stamps": stamps}
     if rank == 0:
         report.update(
@@ -644,7 +638,7 @@ def _case(case: str, reps: int, device_name: str, hidden: int) -> dict[str, Any]
     return report
 
 
-def _machine(device_name: str, nbytes: int, reps: int) -> dict[str, Any]:
+def _machine(device_name: str, nbytes: int, reps: int, prefix: str) -> dict[str, Any]:
     """The machine's versions and device, and (on a GPU) :func:`copy_rates` at ``nbytes``."""
     device = torch.device(device_name)
     info: dict[str, Any] = {
@@ -661,7 +655,7 @@ def _machine(device_name: str, nbytes: int, reps: int) -> dict[str, Any]:
         info["device_name"] = torch.cuda.get_device_name(device)
         info["capability"] = f"{props.major}.{props.minor}"
         info["memory_gib"] = props.total_memory / 2**30
-        info["rates"] = copy_rates(nbytes, reps, device)
+        info["rates"] = copy_rates(nbytes, reps, device, prefix)
     return info
 
 
@@ -783,20 +777,25 @@ def main(argv: list[str] | None = None) -> int:
         "errors": {},
     }
     load_before = _load()
-    with _segments_removed_at_end():
+    prefix = f"{SEGMENT_PREFIX}{secrets.token_hex(4)}-"  # this run's /dev/shm files
+    try:
         try:
-            report["machine"] = run_local(_machine, 1, str(device), max(sizes, default=64 << 20), args.reps)[
-                0
-            ]
+            report["machine"] = run_local(
+                _machine, 1, str(device), max(sizes, default=64 << 20), args.reps, prefix
+            )[0]
         except LaunchError as exc:
             report["errors"]["copy limits"] = str(exc)
         for case in args.sizes:
             try:
-                per_rank = run_local(_case, args.nproc, case, args.reps, str(device), args.layer_hidden)
+                per_rank = run_local(
+                    _case, args.nproc, case, args.reps, str(device), args.layer_hidden, prefix
+                )
             except LaunchError as exc:
                 report["errors"][case] = str(exc)
                 continue
             report["cases"][case] = _case_report(per_rank, args.nproc)
+    finally:
+        _remove_segments(prefix)
     report["load"] = f"{load_before} before, {_load()} after (1/5/15 min)"
     _print_report(report)
     if args.json:
