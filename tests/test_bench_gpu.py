@@ -111,6 +111,7 @@ def test_rates_and_ratios() -> None:
     }
 
 
+@pytest.mark.slow
 def test_the_layer_config_holds_the_same_tensors_as_dicts_and_as_modelopt_configs() -> None:
     bench = load_script("bench_gpu")
     plain = bench.layer_config(4096, 1, "cpu")
@@ -181,6 +182,7 @@ def _gpu_check(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[
     return done, out
 
 
+@pytest.mark.slow  # (the budget test below runs gpu_check.sh in the default suite)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_gpu_check_runs_every_step_past_failures_and_sums_them_up(tmp_path: Path) -> None:
     """Without a GPU: nvidia-smi is missing and the bench refuses (exit 2), a carried wheel is broken, yet

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -107,7 +108,16 @@ def test_every_command_is_run_or_excluded_with_a_reason() -> None:
     assert used == {p for p, _ in EXCLUDED}, f"exclusions that match no command: {set(dict(EXCLUDED)) - used}"
 
 
-@pytest.mark.parametrize(("where", "command"), RUN, ids=[w for w, _ in RUN])
+#: Commands that test_cli.py runs too (``--nproc``, torchrun): run here only with ``-m slow``.
+SLOW = (r"--nproc \d", r"^torchrun ")
+
+
+def _marked(where: str, command: str) -> Any:
+    slow = any(re.search(pattern, command) for pattern in SLOW)
+    return pytest.param(where, command, id=where, marks=pytest.mark.slow) if slow else (where, command)
+
+
+@pytest.mark.parametrize(("where", "command"), [_marked(w, c) for w, c in RUN], ids=[w for w, _ in RUN])
 def test_command_runs_as_written(workdir: Path, where: str, command: str) -> None:
     for placeholder, here in PLACEHOLDERS.items():
         command = command.replace(placeholder, here)
@@ -139,6 +149,7 @@ def test_benchmark_options_exist(script: str) -> None:
             assert not missing, f"{where}: {command}: options {missing} are not in {script} --help"
 
 
+@pytest.mark.slow  # (test_exit.py runs the same example in the default suite)
 def test_readme_example_runs_under_torchrun(tmp_path: Path) -> None:
     """As its first line says: 4 ranks under torchrun; rank 0 prints the layers of every rank."""
     example = _block_after(ROOT / "README.md", "python", "get_configs_parallel(config")

@@ -41,7 +41,12 @@ CASES = {
     "gqa_tied_vpp": dict(case="gqa", tp=2, pp=2, vp=2),
     "uneven": dict(case="uneven", tp=1, pp=2),
 }
-SLOW = {"dense", "gqa_tied_vpp", "uneven"}
+SLOW = {
+    "dense",
+    "gqa_tied_vpp",
+    "uneven",
+    "moe",
+}  # (swiglu, with MoE-free gated MLPs, stays in the default suite)
 # Unpickling the originals with weights_only=False (to strip args) imports megatron-core, which warns.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 

@@ -127,7 +127,7 @@ def _check(
     [
         pytest.param("bf16", marks=pytest.mark.slow),
         "fp8",
-        "int4_awq",
+        pytest.param("int4_awq", marks=pytest.mark.slow),  # (fp8 in the default suite)
         pytest.param("int8_sq", marks=pytest.mark.slow),
         pytest.param("nvfp4", marks=pytest.mark.slow),
     ],

@@ -65,7 +65,7 @@ def _check_clean(reports: list[dict], backing: Path) -> None:
     assert left == [] or all(name.startswith(".du-") for name in left), left
 
 
-@pytest.mark.parametrize("workspace", ["dir", "sshfs"])
+@pytest.mark.parametrize("workspace", [pytest.param("dir", marks=pytest.mark.slow), "sshfs"])
 def test_hierarchical_gather_over_workspace(tmp_path: Path, workspace: str) -> None:
     reports, backing = _run(tmp_path, workspace, "auto", rounds=100)
     _check_clean(reports, backing)

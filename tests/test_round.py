@@ -391,7 +391,7 @@ def _reinit(swapped: list[int], workspace: str, tag: str) -> dict[str, Any]:
     return seen
 
 
-@pytest.mark.parametrize("world", [4, 2])
+@pytest.mark.parametrize("world", [pytest.param(4, marks=pytest.mark.slow), 2])
 def test_reinitialisation_twice_with_swapped_ranks(pools: Any, tmp_path: Any, world: int) -> None:
     swapped = [1, 0, 3, 2][:world]
     tag = f"{os.getpid()}-{time.monotonic_ns()}"  # one fresh prefix per attempt, the same on every rank
