@@ -19,6 +19,9 @@ import torch
 
 from harness import SCRIPTS, load_script
 
+# Importing ModelOpt (the dry run) imports megatron-core and torch.jit, which warn about themselves.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
 
 def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
