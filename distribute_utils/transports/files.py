@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DistributeError, PayloadError, SpaceError, WorkspaceError
+from ..temporaries import remove_file as unlink
 from ..temporaries import write_atomically
 from ..wire import PREFIX_SIZE, read_prefix
 
@@ -51,18 +52,6 @@ _NO_RESERVE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENOTTY)
 LOCAL_FS = frozenset(
     {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "overlay", "zfs", "f2fs", "bcachefs", "jfs"}
 )
-
-
-def unlink(path: str) -> bool:
-    """Remove ``path``; True once it is gone (a failure is logged, never raised)."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        logger.warning("could not remove %s: %s", path, exc)
-        return False
-    return True
 
 
 def free_bytes(path: str) -> int | None:
