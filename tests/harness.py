@@ -256,3 +256,18 @@ def relabel_devices(payload: bytes, devices: dict[int, str]) -> bytes:
         out += bytes(entry[2] - len(out)) + raw
     struct.pack_into("<4sHHQQQ", out, 0, b"DUW1", VERSION, 0, len(header), len(out), 0)
     return bytes(out)
+
+
+def temporaries_clean_would_remove() -> list[str]:
+    """The temporary files ``distribute-utils clean --dry-run --json`` lists (it removes nothing)."""
+    import json
+    import subprocess
+
+    dry = subprocess.run(
+        [sys.executable, "-m", "distribute_utils", "clean", "--dry-run", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dry.returncode == 0, dry.stderr
+    return [r["path"] for r in json.loads(dry.stdout)["removed"] if r["kind"] == "temporary"]

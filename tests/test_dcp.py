@@ -26,7 +26,7 @@ from distribute_utils.consolidate import (
     load_safetensors,
     open_checkpoint,
 )
-from distribute_utils.consolidate.dcp import _byte_runs, read_dcp_metadata
+from distribute_utils.consolidate.dcp import byte_runs, read_dcp_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -71,7 +71,7 @@ def test_dcp_torch_output_and_batches(tmp_path: Path) -> None:
     assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
 
 
-def test_byte_runs_place_every_box_exactly() -> None:
+def testbyte_runs_place_every_box_exactly() -> None:
     """Any sub-box of a row-major tensor: the runs put the box's bytes exactly where indexing says."""
     rng = random.Random(7)
     for _ in range(200):
@@ -89,15 +89,15 @@ def test_byte_runs_place_every_box_exactly() -> None:
         expected[index] = box
         out = bytearray(_bits(full).numpy().tobytes())
         src = _bits(box).numpy().tobytes()
-        for dst, start, n in _byte_runs(shape, offsets, sizes, 2):
+        for dst, start, n in byte_runs(shape, offsets, sizes, 2):
             out[dst : dst + n] = src[start : start + n]
         assert bytes(out) == _bits(expected).numpy().tobytes(), (shape, offsets, sizes)
 
 
-def test_byte_runs_are_as_few_as_the_box_allows() -> None:
-    assert _byte_runs((4, 6), (2, 0), (2, 6), 4) == [(48, 0, 48)]  # rows: one run
-    assert len(_byte_runs((4, 6), (0, 3), (4, 3), 4)) == 4  # columns: one run per row
-    assert _byte_runs((), (), (), 8) == [(0, 0, 8)]
+def testbyte_runs_are_as_few_as_the_box_allows() -> None:
+    assert byte_runs((4, 6), (2, 0), (2, 6), 4) == [(48, 0, 48)]  # rows: one run
+    assert len(byte_runs((4, 6), (0, 3), (4, 3), 4)) == 4  # columns: one run per row
+    assert byte_runs((), (), (), 8) == [(0, 0, 8)]
 
 
 def test_not_a_dcp_directory_and_bad_options(tmp_path: Path) -> None:

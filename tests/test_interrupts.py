@@ -35,7 +35,7 @@ from distribute_utils.consolidate.synthetic import (
 )
 from distribute_utils.temporaries import RECORD_DIR
 
-from harness import torchrun_argv
+from harness import temporaries_clean_would_remove, torchrun_argv
 
 MESSAGE = "distribute-utils consolidate: interrupted; nothing written"
 CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -501,14 +501,7 @@ def test_clean_removes_the_temporaries_of_a_killed_consolidation(ckpt: Path, tmp
         live = _consolidate(ckpt, live_out)
         live_temp = _until("the live one's temporary", lambda: _stop_once_written(live, live_out), live.proc)
         try:
-            dry = subprocess.run(
-                [sys.executable, "-m", "distribute_utils", "clean", "--dry-run", "--json"],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert dry.returncode == 0, dry.stderr
-            listed = [r["path"] for r in json.loads(dry.stdout)["removed"] if r["kind"] == "temporary"]
+            listed = temporaries_clean_would_remove()
             assert str(temp) in listed and str(live_temp) not in listed, listed
             assert temp.exists(), "a dry run removes nothing"
             done = subprocess.run(

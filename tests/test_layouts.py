@@ -35,6 +35,8 @@ from distribute_utils.consolidate.synthetic import (
     synthetic_size_for,
 )
 
+from harness import temporaries_clean_would_remove
+
 TP, PP, LPS = 2, 2, [3, 1]
 
 
@@ -478,14 +480,7 @@ def test_clean_removes_the_temporary_of_a_killed_layout_write(tmp_path: Path) ->
     temps = sorted(out.glob(".*.tmp-*"))
     assert [t.name.split(".tmp-")[0] for t in temps] == [".rank_00001.pt"], sorted(out.iterdir())
     assert not (out / "mesh.json").exists()
-    dry = subprocess.run(
-        [sys.executable, "-m", "distribute_utils", "clean", "--dry-run", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert dry.returncode == 0, dry.stderr
-    listed = [r["path"] for r in json.loads(dry.stdout)["removed"] if r["kind"] == "temporary"]
+    listed = temporaries_clean_would_remove()
     assert str(temps[0]) in listed, (listed, temps)
     done = subprocess.run(
         [sys.executable, "-m", "distribute_utils", "clean"], capture_output=True, text=True, timeout=120

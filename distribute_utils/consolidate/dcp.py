@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
     from .plan import RuleChoice
 
-__all__ = ["DCP_METADATA", "MEGATRON_NAMES", "DcpCheckpoint", "read_dcp_metadata"]
+__all__ = ["DCP_METADATA", "MEGATRON_NAMES", "DcpCheckpoint", "byte_runs", "read_dcp_metadata"]
 
 logger = logging.getLogger(__name__)
 
@@ -351,7 +351,7 @@ class DcpCheckpoint:
                     data = tensor_bytes(piece)
                     runs = [
                         (dst, data[src : src + n])
-                        for dst, src, n in _byte_runs(
+                        for dst, src, n in byte_runs(
                             spec.shape, offsets[lead:], sizes[lead:], spec.dtype.itemsize
                         )
                     ]
@@ -472,7 +472,7 @@ def _intersect(
     return lo, tuple(h - lo_ for lo_, h in zip(lo, hi))
 
 
-def _byte_runs(
+def byte_runs(
     shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int
 ) -> list[tuple[int, int, int]]:
     """A box of a row-major tensor as contiguous runs: ``(byte offset in the tensor, byte offset in the box's

@@ -7,6 +7,7 @@ opened on rank 0) and then :meth:`Job.run` once.
 
 from __future__ import annotations
 
+import abc
 import os
 import sys
 import threading
@@ -63,7 +64,7 @@ def progress_bar(total: int, enabled: bool, desc: str) -> Any:
     )
 
 
-class Job:
+class Job(abc.ABC):
     """One consolidation as this process takes part in it; subclasses say how (:meth:`run`).
 
     Attributes:
@@ -96,9 +97,9 @@ class Job:
         self.plan, self.writer = plan, writer
         self.rank, self.world, self.transport = rank, world, transport
 
+    @abc.abstractmethod
     def run(self) -> ConsolidationReport:
         """Runs this process's part to the end; returns the report (rank 0's numbers on every rank)."""
-        raise NotImplementedError
 
     def progress(self) -> Any:
         """The progress bar of this run (drawn on rank 0 only); the caller closes it."""
