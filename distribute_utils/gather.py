@@ -393,6 +393,7 @@ class _Gather:
     _cross: str | None = None
     received_on: str | None = None  # with device=None: where received config tensors go (see gather_to_first)
     direct = False  # claims and verdicts through the ranks' mailboxes, not the store (see decide)
+    pin_maps = False  # the first rank copies what it receives to a GPU (see receive)
 
     # -- shared helpers ------------------------------------------------------------------------
     @property
@@ -543,6 +544,7 @@ class _Gather:
         host = HostTransport(
             info,
             pool=pool,
+            pin=receiver is None and self.pin_maps,
             workspace=self._workspace_now if fallback else None,
             workspace_path=str(self.workspace_path),
             what=self.what,
@@ -558,7 +560,7 @@ class _Gather:
         """A direct round's sender: ``payload`` goes in its claim's message (see :data:`ATTACHED_MAX_BYTES`);
         returns the claim body. Nothing to release afterwards."""
         note_payload(payload.nbytes)  # (the segment pool sizes itself by every payload)
-        self._attached = payload
+        self._attached = payload.to_cpu()
         return ["", ["attached", payload.nbytes]]
 
     def publish(self, transport: Transport, payload: wire.EncodedPayload) -> list[Any]:
@@ -653,7 +655,7 @@ class _Gather:
             if error is None:
                 plan = None if self.direct else self.my_plan()
                 if plan is None:
-                    payload = self.encode(value, False, False)
+                    payload = self.encode(value, False, True)  # a GPU's tensors go from there
                     if self.direct and payload.nbytes <= ATTACHED_MAX_BYTES:
                         body = self.attach(payload)
                     else:
@@ -661,7 +663,7 @@ class _Gather:
                 elif plan.leader_of(self.me) == self.me:
                     body = self.forward(plan, value)
                 else:
-                    body = self.publish(self.host(plan.leader_of(self.me)), self.encode(value, False, False))
+                    body = self.publish(self.host(plan.leader_of(self.me)), self.encode(value, False, True))
                 # What this rank owes the other participants (segments it let go as a receiver or leader;
                 # its members' notes). They travel on only in a successful verdict: see take_back_notes.
                 notes = self.notes_for(self.ranks) + self._relayed
@@ -806,6 +808,7 @@ class _Gather:
             if error is not None:
                 _raise_from(error, "")
             decode_to, mine = self.placement(own, device)
+            self.pin_maps = decode_to is not None and torch.cuda.is_initialized()
             plan = self.plan_and_tell()
             direct = plan.direct
             # What needs no claim is done before they come: after the last one, only its own part is left.

@@ -321,6 +321,12 @@ class EncodedPayload:
             self.nbytes, self.head, tuple((o, _contiguous(t, False)) for o, t in self.chunks)
         )
 
+    @property
+    def on_device(self) -> bool:
+        """Whether any tensor chunk lives on an accelerator: :meth:`write_into` copies it from there into
+        the buffer (one device-to-host copy); every other writer needs :meth:`to_cpu` first."""
+        return any(not t.is_cpu for _, t in self.chunks)
+
     def write_to_fd(self, fd: int, base: int = 0) -> None:
         """Write the payload at byte ``base`` of an open file descriptor.
 
@@ -343,7 +349,9 @@ class EncodedPayload:
         """Copy the payload into the first :attr:`nbytes` bytes of a writable buffer.
 
         Padding is written as zeros, so the buffer need not be zeroed first. A plain copy holds the
-        GIL: it goes 256 MiB at a time, so that other threads run between the pieces.
+        GIL: it goes 256 MiB at a time, so that other threads run between the pieces. A chunk on a GPU
+        is copied from there straight into the buffer (at pinned speed where the buffer is registered,
+        see :mod:`.transports.pinning`), and the copies are complete when this returns.
 
         Args:
             buf: a writable bytes-like object (bytearray, memoryview, mmap) of at least
@@ -362,12 +370,13 @@ class EncodedPayload:
                 raise ArgumentError(
                     f"buffer of {mv.nbytes} bytes is too small for a payload of {self.nbytes} bytes"
                 )
+            if self.on_device:
+                _write_from_devices(mv, self.head, self.chunks, self.nbytes)
+                return
             pos = 0
             for seg in self._segments:
-                for start in range(0, seg.nbytes, _COPY_CHUNK):
-                    piece = seg[start : start + _COPY_CHUNK]
-                    mv[pos : pos + piece.nbytes] = piece
-                    pos += piece.nbytes
+                _copy_in(mv, pos, seg)
+                pos += seg.nbytes
 
     def to_bytes(self) -> bytes:
         """The whole payload as one ``bytes`` object (one copy)."""
@@ -391,6 +400,41 @@ class EncodedPayload:
         crc = _crc(_segments_after(len(self.head), self.chunks, total), zlib.crc32(body))
         head = _PREFIX.pack(MAGIC, VERSION, flags | FLAG_CHECKSUM, header_len, total, crc) + body
         return EncodedPayload(self.nbytes, head, self.chunks)
+
+
+def _copy_in(mv: memoryview, pos: int, data: memoryview) -> None:
+    """Copy host bytes ``data`` into ``mv`` at ``pos``, :data:`_COPY_CHUNK` at a time."""
+    for start in range(0, data.nbytes, _COPY_CHUNK):
+        piece = data[start : start + _COPY_CHUNK]
+        mv[pos + start : pos + start + piece.nbytes] = piece
+
+
+def _write_from_devices(
+    mv: memoryview, head: bytes, chunks: tuple[tuple[int, torch.Tensor], ...], nbytes: int
+) -> None:
+    """:meth:`EncodedPayload.write_into` for chunks on devices: each copied device to host into its place
+    (asynchronously on its device's current stream, which is then waited for), padding zeroed."""
+    mv[: len(head)] = head
+    pos, streams = len(head), {}
+    try:
+        for offset, tensor in chunks:
+            if offset > pos:
+                mv[pos:offset] = _zeros(offset - pos)
+            size = tensor.numel() * tensor.element_size()
+            if tensor.is_cpu:
+                _copy_in(mv, offset, _tensor_bytes(tensor))
+            else:
+                into = torch.frombuffer(mv, dtype=torch.uint8, count=size, offset=offset)
+                into.copy_(as_uint8(tensor), non_blocking=tensor.device.type == "cuda")
+                del into  # (a view of ``mv``: the caller releases it)
+                if tensor.device.type == "cuda":
+                    streams[tensor.device] = torch.cuda.current_stream(tensor.device)
+            pos = offset + size
+        if pos < nbytes:
+            mv[pos:nbytes] = _zeros(nbytes - pos)
+    finally:
+        for stream in streams.values():  # (also after a failure: no copy may land in a buffer let go)
+            stream.synchronize()
 
 
 def _segments_after(pos: int, chunks: tuple[tuple[int, torch.Tensor], ...], nbytes: int) -> list[memoryview]:

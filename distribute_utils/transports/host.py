@@ -55,6 +55,10 @@ class HostTransport:
             raise :class:`SpaceError` instead).
         workspace_path: the workspace's directory, named in the warning when a payload goes there.
         what: names the gather in log messages.
+        pin: the receiving side copies what it fetches to a GPU (see :class:`.shm.SharedMemoryTransport`).
+
+    A payload may hold tensors on a GPU (encoded with ``keep_device``): a segment takes them straight from
+    there; inline and workspace payloads are copied to the CPU first.
     """
 
     name = "host"
@@ -68,8 +72,9 @@ class HostTransport:
         workspace_path: str = "",
         what: str = "gather",
         inline_max: int = INLINE_MAX_BYTES,
+        pin: bool = False,
     ) -> None:
-        self._shm = SharedMemoryTransport(pool=pool, receiver=receiver)
+        self._shm = SharedMemoryTransport(pool=pool, receiver=receiver, pin=pin)
         self._inline_max = inline_max
         self._workspace = workspace
         self._workspace_path = workspace_path
@@ -78,7 +83,7 @@ class HostTransport:
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> list[Any]:
         note_payload(payload.nbytes)
         if payload.nbytes <= self._inline_max:
-            return ["inline", payload.to_bytes()]
+            return ["inline", payload.to_cpu().to_bytes()]
         try:
             return ["shm", self._shm.publish(token, rank, payload)]
         except SpaceError:
@@ -91,7 +96,7 @@ class HostTransport:
             payload.nbytes,
             self._workspace_path,
         )
-        return ["workspace", self._workspace().publish(token, rank, payload.with_checksum())]
+        return ["workspace", self._workspace().publish(token, rank, payload.to_cpu().with_checksum())]
 
     def fetch(self, token: str, rank: int, receipt: list[Any]) -> Any:
         where = _where(receipt, rank)

@@ -8,11 +8,14 @@ Segment ``/dev/shm/du_<token>_<rank>_<pid>``: ``token`` is unguessable and fresh
   ``posix_fallocate`` (a full ``/dev/shm`` gives :class:`SpaceError` naming the size needed
   and the space free, never a SIGBUS later), then ``pwrite``s the payload into it. Large
   payloads reuse warm pooled segments (see :class:`_SegmentPool`), copied into the sender's own
-  map of them (:meth:`_Segment.write`).
+  map of them (:meth:`_Segment.write`). Tensors on a GPU are copied from there straight into the
+  segment, once: a pooled segment is registered with the CUDA runtime (:mod:`.pinning`) the first
+  time a GPU payload goes into it, and stays registered while pooled, so the copy runs at pinned speed.
 - ``fetch`` maps the segment copy-on-write, unlinks its name at once and returns the map:
   decoded tensors are views of it, valid for as long as they live. A pooled segment is mapped
   shared instead (nobody else reads it until its receiver lets it go), and a small one's map is
-  kept for its next payload (see :class:`_KeptMaps`).
+  kept for its next payload (see :class:`_KeptMaps`). A first rank that copies what it receives to
+  a GPU (``pin=True``) registers its map of a pooled segment once and keeps it, whatever its size.
 - ``release`` unlinks the sender's segment if the first rank never took it.
 
 No ``multiprocessing.shared_memory``: nothing is registered with the resource tracker.
@@ -43,6 +46,7 @@ from ..errors import PayloadError, PeerLostError, SpaceError
 from ..mailbox import ANCILLARY_SIZE, sender_pid
 from ..wire import EncodedPayload, stated_length
 from .files import reserve_space, unlink
+from .pinning import Registration
 
 __all__ = [
     "SEGMENT_PREFIX",
@@ -88,13 +92,16 @@ class SharedMemoryTransport:
             (it opens them through ``/proc/<pid>/fd``).
         receiver: the receiving process: a pooled segment it still maps is given back once
             it has died (it will never report the segment freed).
+        pin: the receiving side copies what it fetches to a GPU: its maps of pooled segments are
+            registered with the CUDA runtime (once each, kept between rounds).
     """
 
     name = "shm"
 
-    def __init__(self, pool: bool = False, receiver: ProcessInfo | None = None) -> None:
+    def __init__(self, pool: bool = False, receiver: ProcessInfo | None = None, pin: bool = False) -> None:
         self._pool = pool
         self._receiver = receiver
+        self._pin = pin
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> str:
         """Write ``payload`` into a segment; returns the receipt the receiver needs."""
@@ -115,7 +122,11 @@ class SharedMemoryTransport:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             _reserve(fd, payload.nbytes, rank)
-            payload.write_to_fd(fd)
+            if payload.on_device:  # copied from the GPU into a map of it: no staging copy
+                with mmap.mmap(fd, payload.nbytes, flags=mmap.MAP_SHARED) as mapped:
+                    payload.write_into(mapped)
+            else:
+                payload.write_to_fd(fd)
         except BaseException:
             unlink(path)
             raise
@@ -137,6 +148,8 @@ class SharedMemoryTransport:
             kept = _KEPT.take(pid, ident, inode, nbytes)
             if kept is None:
                 kept = _map_pooled(f"/proc/{pid}/fd/{fd_text}", rank, inode, nbytes)
+            if self._pin:
+                kept.pin()
             buf: mmap.mmap | _View = kept.lend(nbytes, (pid, ident), notice)
         else:
             buf = _map_named(segment_path(token, rank, pid), rank, nbytes)
@@ -284,17 +297,26 @@ class _Segment:
     looked: float = 0.0  # when it was last taken, or its receiver last found alive (time.monotonic)
     written: bool = False  # once: the next payloads are copied into a map (see write)
     mapped: mmap.mmap | None = None  # the sender's own shared map of it, from its second payload on
+    pinned: Registration | None = None  # ``mapped``, registered with CUDA (from its first GPU payload)
+    pin_tried: bool = False
 
     def write(self, payload: EncodedPayload) -> None:
         """Copy ``payload`` in. The first payload goes with ``pwrite`` (the kernel fills the new pages
         directly; a first touch through a map would zero each page before the copy: 1.6x slower at
         64 MiB); then the segment is mapped, every page at once (``MAP_POPULATE``), and later payloads
-        are plain copies into the map, up to twice as fast as ``pwrite``, which looks up every page."""
-        if self.written and self.mapped is None:
+        are plain copies into the map, up to twice as fast as ``pwrite``, which looks up every page.
+        A payload with tensors on a GPU is copied from there into the map (mapped now if need be),
+        registered with CUDA the first time, so that the copies run at pinned speed."""
+        if (self.written or payload.on_device) and self.mapped is None:
             try:
                 self.mapped = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
             except OSError as exc:  # e.g. out of address space: pwrite needs none (tried again next time)
+                if payload.on_device:
+                    raise
                 logger.debug("pooled segment %s written with pwrite: %s", self.ident, exc)
+        if payload.on_device and not self.pin_tried:
+            self.pin_tried = True
+            self.pinned = Registration.of(self.mapped, self.size)
         if self.mapped is not None:
             payload.write_into(self.mapped)
         else:
@@ -302,8 +324,11 @@ class _Segment:
         self.written = True
 
     def close(self) -> None:
-        """Close the sender's map and descriptor (the pages go once no receiver maps them either)."""
+        """Unregister and close the sender's map, and its descriptor (the pages go once no receiver maps
+        them either)."""
         try:
+            if self.pinned is not None:
+                self.pinned.close()
             if self.mapped is not None:
                 self.mapped.close()
         finally:
@@ -583,6 +608,17 @@ class _Map:
     inode: int
     size: int
     source: str = ""  # /proc/<sender pid>/fd/<fd>: the segment while its sender holds it
+    pinned: Registration | None = None  # registered with CUDA (see pin); unregistered when it goes
+    pin_tried: bool = False
+
+    def pin(self) -> None:
+        """Register the whole map with the CUDA runtime, once (copies from it to a GPU then run at pinned
+        speed); it is unregistered when this map goes."""
+        if not self.pin_tried:
+            self.pin_tried = True
+            self.pinned = Registration.of(self.mapping, self.size)
+            if self.pinned is not None:
+                weakref.finalize(self, self.pinned.close)
 
     def lend(self, nbytes: int, report: tuple[int, str], notice: str) -> _View:
         """The first ``nbytes`` as a buffer of their own. Once it (and every tensor viewing it) is gone,
@@ -612,7 +648,10 @@ class _KeptMaps:
     Only segments of at most :attr:`MAX_BYTES`, at most :attr:`PER_SENDER` per sender process and
     :attr:`MAX_TOTAL_BYTES` in all, least recently used given up first: a kept map holds its
     segment's pages (and a descriptor: ``mmap`` dups it) even after the sender has let the segment
-    go. A sender holds at most :attr:`_SegmentPool.LIMIT` segments at once, so a map beyond that is
+    go; a map registered with CUDA (:meth:`_Map.pin`) is kept whatever its size and counts in neither
+    bound, since registering again costs as much as a copy (its pages are its sender's pooled segment's,
+    unless the sender let that go: see below). A sender holds at most :attr:`_SegmentPool.LIMIT`
+    segments at once, so a map beyond that is
     one it let go; and when a sender's new segment comes, its other kept maps whose segment it no
     longer holds are given up at once. :func:`release_shared_memory` forgets them all.
     """
@@ -632,7 +671,7 @@ class _KeptMaps:
         """Forget the kept map ``key`` (with the lock held); returns it."""
         kept = self._maps.pop(key, None)
         if kept is not None:
-            self._bytes -= kept.size
+            self._bytes -= _counted(kept)
             idents = self._senders[key[0]]
             idents.remove(key[1])
             if not idents:
@@ -670,7 +709,11 @@ class _KeptMaps:
     def keep(self, key: tuple[int, str], kept: _Map, epoch: int) -> None:
         """Keep ``kept`` for the next payload of segment ``key`` (called as its last view goes, from
         any thread: never waits for the lock, and gives the map up when it is taken)."""
-        if epoch != self.epoch or kept.size > self.MAX_BYTES or not self._lock.acquire(blocking=False):
+        if (
+            epoch != self.epoch
+            or (kept.size > self.MAX_BYTES and kept.pinned is None)
+            or not self._lock.acquire(blocking=False)
+        ):
             return
         try:
             self._pop(key)
@@ -679,9 +722,10 @@ class _KeptMaps:
                 self._pop((key[0], ident))
             self._senders.setdefault(key[0], []).append(key[1])
             self._maps[key] = kept
-            self._bytes += kept.size
+            self._bytes += _counted(kept)
+            # The least recent counted map goes (unmapped once unreferenced).
             while self._bytes > self.MAX_TOTAL_BYTES:
-                self._pop(next(iter(self._maps)))  # unmapped once unreferenced
+                self._pop(next(k for k, m in self._maps.items() if m.pinned is None))
         finally:
             self._lock.release()
 
@@ -697,6 +741,11 @@ class _KeptMaps:
         """``(maps, bytes)`` kept."""
         with self._lock:
             return len(self._maps), self._bytes
+
+
+def _counted(kept: _Map) -> int:
+    """What a kept map counts towards :attr:`_KeptMaps.MAX_TOTAL_BYTES`: nothing when registered."""
+    return 0 if kept.pinned is not None else kept.size
 
 
 _KEPT = _KeptMaps()
