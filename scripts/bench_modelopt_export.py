@@ -6,10 +6,13 @@ of a llama-style model with ModelOpt's own config dataclasses (bfloat16, FP8 sca
 ModelOpt's ``get_configs_parallel`` / ``get_tensors_parallel`` and once with
 :mod:`distribute_utils.modelopt` patched into ``modelopt.torch.export.postprocess`` (the
 same calls, the same merges). Repetitions alternate between the two; the time is rank 0's,
-barrier to barrier; the merged models are compared bit for bit once.
+barrier to barrier; the merged models are compared bit for bit (and device for device) once.
+With ``--device cuda`` every rank's shard is on a GPU (rank r on ``cuda:<r mod the GPU count>``:
+4 ranks share one GPU where there is one), as real exports run.
 
     python scripts/bench_modelopt_export.py                       # hidden 1024, 4 layers per stage
     python scripts/bench_modelopt_export.py --hidden 512 --layers 2 --reps 3
+    python scripts/bench_modelopt_export.py --device cuda         # shards on the GPU
 
 The model builder (:func:`shard`) is also what ``tests/test_modelopt.py`` exports.
 """
@@ -110,6 +113,28 @@ def shard(tp: int, pp: int, quant: str, hidden: int, ffn: int, vocab: int, layer
     return model
 
 
+def moved(value: Any, device: torch.device) -> Any:
+    """``value`` (a ModelOpt config tree) with every tensor on ``device``; dataclasses changed in place."""
+    import dataclasses
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            setattr(value, f.name, moved(getattr(value, f.name), device))
+        return value
+    if isinstance(value, list):
+        return [moved(v, device) for v in value]
+    return value
+
+
+def rank_device(kind: str) -> torch.device:
+    """This rank's device: the CPU, or ``cuda:<rank mod the GPU count>``."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+
+
 def export(model: Any, pp: int, helpers: str, workspace: str | None = None) -> list[Any]:
     """``postprocess_model_config`` to TP1, with ModelOpt's helpers ("modelopt") or ours ("ours")."""
     import modelopt.torch.export.distribute as theirs
@@ -145,7 +170,7 @@ def _tensors(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _rank_main(sizes: dict[str, int], reps: int) -> dict[str, Any]:
+def _rank_main(sizes: dict[str, int], reps: int, device_kind: str) -> dict[str, Any]:
     import contextlib
     import io
 
@@ -155,6 +180,9 @@ def _rank_main(sizes: dict[str, int], reps: int) -> dict[str, Any]:
     for i in range(reps + 1):  # the first round warms up both
         for helpers in ("modelopt", "ours"):
             model = shard(2, 2, "fp8", sizes["hidden"], sizes["ffn"], sizes["vocab"], sizes["layers"])
+            model = moved(model, rank_device(device_kind))
+            if device_kind == "cuda":
+                torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
             with quiet:
@@ -170,7 +198,8 @@ def _rank_main(sizes: dict[str, int], reps: int) -> dict[str, Any]:
         identical = len(a) == len(b) and all(
             x.dtype == y.dtype
             and x.shape == y.shape
-            and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+            and x.device == y.device
+            and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
             for x, y in zip(a, b)
         )
     return {
@@ -189,15 +218,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--layers", type=int, default=4, help="decoder layers per pipeline stage")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the shards are")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_modelopt_export: --device cuda needs a CUDA device; none here")
+        return 2
     from distribute_utils.launch import run_local
 
     sizes = {"hidden": args.hidden, "ffn": args.ffn, "vocab": args.vocab, "layers": args.layers}
-    report = run_local(_rank_main, 4, sizes, args.reps)[0]
+    report = run_local(_rank_main, 4, sizes, args.reps, args.device)[0]
     m = report["medians"]
     print(
         f"ModelOpt postprocess_model_config, TP2 x PP2 -> TP1 on 4 ranks, {args.layers * 2} layers, "
-        f"hidden {args.hidden}, merged model {report['bytes'] / 2**20:.0f} MiB, FP8 scales"
+        f"hidden {args.hidden}, merged model {report['bytes'] / 2**20:.0f} MiB, FP8 scales, shards on "
+        + (torch.cuda.get_device_name() if args.device == "cuda" else "the CPU")
     )
     print(f"  with ModelOpt's helpers: {m['modelopt'] * 1e3:9.1f} ms (median of {args.reps})")
     print(f"  with ours              : {m['ours'] * 1e3:9.1f} ms")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one-call GPU check (docs/gpu.md): the device and versions, the carried wheels, the package, the
-# gpu-marked tests and scripts/bench_gpu.py, each step under its own timeout and all of them within
+# gpu-marked tests, scripts/bench_gpu.py and ModelOpt's export on the GPU (scripts/bench_modelopt_export.py
+# --device cuda), each step under its own timeout and all of them within
 # $GPU_CHECK_BUDGET_S; a failing step does not stop the next. Logs and results go to $OUT (the device
 # tool's output folder; a new folder under /tmp where it is unset). The last line sums up every step's
 # exit status; the script exits 0 only when every step did.
@@ -94,6 +95,7 @@ print("modelopt", modelopt.__version__, "from", modelopt.__file__)
         --junitxml="$OUT/pytest-gpu.xml" $TESTS
     # shellcheck disable=SC2086  # BENCH_ARGS: options, split on purpose
     step bench 180 "$PY" scripts/bench_gpu.py --reps "$REPS" --json "$OUT/bench_gpu.json" ${BENCH_ARGS:-}
+    step export 120 "$PY" -W ignore scripts/bench_modelopt_export.py --device cuda --reps "$REPS"
     echo "gpu_check: ${SUMMARY[*]} -> $([[ $FAILED == 0 ]] && echo 'all passed' || echo 'SOME FAILED')"
     return $FAILED
 }

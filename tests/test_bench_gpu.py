@@ -107,10 +107,13 @@ def test_pieces_of_an_aligned_buffer_sum_like_their_tensors() -> None:
 def test_rates_and_ratios() -> None:
     bench = load_script("bench_gpu")
     assert bench.gib_per_s(256 << 20, 5.0) == pytest.approx(50.0)
-    medians = {"ours_cuda": 390.0, "shm_floor": 29.0, "modelopt": 2130.0, "gather": 0.0}
+    medians = {"ours_shm": 390.0, "shm_floor": 29.0, "ours_cuda": 5.0, "modelopt": 2130.0, "gather": 0.0}
     got = bench.ratios(medians, bench.RATIOS)
-    assert got == {"ours_cuda/shm_floor": 390.0 / 29.0, "modelopt/ours_cuda": 2130.0 / 390.0} | {
-        "gather/ours_cuda": 0.0
+    assert got == {
+        "ours_shm/shm_floor": 390.0 / 29.0,
+        "ours_shm/ours_cuda": 390.0 / 5.0,
+        "modelopt/ours_cuda": 2130.0 / 5.0,
+        "gather/ours_cuda": 0.0,
     }
 
 
@@ -139,7 +142,7 @@ def test_a_dry_run_on_the_cpu_runs_every_method_and_reads_every_byte(tmp_path: P
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     report: dict[str, Any] = json.loads(out.read_text())
     assert report["errors"] == {} and set(report["cases"]) == {"1M", "layer"}, report["errors"]
-    methods = {"ours_cuda", "ours_then_cuda", "collective", "gather", "shm_floor"}
+    methods = {"ours_cuda", "ours_shm", "ours_then_cuda", "collective", "gather", "shm_floor"}
     try:
         import modelopt.torch.export.distribute  # noqa: F401
     except ImportError:
@@ -155,7 +158,7 @@ def test_a_dry_run_on_the_cpu_runs_every_method_and_reads_every_byte(tmp_path: P
         for pair, value in case["ratios"].items():
             a, b = pair.split("/")
             assert value == pytest.approx(medians[a] / medians[b]), pair
-        assert f"  {name}: ours_cuda/shm_floor {case['ratios']['ours_cuda/shm_floor']:.2f}" in done.stdout
+        assert f"  {name}: ours_shm/shm_floor {case['ratios']['ours_shm/shm_floor']:.2f}" in done.stdout
     assert report["cases"]["1M"]["received_bytes"] == 1 << 20
     assert report["cases"]["layer"]["tensors"] == 30
     assert "on CPU (dry run):" in done.stdout
@@ -199,7 +202,7 @@ def test_gpu_check_runs_every_step_past_failures_and_sums_them_up(tmp_path: Path
     steps = dict(s.split("=", 1) for s in last.removeprefix("gpu_check: ").split(" -> ")[0].split())
     assert last.endswith("-> SOME FAILED"), last
     assert steps["versions"] == "0" and steps["imports"] == "0" and steps["gpu-tests"] == "0", last
-    assert steps["editable"] == "skipped" and steps["bench"] == "2", last
+    assert steps["editable"] == "skipped" and steps["bench"] == "2" and steps["export"] == "2", last
     assert steps["wheels"] != "0" and steps["machine"] != "0", last
     assert "1 skipped" in done.stdout and "CUDA is not available here" in done.stdout
     assert (out / "gpu_check.log").read_text() == done.stdout
@@ -212,5 +215,5 @@ def test_gpu_check_stays_within_its_budget(tmp_path: Path) -> None:
     last = done.stdout.strip().splitlines()[-1]
     assert last == (
         "gpu_check: machine=no-time versions=no-time wheels=none editable=skipped imports=no-time "
-        "gpu-tests=no-time bench=no-time -> SOME FAILED"
+        "gpu-tests=no-time bench=no-time export=no-time -> SOME FAILED"
     ), done.stdout

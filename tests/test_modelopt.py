@@ -57,26 +57,13 @@ def _flatten(value: Any, path: str = "") -> dict[str, Any]:
     return {path: repr(value)}
 
 
-def _moved(value: Any, device: torch.device) -> Any:
-    """``value`` (a ModelOpt config tree) with every tensor on ``device``; dataclasses changed in place."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            setattr(value, f.name, _moved(getattr(value, f.name), device))
-        return value
-    if isinstance(value, list):
-        return [_moved(v, device) for v in value]
-    return value
-
-
 def _export(
     tp: int, pp: int, quant: str, helpers: str, workspace: str | None, gpu: bool = False
 ) -> dict[str, Any]:
     bench = _bench()
     model = bench.shard(tp, pp, quant, HIDDEN, FFN, VOCAB, LAYERS)
     if gpu:  # each rank's shard on its GPU (rank r on cuda:r, or all on cuda:0 where there is one)
-        model = _moved(model, torch.device("cuda", dist.get_rank() % torch.cuda.device_count()))
+        model = bench.moved(model, bench.rank_device("cuda"))
     configs = bench.export(model, pp, helpers, workspace)
     dist.barrier()
     return _flatten(configs)

@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["Registration"]
+__all__ = ["Registration", "registered_bytes"]
 
 logger = logging.getLogger(__name__)
+
+_LIVE: dict[int, int] = {}  # this process's registrations: address -> bytes (see registered_bytes)
 
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process (every GPU)
 
@@ -57,6 +59,7 @@ class Registration:
                 _error_name(status),
             )
             return None
+        _LIVE[address] = nbytes
         return cls(address, nbytes, anchor)
 
     def close(self) -> None:
@@ -66,6 +69,7 @@ class Registration:
         self._anchor = None
         if os.getpid() != self._pid:
             return
+        _LIVE.pop(self.address, None)
         try:
             status = torch.cuda.cudart().cudaHostUnregister(self.address)
         except Exception as exc:
@@ -73,6 +77,13 @@ class Registration:
             return
         if int(status) != 0:
             logger.debug("cudaHostUnregister refused (%s)", _error_name(status))
+
+
+def registered_bytes() -> tuple[int, int]:
+    """``(registrations, bytes)`` this process holds registered with the CUDA runtime now: its pooled
+    segments' maps as a sender and its kept maps as a first rank (:mod:`.shm`); after
+    :func:`distribute_utils.release_shared_memory` only those of segments still in use."""
+    return len(_LIVE), sum(_LIVE.values())
 
 
 def _error_name(status: Any) -> str:
