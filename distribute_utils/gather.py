@@ -78,7 +78,7 @@ from .errors import (
     UnsupportedTypeError,
 )
 from .mesh import ProcessGroupMesh
-from .transports import CollectiveTransport, Transport
+from .transports import CollectiveTransport, Transport, cuda_ipc
 from .transports.host import INLINE_MAX_BYTES, HostTransport
 from .transports.shm import note_payload, release_shared_memory
 
@@ -388,10 +388,13 @@ class _Gather:
     _sent: tuple[Transport, str, Any] | None = None  # a sender's (transport, token, receipt)
     _attached: wire.EncodedPayload | None = None  # a direct sender's payload, in its claim message
     _host_in: HostTransport | None = None
+    _ipc_in: cuda_ipc.CudaIpcTransport | None = None
     _deferred: tuple[str, wire.EncodedPayload] | None = None  # a collective send awaiting "go"
     _go_posted = False
     _cross: str | None = None
     received_on: str | None = None  # with device=None: where received config tensors go (see gather_to_first)
+    cuda_wanted = False  # a sender: its first rank likely wants tensors on a GPU (see _wants_cuda)
+    _ipc_to: torch.device | None = None  # the first rank: the GPU it decodes to, where CUDA IPC copies to
     direct = False  # claims and verdicts through the ranks' mailboxes, not the store (see decide)
     pin_maps = False  # the first rank copies what it receives to a GPU (see receive)
 
@@ -556,6 +559,26 @@ class _Gather:
     def _workspace_now(self) -> Transport:
         return self.workspace
 
+    def publish_here(self, payload: wire.EncodedPayload) -> list[Any]:
+        """A sender on its first rank's host, past the inline sizes: device to device by CUDA IPC when
+        its payload is all on one GPU, the first rank likely wants it on a GPU (``cuda_wanted``) and
+        runs in this pid namespace; else (or when IPC refuses) the host transport, which takes a GPU's
+        tensors from there into shared memory."""
+        if (
+            self.cuda_wanted
+            and payload.nbytes > INLINE_MAX_BYTES
+            and cuda_ipc.CudaIpcTransport.can_carry(payload)
+        ):
+            directory = self.companion.directory
+            assert directory is not None
+            info = directory.info(self.first, self.companion.store, self.seconds, self.what)
+            if directory.me.can_watch(info):
+                try:
+                    return self.publish(cuda_ipc.CudaIpcTransport(info), payload)
+                except TransportUnavailableError as exc:
+                    logger.debug("%s: %s; through shared memory instead", self.what, exc)
+        return self.publish(self.host(self.first), payload)
+
     def attach(self, payload: wire.EncodedPayload) -> list[Any]:
         """A direct round's sender: ``payload`` goes in its claim's message (see :data:`ATTACHED_MAX_BYTES`);
         returns the claim body. Nothing to release afterwards."""
@@ -583,6 +606,10 @@ class _Gather:
     def source(self, rank: int, plan: _Plan | None, receipt: Any) -> Transport:
         """The transport that carried ``rank``'s payload here: a remote host's leader (or, with a
         forced transport, every sender) came across hosts; the rest through this host."""
+        if cuda_ipc.is_receipt(receipt):
+            if self._ipc_in is None:
+                self._ipc_in = cuda_ipc.CudaIpcTransport(device=self._ipc_to)
+            return self._ipc_in
         if plan is None or plan.cross is None or rank not in plan.hosts:
             return self.host()
         if plan.cross == "workspace":
@@ -627,15 +654,19 @@ class _Gather:
                 for path in HostTransport.remove_left_by(rank, info.pid):
                     logger.info("%s: removed %s, left by rank %d, which died", self.what, path, rank)
 
-    def release(self, taken: bool) -> None:
-        """Remove what this sender published, once its receiver is done (or gave up: ``taken=False``)."""
+    def release(self, taken: bool, answered: bool = False) -> None:
+        """Remove what this sender published, once its receiver is done (or gave up: ``taken=False``).
+        ``answered``: a verdict came, so the receiver no longer reads (what frees CUDA IPC memory)."""
         if self._sent is not None:
             transport, token, receipt = self._sent
             self._sent = None
-            transport.release(token, self.me, receipt, taken=taken)
+            done = taken or (answered and transport.name == cuda_ipc.CudaIpcTransport.name)
+            transport.release(token, self.me, receipt, taken=done)
 
     @staticmethod
     def decode(buffer: Any, rank: int, target: torch.device | str | None) -> Any:
+        if isinstance(buffer, torch.Tensor) and buffer.device.type != "cpu" and _on_cpu(target):
+            buffer = buffer.cpu()  # (a GPU buffer decodes to views there; these tensors go to the CPU)
         try:  # (only configs are decoded to their senders' devices: paths start at "config")
             return wire.decode(buffer, device=target)
         except PayloadError as exc:
@@ -659,7 +690,7 @@ class _Gather:
                     if self.direct and payload.nbytes <= ATTACHED_MAX_BYTES:
                         body = self.attach(payload)
                     else:
-                        body = self.publish(self.host(self.first), payload)
+                        body = self.publish_here(payload)
                 elif plan.leader_of(self.me) == self.me:
                     body = self.forward(plan, value)
                 else:
@@ -693,7 +724,7 @@ class _Gather:
             verdict = self.claim_in_store(error)
         # A failed gather may never have read this payload: then nobody will report its segment free.
         succeeded = verdict.receiver and verdict.digest == self.digest and verdict.error is None
-        self.release(taken=succeeded)
+        self.release(taken=succeeded, answered=verdict.receiver and verdict.digest == self.digest)
         if not succeeded:
             self.take_back_notes()
         if not verdict.receiver or verdict.digest != self.digest:
@@ -809,6 +840,8 @@ class _Gather:
                 _raise_from(error, "")
             decode_to, mine = self.placement(own, device)
             self.pin_maps = decode_to is not None and torch.cuda.is_initialized()
+            if isinstance(decode_to, torch.device) and decode_to.type == "cuda":
+                self._ipc_to = decode_to
             plan = self.plan_and_tell()
             direct = plan.direct
             # What needs no claim is done before they come: after the last one, only its own part is left.
@@ -951,6 +984,27 @@ class _Gather:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("round %s: %s", self.call.token, self.what)
         return plan
+
+
+def _wants_cuda(root: str, device: str | torch.device | None, received_on: str | None) -> bool:
+    """A sender's guess, from its own arguments (the first rank's are what count), whether its first rank wants
+    received tensors on a GPU: ``device`` a CUDA device, or a config gather restoring senders' devices.
+    A wrong guess costs speed only: a GPU buffer bound for the CPU is moved there in ``decode``."""
+    if device is None:
+        return root == "config" and received_on is None
+    try:
+        return torch.device(device).type == "cuda"
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+def _on_cpu(target: torch.device | str | None) -> bool:
+    """Whether :func:`wire.decode` with ``target`` leaves tensors on the CPU (None, or a CPU device)."""
+    if target is None:
+        return True
+    if isinstance(target, str) and target == wire.SOURCE_DEVICE:
+        return False
+    return torch.device(target).type == "cpu"
 
 
 def _is_attached(receipt: Any) -> bool:
@@ -1178,6 +1232,7 @@ def gather_to_first(
                     error = _error_of(exc)
             result = this.receive(value, device, error)
         else:
+            this.cuda_wanted = transport == "auto" and _wants_cuda(root, device, received_on)
             this.send(value, error)
             result = []
     return result

@@ -1036,6 +1036,12 @@ def _decode(
             _HEADS.put(key, (flags, header_len, total_len, checksum, v_span, table, lone))
     source = type(device) is str and device == SOURCE_DEVICE
     missing = _missing_device(table) if source else None
+    if data is None and missing is None and len(table) > 1:
+        whole = _one_device(table, device)
+        if whole is not None:  # one host-to-device copy of the payload; its tensors are views of it
+            data = _build_tensors(
+                mv, (_Slot(0, total_len, torch.uint8, [total_len], [1], "cpu"),), total_len, whole
+            )[0]
     tensors = _build_tensors(mv, table, total_len, None if missing else device, data)
     tree = (
         tensors[0] if lone else _decode_tree(mv[PREFIX_SIZE + v_span[0] : PREFIX_SIZE + v_span[1]], tensors)
@@ -1048,6 +1054,17 @@ def _decode(
             "received tensors on a device this rank has (e.g. device='cpu')"
         )
     return tree
+
+
+def _one_device(table: tuple[_Slot, ...], device: str | torch.device | None) -> torch.device | None:
+    """The one accelerator every tensor with bytes goes to when decoded to ``device``, if there is one."""
+    if type(device) is str and device == SOURCE_DEVICE:
+        found = {slot.device for slot in table if slot.nbytes and slot.device != "meta"}
+        return _torch_device(found.pop()) if len(found) == 1 and "cpu" not in found else None
+    if device is None:
+        return None
+    dev = torch.device(device)
+    return None if dev.type in ("cpu", "meta") else dev
 
 
 def _missing_device(table: tuple[_Slot, ...]) -> tuple[int, str] | None:

@@ -4,7 +4,9 @@ A copy between a GPU and pageable host memory goes through the driver's staging 
 about 8.5 GiB/s device to host into an existing buffer, 5.3 host to device); the same copy from or into
 memory registered with ``cudaHostRegister`` is a direct DMA (about 50 / 48 GiB/s). Registering costs
 about as much as one such copy, so it is done once per map that is reused: a sender's pooled segment
-(:mod:`.shm`), and a first rank's kept map of one that it copies to its GPU.
+(:mod:`.shm`), and a first rank's kept map of one that it copies to its GPU. Through the driver API
+(``cuMemHostRegister``, :mod:`.cuda_driver`): a refused runtime call would linger as the runtime's last
+error and fail torch's next kernel launch.
 
 :class:`Registration` is the one handle: ``Registration.of(buffer)`` registers a writable buffer (an
 ``mmap``) and returns None where that cannot be done (no CUDA in this process, a limit on locked memory,
@@ -21,20 +23,22 @@ from typing import Any
 
 import torch
 
+from .cuda_driver import CudaError, driver
+
 __all__ = ["Registration", "registered_bytes"]
 
 logger = logging.getLogger(__name__)
 
 _LIVE: dict[int, int] = {}  # this process's registrations: address -> bytes (see registered_bytes)
 
-_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process (every GPU)
+_PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE: pinned for every CUDA context of the process (every GPU)
 
 
 class Registration:
     """``nbytes`` of host memory at ``address``, registered with the CUDA runtime by this process."""
 
-    def __init__(self, address: int, nbytes: int, anchor: torch.Tensor) -> None:
-        self.address, self.nbytes = address, nbytes
+    def __init__(self, address: int, nbytes: int, anchor: torch.Tensor, device_index: int) -> None:
+        self.address, self.nbytes, self._index = address, nbytes, device_index
         self._anchor: torch.Tensor | None = anchor  # a view of the buffer: its address stays valid
         self._pid = os.getpid()
 
@@ -45,22 +49,16 @@ class Registration:
         if nbytes <= 0 or not torch.cuda.is_available() or not torch.cuda.is_initialized():
             return None
         anchor = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
-        address = anchor.data_ptr()
+        address, index = anchor.data_ptr(), torch.cuda.current_device()
         try:
-            cudart = torch.cuda.cudart()
-            status = cudart.cudaHostRegister(address, nbytes, _PORTABLE)
-        except Exception as exc:  # (an old runtime's bindings, a CUDA that cannot start)
-            logger.debug("cudaHostRegister of %d bytes unavailable: %s", nbytes, exc)
-            return None
-        if int(status) != 0:
-            logger.debug(
-                "cudaHostRegister of %d bytes refused (%s): copies run at pageable speed",
-                nbytes,
-                _error_name(status),
-            )
+            cuda = driver()
+            with cuda.context(index):
+                cuda.check(cuda.host_register(address, nbytes, _PORTABLE), "cuMemHostRegister")
+        except CudaError as exc:
+            logger.debug("%s (%d bytes): copies run at pageable speed", exc, nbytes)
             return None
         _LIVE[address] = nbytes
-        return cls(address, nbytes, anchor)
+        return cls(address, nbytes, anchor, index)
 
     def close(self) -> None:
         """Unregister (idempotent). Call it before the buffer is unmapped; a forked child only forgets."""
@@ -71,12 +69,11 @@ class Registration:
             return
         _LIVE.pop(self.address, None)
         try:
-            status = torch.cuda.cudart().cudaHostUnregister(self.address)
-        except Exception as exc:
-            logger.debug("cudaHostUnregister failed: %s", exc)
-            return
-        if int(status) != 0:
-            logger.debug("cudaHostUnregister refused (%s)", _error_name(status))
+            cuda = driver()
+            with cuda.context(self._index):
+                cuda.check(cuda.host_unregister(self.address), "cuMemHostUnregister")
+        except CudaError as exc:
+            logger.debug("%s", exc)
 
 
 def registered_bytes() -> tuple[int, int]:
@@ -84,10 +81,3 @@ def registered_bytes() -> tuple[int, int]:
     segments' maps as a sender and its kept maps as a first rank (:mod:`.shm`); after
     :func:`distribute_utils.release_shared_memory` only those of segments still in use."""
     return len(_LIVE), sum(_LIVE.values())
-
-
-def _error_name(status: Any) -> str:
-    try:
-        return str(torch.cuda.cudart().cudaGetErrorString(status))
-    except Exception:
-        return f"cudaError {int(status)}"
