@@ -187,6 +187,17 @@ def _gather_rounds(mine: dict[str, torch.Tensor], gpu: torch.device, report: dic
     return kept
 
 
+def _overwrite(value: dict[str, torch.Tensor]) -> None:
+    """Overwrite every tensor of ``value`` in place (the very memory that was opened by IPC); no reference
+    to any of them outlives the call (a loop variable left in the caller's frame kept one alive, seen on
+    the H100 as 64 KiB still allocated)."""
+    for t in value.values():
+        if t.is_contiguous() and t.numel():
+            t.view(torch.uint8).fill_(0xAB)
+        elif t.numel():
+            t.zero_()
+
+
 def _exact_rounds() -> dict[str, Any]:
     rank, gpu = dist.get_rank(), _gpu()
     torch.cuda.set_device(gpu)
@@ -195,11 +206,7 @@ def _exact_rounds() -> dict[str, Any]:
     report: dict[str, Any] = {"base": base, "wrong": [], "fetched": [], "published": []}
     kept = _gather_rounds(mine, gpu, report)
     # The senders overwrite and free what they sent; the first rank's copies must not change.
-    for t in mine.values():
-        if t.is_contiguous() and t.numel():
-            t.view(torch.uint8).fill_(0xAB)  # (in place: the very memory that was opened by IPC)
-        elif t.numel():
-            t.zero_()
+    _overwrite(mine)
     torch.cuda.synchronize(gpu)
     del mine
     dist.barrier()
