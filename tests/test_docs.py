@@ -35,6 +35,10 @@ EXCLUDED: list[tuple[str, str]] = [
         "an NFS server and its mount",
     ),
     (r"scripts/bench_\w+\.py", "a benchmark (minutes on 2 cores); its options are checked against --help"),
+    (
+        r"scripts/gpu_check\.sh",
+        "the GPU machine's one-call check: tests/test_bench_gpu.py runs it here, without a GPU",
+    ),
 ]
 
 #: Placeholders in commands, and what stands for them here.
