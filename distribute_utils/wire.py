@@ -413,7 +413,10 @@ def _write_from_devices(
     mv: memoryview, head: bytes, chunks: tuple[tuple[int, torch.Tensor], ...], nbytes: int
 ) -> None:
     """:meth:`EncodedPayload.write_into` for chunks on devices: each copied device to host into its place
-    (asynchronously on its device's current stream, which is then waited for), padding zeroed."""
+    (asynchronously on its device's current stream, which is then waited for), padding zeroed. Each GPU
+    is synchronised first: a tensor written on another stream is final before it is copied."""
+    for device in {t.device for _, t in chunks if t.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
     mv[: len(head)] = head
     pos, streams = len(head), {}
     try:

@@ -12,12 +12,15 @@ Issue 35's cases, on ``--nproc`` local ranks (gloo) that share one GPU (``--devi
 Every repetition runs every method once, in an order shuffled per repetition (the same on every
 rank), after a ``dist.barrier()``; each rank stamps its entry and return on ``CLOCK_MONOTONIC``, and
 rank 0 reads every byte it received (its own value's too) with a checksum computed on the GPU
-(int64 words summed modulo 2**64, checked against the sum of every rank's own checksum) before its
+(each tensor's int64 words summed, weighted by its place among all ranks' tensors, modulo 2**64;
+checked against the sum of every rank's own checksum) and checks that every tensor is where the
+method puts it and that ours went by the route it names, before its
 return stamp. ``all done`` is from the first rank's entry to the last rank's return. Methods:
 
 - ``ours_cuda``: ours with ``device=<the GPU>`` (``transport="auto"``: the CUDA IPC route, on one host);
 - ``ours_shm``: the same through shared memory (``transport="shm"``: registered segments and maps);
-- ``ours_then_cuda``: ours with the default device, then ``.to(<the GPU>)`` of every tensor;
+- ``ours_then_cuda``: ours with the default device, then ``.to(<the GPU>)`` of every tensor (for a
+  config, the default already puts each received tensor on its sender's GPU: the IPC route);
 - ``collective``: ours with ``transport="collective"`` (gloo) and ``device=<the GPU>``;
 - ``modelopt``: ModelOpt's helpers (``get_tensors_parallel`` / ``get_configs_parallel``), then
   ``.to(<the GPU>)`` (when ``nvidia-modelopt`` imports);
@@ -29,7 +32,9 @@ return stamp. ``all done`` is from the first rank's entry to the last rank's ret
   each sender's mapping host to device as its message comes. No checks, no verdict;
 - ``ipc_floor``: the CUDA IPC limit of the case: rank 0 opened every sender's tensors once (the
   storage IPC handles ``torch.multiprocessing.reductions.reduce_tensor`` makes); each round a sender
-  sends one gloo message and rank 0 copies its tensors device to device into buffers of its own.
+  sends one gloo message and rank 0 copies its tensors device to device into buffers of its own. It
+  runs after the other methods, in a phase of its own: while its mappings are open, ours would find
+  the same allocations already open (a second open only counts a reference) and pay no open.
 
 Beside them, in one process, at the largest size asked (64 MiB if only ``layer`` is): pageable
 ``x.cpu()``, pageable ``copy_`` each way, pinned ``copy_`` each way, a ``/dev/shm`` mapping
@@ -76,6 +81,7 @@ from bench_latency import summarise  # whole-round figures from every rank's sta
 
 from distribute_utils import get_configs_parallel, get_tensors_parallel
 from distribute_utils.launch import LaunchError, run_local
+from distribute_utils.transports import cuda_ipc
 
 SIZES = {"1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20, "1G": 1 << 30}
 CASES = [*SIZES, "layer"]
@@ -109,18 +115,20 @@ Stamp = tuple[int, int, int]
 
 
 # -- pure helpers (tested on the CPU) -------------------------------------------------------------------
-def checksum(tensors: Iterable[torch.Tensor]) -> int:
-    """The sum of every tensor's bytes read as int64 words (single bytes where its size is no multiple
-    of 8), modulo 2**64: a read of every byte, computed on the tensors' own devices with one transfer
-    of the result per device. Order-free: checksums of parts add up (modulo 2**64) to the whole's."""
+def checksum(tensors: Iterable[torch.Tensor], start: int = 0) -> int:
+    """Tensor ``start + i``'s bytes read as int64 words (single bytes where its size is no multiple of
+    8) and summed, times ``start + i + 1``, summed over the tensors modulo 2**64: a read of every byte,
+    computed on the tensors' own devices with one transfer of the result per device. Tensors that
+    arrive in another order, or from another rank, give another sum (a rank's ``n`` tensors are numbered
+    from ``rank * n``); within one tensor it is a plain sum."""
     parts: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
+    for i, t in enumerate(tensors, start + 1):
         raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
         if raw.numel() % 8 == 0:
             words = (raw if raw.storage_offset() % 8 == 0 else raw.clone()).view(torch.int64)
         else:
             words = raw
-        parts.setdefault(raw.device, []).append(words.sum(dtype=torch.int64))
+        parts.setdefault(raw.device, []).append(words.sum(dtype=torch.int64) * i)
     return sum(int(torch.stack(sums).sum()) % MOD for sums in parts.values()) % MOD
 
 
@@ -400,7 +408,7 @@ class ShmFloor:
             assert buffer is not None
             if sender in self.staging:
                 buffer = self.staging[sender].copy_(buffer, non_blocking=True)
-            total += checksum(self._pieces(buffer))
+            total += checksum(self._pieces(buffer), sender * len(self.tensors))
         check("shm_floor", total % MOD)
 
     def close(self) -> None:
@@ -437,7 +445,8 @@ class IpcFloor:
             return
         total = checksum(self.tensors)
         for _ in range(1, self.world):
-            total += checksum(self._copy(dist.recv(self.signal)))
+            sender = dist.recv(self.signal)
+            total += checksum(self._copy(sender), sender * len(self.tensors))
         check("ipc_floor", total % MOD)
 
     def copy_ms(self, reps: int) -> float | None:
@@ -551,7 +560,7 @@ def _methods(
     tensors: list[torch.Tensor],
     device: torch.device,
     modelopt: Any | None,
-    floors: tuple[ShmFloor, IpcFloor | None],
+    shm: ShmFloor,
     check: _Check,
 ) -> dict[str, Callable[[], None]]:
     """The case's methods on this rank (the same names on every rank), in :data:`METHODS`' order."""
@@ -562,21 +571,32 @@ def _methods(
 
     def read(name: str, got: list[Any], move: bool) -> None:
         found = [t for v in got for t in tensors_of(v)]
+        if not move:
+            elsewhere = sorted({str(t.device) for t in found if t.device != device})
+            if elsewhere:
+                raise RuntimeError(f"{name}: rank 0 received tensors on {elsewhere}, not {device}")
         check(name, checksum([t.to(device) for t in found] if move else found))
 
-    def ours(name: str, move: bool, **options: Any) -> Callable[[], None]:
+    def ours(name: str, move: bool, ipc: int | None = None, **options: Any) -> Callable[[], None]:
+        """Ours with ``options``; on a GPU, rank 0 checks that ``ipc`` payloads came by CUDA IPC (None:
+        not checked)."""
+
         def call() -> None:
+            before = cuda_ipc.stats()["fetched"]
             with gather(value, ranks, **options) as got:
                 if rank == 0:
                     read(name, got, move)
+            fetched = cuda_ipc.stats()["fetched"] - before
+            if rank == 0 and ipc is not None and device.type == "cuda" and fetched != ipc:
+                raise RuntimeError(f"{name}: {fetched} payloads came by CUDA IPC, not {ipc}")
 
         return call
 
     methods = {
-        "ours_cuda": ours("ours_cuda", False, device=device),
-        "ours_shm": ours("ours_shm", False, transport="shm", device=device),
+        "ours_cuda": ours("ours_cuda", False, world - 1, device=device),
+        "ours_shm": ours("ours_shm", False, 0, transport="shm", device=device),
         "ours_then_cuda": ours("ours_then_cuda", True),
-        "collective": ours("collective", False, transport="collective", device=device),
+        "collective": ours("collective", False, 0, transport="collective", device=device),
     }
     if modelopt is not None:
 
@@ -601,10 +621,7 @@ def _methods(
             check("gather", checksum([o.to(device) for row in outputs for o in row]))
 
     methods["gather"] = gathered
-    shm, ipc = floors
     methods["shm_floor"] = lambda: shm.run(check)
-    if ipc is not None:
-        methods["ipc_floor"] = lambda: ipc.run(check)
     return methods
 
 
@@ -625,16 +642,21 @@ def _case(case: str, reps: int, device_name: str, hidden: int, prefix: str) -> d
     else:
         value, payload = tensor_payload(SIZES[case], 100 + rank, device), "bf16 tensor"
     tensors = tensors_of(value)
-    check = _Check(checksum(tensors))
+    check = _Check(checksum(tensors, rank * len(tensors)))
     notes: list[str] = [] if modelopt else ["no modelopt: nvidia-modelopt does not import"]
     shm = ShmFloor(tensors, device, f"{prefix}{case}-", notes)
-    ipc = open_ipc(tensors, device, notes) if device.type == "cuda" else None
     # No collective clean-up after a failure (the other ranks are elsewhere: it would hang): the failing
     # rank reports, run_local stops the others, and what they hold goes with their processes.
-    stamps = _interleaved(_methods(value, tensors, device, modelopt, (shm, ipc), check), reps, device)
-    ipc_ms = ipc.copy_ms(max(reps, 3)) if ipc is not None else None
+    stamps = _interleaved(_methods(value, tensors, device, modelopt, shm, check), reps, device)
     shm.close()
+    # The IPC floor keeps every sender's memory opened in rank 0 for its rounds: a second open of the
+    # same allocation in that process only counts a reference, so ours would pay no open while they
+    # are. It runs in a phase of its own, after every other method.
+    ipc = open_ipc(tensors, device, notes) if device.type == "cuda" else None
+    ipc_ms = None
     if ipc is not None:
+        stamps.update(_interleaved({"ipc_floor": lambda: ipc.run(check)}, reps, device))
+        ipc_ms = ipc.copy_ms(max(reps, 3))
         ipc.close()
     report: dict[str, Any] = {"stamps": stamps}
     if rank == 0:

@@ -72,7 +72,7 @@ def test_bad_options_are_refused_before_anything_runs(
     assert message in capsys.readouterr().err
 
 
-def test_the_checksum_reads_every_byte_and_adds_up_by_parts() -> None:
+def test_the_checksum_reads_every_byte_adds_up_by_parts_and_sees_the_order() -> None:
     bench = load_script("bench_gpu")
     for nbytes in (4096, 4100, 7):  # a single 1 at any byte of the tensor: never the sum of zeros (0)
         single_ones = torch.eye(nbytes, dtype=torch.uint8)
@@ -85,8 +85,10 @@ def test_the_checksum_reads_every_byte_and_adds_up_by_parts() -> None:
         torch.randn(8, 8)[:, 1:],  # not contiguous
     ]
     whole = bench.checksum(parts)
-    assert whole == sum(bench.checksum([p]) for p in parts) % bench.MOD
-    assert whole == bench.checksum(parts[::-1])
+    assert whole == sum(bench.checksum([p], i) for i, p in enumerate(parts)) % bench.MOD
+    assert whole == (bench.checksum(parts[:2]) + bench.checksum(parts[2:], 2)) % bench.MOD  # two ranks' parts
+    assert whole != bench.checksum(parts[::-1])  # tensors in another order, or from another rank
+    assert whole != bench.checksum(parts[1:] + parts[:1])
     assert 0 <= whole < bench.MOD
 
 

@@ -18,7 +18,6 @@ layer on, so ours must put them on the same devices for the bytes to agree.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -39,24 +38,6 @@ def _tensor(shape: tuple[int, ...], *seed: int) -> torch.Tensor:
     return _bench().tensor(shape, *seed)
 
 
-def _flatten(value: Any, path: str = "") -> dict[str, Any]:
-    """Every leaf of a config tree: tensors as (dtype, shape, device, bytes), the rest by repr."""
-    if isinstance(value, torch.Tensor):
-        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        return {path: (str(value.dtype), tuple(value.shape), str(value.device), data)}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out = {f"{path}:type": type(value).__name__}
-        for f in dataclasses.fields(value):
-            out.update(_flatten(getattr(value, f.name), f"{path}.{f.name}"))
-        return out
-    if isinstance(value, (list, tuple)):
-        out = {f"{path}:len": len(value)}
-        for i, v in enumerate(value):
-            out.update(_flatten(v, f"{path}[{i}]"))
-        return out
-    return {path: repr(value)}
-
-
 def _export(
     tp: int, pp: int, quant: str, helpers: str, workspace: str | None, gpu: bool = False
 ) -> dict[str, Any]:
@@ -66,7 +47,7 @@ def _export(
         model = bench.moved(model, bench.rank_device("cuda"))
     configs = bench.export(model, pp, helpers, workspace)
     dist.barrier()
-    return _flatten(configs)
+    return bench.flatten(configs)
 
 
 def _run_both(tp: int, pp: int, quant: str, workspace: str | None, gpu: bool = False) -> dict[str, Any]:

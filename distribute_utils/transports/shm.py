@@ -681,10 +681,15 @@ class _KeptMaps:
     def take(self, pid: int, ident: str, inode: int, nbytes: int) -> _Map | None:
         """The kept map of segment ``ident`` of process ``pid``, if it holds ``nbytes``. None for a
         segment new to it: its sender's other kept maps are then looked up and dropped if it let
-        their segment go (it may have, to make this one)."""
+        their segment go (it may have, to make this one). Registered ones are looked up every time (a
+        sender gives back a large segment once its payloads shrink; the map would pin its pages)."""
         with self._lock:
             kept = self._pop((pid, ident))
-            others = [] if kept else [(i, self._maps[(pid, i)]) for i in self._senders.get(pid, ())]
+            others = [
+                (i, self._maps[(pid, i)])
+                for i in self._senders.get(pid, ())
+                if kept is None or self._maps[(pid, i)].pinned is not None
+            ]
         if others:
             self._drop_let_go(pid, others)
         if kept is None or kept.inode != inode or kept.size < nbytes:
