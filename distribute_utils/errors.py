@@ -96,7 +96,8 @@ class PayloadError(DistributeError, ValueError):
 
 
 class SpaceError(DistributeError, OSError):
-    """Not enough room in ``/dev/shm`` or the workspace for a payload."""
+    """Not enough room in ``/dev/shm`` or the workspace for a payload, or on the output's filesystem for a
+    consolidated checkpoint (``errno`` ``ENOSPC``); or a write that made no progress."""
 
 
 class TransportUnavailableError(DistributeError, ValueError):
@@ -178,7 +179,8 @@ class UnsafeCheckpointError(DistributeError, ValueError):
 
 
 class ConsolidationError(DistributeError, RuntimeError):
-    """The consolidation failed on another rank (or in a spawned local rank).
+    """The consolidation failed on another rank (or in a spawned local rank), or its output is not what was
+    put in (the demo's check).
 
     Attributes:
         cause: the originating error's message.

@@ -207,7 +207,9 @@ def install(on_end: Callable[[int], None] | None = None) -> Callable[[], None]:
     """
     global _INSTALLED, _ON_END
     if threading.current_thread() is not threading.main_thread():
-        raise MisuseError("interrupts.install() must be called from the main thread (signal handlers live there)")
+        raise MisuseError(
+            "interrupts.install() must be called from the main thread (signal handlers live there)"
+        )
     if _INSTALLED is not None:
         raise MisuseError(
             "interrupts.install() was already called in this process; call the function it returned first to "

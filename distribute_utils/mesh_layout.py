@@ -61,7 +61,9 @@ class MeshLayout:
                 raise ArgumentError(f"axis names must be non-empty strings; got {axis_names}")
             duplicates = sorted({name for name in axis_names if axis_names.count(name) > 1})
             if duplicates:
-                raise ArgumentError(f"duplicate axis names {duplicates} in {axis_names}; names must be unique")
+                raise ArgumentError(
+                    f"duplicate axis names {duplicates} in {axis_names}; names must be unique"
+                )
         if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
             raise ArgumentError(f"rank_offset must be an int >= 0; got {rank_offset!r}")
         self._shape: tuple[int, ...] = shape
@@ -168,7 +170,9 @@ class MeshLayout:
         """Indices of one axis or several, validated, duplicates refused."""
         seq = [axes] if isinstance(axes, (int, str)) else list(axes)
         if not seq:
-            raise ArgumentError(f"give at least one axis (an int in {-self.ndim}..{self.ndim - 1} or a name); got none")
+            raise ArgumentError(
+                f"give at least one axis (an int in {-self.ndim}..{self.ndim - 1} or a name); got none"
+            )
         indices = tuple(self.axis_index(axis) for axis in seq)
         if len(set(indices)) != len(indices):
             raise ArgumentError(f"axes {seq} name the same axis twice; name each axis once")

@@ -114,6 +114,18 @@ def test_bad_input_errors_keep_their_builtin() -> None:
     with pytest.raises(TypeError, match="cannot encode a value of type") as unsupported:
         wire.encode({"f": object()})
     assert isinstance(unsupported.value, errors.UnsupportedTypeError)
+    from distribute_utils.consolidate.writers import parse_size
+    from distribute_utils.mesh_layout import MeshLayout
+
+    with pytest.raises(KeyError) as unknown:
+        MeshLayout((2, 2), axis_names=("dp", "tp")).axis_index("ep")
+    assert isinstance(unknown.value, errors.UnknownNameError)
+    assert str(unknown.value) == "unknown axis name 'ep'; valid names: ['dp', 'tp']", (
+        "not KeyError's quoted repr"
+    )
+    with pytest.raises(ValueError, match="unknown unit 'XB'; valid units") as size:
+        parse_size("5XB")
+    assert isinstance(size.value, errors.ArgumentError)
 
 
 def test_recent_is_bounded() -> None:

@@ -64,7 +64,9 @@ def resolve_rules(
         return rules
     if isinstance(rules, (str, os.PathLike)):
         return RuleTable.from_file(rules).then(default)
-    raise UnsupportedTypeError(f"rules must be a RuleTable, a rules file path or None; got {type(rules).__name__}")
+    raise UnsupportedTypeError(
+        f"rules must be a RuleTable, a rules file path or None; got {type(rules).__name__}"
+    )
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .layouts import global_layer_name, local_layer_index
 from ..errors import ArgumentError
+from .layouts import global_layer_name, local_layer_index
 from .rules import RuleTable, check_quant_format
 from .writers import TensorSpec
 
@@ -76,7 +76,9 @@ def gpt_specs(
             f"{vocab}"
         )
     if quant_format == "int4_awq" and (hidden % awq_group_size or ffn_hidden % awq_group_size):
-        raise ArgumentError(f"int4_awq needs hidden and ffn_hidden divisible by awq_group_size={awq_group_size}")
+        raise ArgumentError(
+            f"int4_awq needs hidden and ffn_hidden divisible by awq_group_size={awq_group_size}"
+        )
     dims = {"hidden": hidden, "ffn": ffn_hidden, "qkv": 3 * hidden}
     f32 = torch.float32
     specs = [TensorSpec("embedding.word_embeddings.weight", dtype, (vocab, hidden))]

@@ -168,7 +168,9 @@ def parse_size(size: int | str) -> int:
     elif isinstance(size, str):
         m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", size)
         if m is None:
-            raise ArgumentError(f"bad size {size!r}: write a number with an optional unit, e.g. 5GB or 500MiB")
+            raise ArgumentError(
+                f"bad size {size!r}: write a number with an optional unit, e.g. 5GB or 500MiB"
+            )
         unit = m.group(2).lower()
         if unit not in _UNITS:
             raise ArgumentError(
@@ -240,7 +242,9 @@ class CheckpointWriter:
         self._by_name: dict[str, TensorSpec] = {}
         for s in self.specs:
             if s.name in self._by_name:
-                raise CheckpointFormatError(f"tensor '{s.name}' appears twice in the specs; give each name once")
+                raise CheckpointFormatError(
+                    f"tensor '{s.name}' appears twice in the specs; give each name once"
+                )
             self._by_name[s.name] = s
         self.max_shard_size = None if max_shard_size is None else parse_size(max_shard_size)
         self.directory, self.stem = _split_target(path_or_dir, self.suffix, self.default_stem)
@@ -289,7 +293,9 @@ class CheckpointWriter:
 
     def _check_meta(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> TensorSpec:
         if self._closed:
-            raise MisuseError(f"cannot write tensor '{name}': the writer is closed (write every tensor before close())")
+            raise MisuseError(
+                f"cannot write tensor '{name}': the writer is closed (write every tensor before close())"
+            )
         spec = self._by_name.get(name)
         if spec is None:
             raise CheckpointFormatError(f"tensor '{name}' is not in this writer's specs")
@@ -676,7 +682,9 @@ def output_paths(
     if max_shard_size is None:
         n = 1
     elif specs is None:
-        raise ArgumentError("output_paths: max_shard_size needs the specs (they decide the split); pass specs too")
+        raise ArgumentError(
+            "output_paths: max_shard_size needs the specs (they decide the split); pass specs too"
+        )
     else:
         n = len(_plan_shards(specs, parse_size(max_shard_size)))
     files, index = cls.names(stem, n)
