@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import interrupts
+from .errors import ArgumentError, ConsolidationError
 
 if TYPE_CHECKING:
     import torch
@@ -173,12 +174,15 @@ def run_demo(
         ValueError: ``tp * pp != nproc`` or a non-positive size; OutputError: ``keep`` holds files in the
             way (named).
         ConsolidationError: the consolidation failed (cause and rank named).
-        RuntimeError: never expected: the output differs from the original (tensor named).
+        ConsolidationError: also, never expected: the output differs from the original (tensor named).
     """
     if tp < 1 or pp < 1 or tp * pp != nproc:
-        raise ValueError(f"--tp {tp} x --pp {pp} = {tp * pp}, but --nproc is {nproc}")
+        raise ArgumentError(
+            f"--tp {tp} x --pp {pp} = {tp * pp}, but --nproc is {nproc}; give --tp and --pp >= 1 whose product "
+            "is --nproc"
+        )
     if not size_mb > 0:
-        raise ValueError(f"size_mb must be positive, got {size_mb}")
+        raise ArgumentError(f"size_mb must be positive, got {size_mb}")
     say = say or (lambda line: None)
     say(f"writing a ~{size_mb:g} MB synthetic model sharded TP {tp} x PP {pp} ...")
     import torch
@@ -217,7 +221,7 @@ def run_demo(
         )
         merged = load_safetensors(report.files[0])
         if set(merged) != set(original):
-            raise RuntimeError(f"output names differ: {sorted(set(merged) ^ set(original))[:5]}")
+            raise ConsolidationError(f"output names differ: {sorted(set(merged) ^ set(original))[:5]}")
         verified = 0
         for name, tensor in original.items():
             got = merged[name]
@@ -226,7 +230,7 @@ def run_demo(
                 or got.shape != tensor.shape
                 or not torch.equal(_bits(got), _bits(tensor))
             ):
-                raise RuntimeError(f"tensor '{name}' of the output differs from the original")
+                raise ConsolidationError(f"tensor '{name}' of the output differs from the original")
             verified += 1
         del merged
         model = (

@@ -2,7 +2,7 @@
 
 Every error we raise on purpose derives from :class:`DistributeError`, and also from
 the built-in a caller would naturally catch (``ValueError``, ``TimeoutError``, ``OSError``,
-``RuntimeError``, ``TypeError``), so ``except ValueError`` keeps working where a plain
+``RuntimeError``, ``TypeError``, ``KeyError``, ``IndexError``), so ``except ValueError`` keeps working where a plain
 ``ValueError`` was raised before. The modules that raise them re-export them under their old
 names (``distribute_utils.mailbox.MailboxError``, ``distribute_utils.consolidate.rules.MergeError``, ...).
 All of them survive pickling, so a worker's error can be re-raised in its parent. (Private
@@ -27,13 +27,16 @@ __all__ = [
     "LayoutError",
     "MailboxError",
     "MergeError",
+    "MisuseError",
     "NotInitializedError",
+    "OutOfRangeError",
     "OutputError",
     "PayloadError",
     "PeerLostError",
     "RuleSyntaxError",
     "SpaceError",
     "TransportUnavailableError",
+    "UnknownNameError",
     "UnsafeCheckpointError",
     "UnsupportedTypeError",
     "WorkspaceError",
@@ -93,7 +96,8 @@ class PayloadError(DistributeError, ValueError):
 
 
 class SpaceError(DistributeError, OSError):
-    """Not enough room in ``/dev/shm`` or the workspace for a payload."""
+    """Not enough room in ``/dev/shm`` or the workspace for a payload, or on the output's filesystem for a
+    consolidated checkpoint (``errno`` ``ENOSPC``); or a write that made no progress."""
 
 
 class TransportUnavailableError(DistributeError, ValueError):
@@ -121,6 +125,23 @@ class UnsupportedTypeError(DistributeError, TypeError):
 class NotInitializedError(DistributeError, RuntimeError):
     """Something needed was not set up first: ``torch.distributed``'s default process group (the message
     says what to call), or a companion's peer directory."""
+
+
+class MisuseError(DistributeError, RuntimeError):
+    """A call made where or when it cannot work: ``interrupts.install()`` off the main thread or a second
+    time, a write to a checkpoint writer that is closed (the message says what to do instead)."""
+
+
+class UnknownNameError(DistributeError, KeyError):
+    """A name that is not there, e.g. a mesh axis name; the message lists the valid names."""
+
+    def __str__(self) -> str:  # the message itself, not KeyError's quoted repr of it
+        return str(self.args[0]) if self.args else ""
+
+
+class OutOfRangeError(DistributeError, IndexError):
+    """An index outside its range, e.g. a shard's ``(tp, stage)`` outside the checkpoint's grid; the
+    message says the valid range."""
 
 
 class ConcurrentUseError(DistributeError, RuntimeError):
@@ -158,7 +179,8 @@ class UnsafeCheckpointError(DistributeError, ValueError):
 
 
 class ConsolidationError(DistributeError, RuntimeError):
-    """The consolidation failed on another rank (or in a spawned local rank).
+    """The consolidation failed on another rank (or in a spawned local rank), or its output is not what was
+    put in (the demo's check).
 
     Attributes:
         cause: the originating error's message.

@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
+from .errors import MisuseError
+
 __all__ = [
     "EXIT_SIGNALS",
     "Interrupted",
@@ -201,13 +203,18 @@ def install(on_end: Callable[[int], None] | None = None) -> Callable[[], None]:
         A function that restores the previous handlers (for entry points called in-process, e.g. tests).
 
     Raises:
-        RuntimeError: called off the main thread, or while already installed.
+        MisuseError: (a ``RuntimeError``) called off the main thread, or while already installed.
     """
     global _INSTALLED, _ON_END
     if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("interrupts.install() must be called from the main thread")
+        raise MisuseError(
+            "interrupts.install() must be called from the main thread (signal handlers live there)"
+        )
     if _INSTALLED is not None:
-        raise RuntimeError("interrupts.install() was already called in this process")
+        raise MisuseError(
+            "interrupts.install() was already called in this process; call the function it returned first to "
+            "install again"
+        )
     r, w = os.pipe()
     os.set_blocking(w, False)
     os.set_inheritable(r, False)

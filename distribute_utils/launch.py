@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import interrupts
 from ._host import ProcessInfo, process_alive, this_process
-from .errors import LaunchError
+from .errors import ArgumentError, LaunchError
 from .temporaries import remove_abandoned_by
 from .transports.shm import remove_segments_of
 
@@ -153,7 +153,7 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | N
         Interrupted: a rank was ended by SIGINT or SIGTERM; the others are stopped.
     """
     if nproc < 1:
-        raise ValueError(f"nproc must be >= 1; got {nproc}")
+        raise ArgumentError(f"nproc must be >= 1; got {nproc}")
     # Ranks fork from a server that imported torch once: on 2 cores, four processes each
     # importing torch at the same time cost ~10 s before any work starts.
     ctx = mp.get_context("forkserver")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import sync
-from .errors import plural_list
+from .errors import ArgumentError, plural_list
 from .mesh_layout import AxisSpec, MeshLayout, RavelMode
 
 __all__ = ["ProcessGroupMesh"]
@@ -69,7 +69,7 @@ class ProcessGroupMesh:
         world_size = dist.get_world_size()
         needed = self._layout.size + rank_offset
         if needed > world_size:
-            raise ValueError(
+            raise ArgumentError(
                 f"the mesh {self._layout.shape} holds {self._layout.size} ranks from rank offset {rank_offset}, "
                 f"so it needs a world of at least {needed} ranks, but the world size is {world_size}"
             )
@@ -87,7 +87,7 @@ class ProcessGroupMesh:
         if differing:
             rank, other = next(iter(differing.items()))
             verb = "differs" if len(differing) == 1 else "differ"
-            raise ValueError(
+            raise ArgumentError(
                 f"ranks disagree on the mesh: rank 0 has (shape, names, offset, backend) "
                 f"{tuple(msgpack.unpackb(first))}, {plural_list('rank', sorted(differing))} {verb} (rank {rank} has "
                 f"{tuple(msgpack.unpackb(other))}); construct the mesh with the same arguments on every rank"
@@ -161,7 +161,7 @@ class ProcessGroupMesh:
         else:
             per_axis = [list(i) for i in cast("Sequence[Sequence[int]]", indices_at_axis or [])]
         if len(per_axis) != len(axes):
-            raise ValueError(
+            raise ArgumentError(
                 f"indices_at_axis needs one list per axis: {len(axes)} axes, {len(per_axis)} lists"
             )
         coords = [tuple(base_coord)]

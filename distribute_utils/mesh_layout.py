@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import torch
 
+from .errors import ArgumentError, UnknownNameError, UnsupportedTypeError
+
 __all__ = ["AxisSpec", "MeshLayout", "RavelMode"]
 
 RavelMode = Literal["raise", "wrap", "clip"]
@@ -44,24 +46,26 @@ class MeshLayout:
     ) -> None:
         shape = tuple(shape)
         if not shape:
-            raise ValueError("a mesh needs at least one axis; got shape ()")
+            raise ArgumentError("a mesh needs at least one axis; got shape ()")
         for size in shape:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"mesh sizes must be positive ints; got shape {shape}")
+                raise ArgumentError(f"mesh sizes must be positive ints; got shape {shape}")
         if axis_names is not None:
             axis_names = tuple(axis_names)
             if len(axis_names) != len(shape):
-                raise ValueError(
+                raise ArgumentError(
                     f"got {len(axis_names)} axis names {axis_names} for a {len(shape)}-axis shape {shape}; "
                     "give exactly one name per axis"
                 )
             if not all(isinstance(name, str) and name for name in axis_names):
-                raise ValueError(f"axis names must be non-empty strings; got {axis_names}")
+                raise ArgumentError(f"axis names must be non-empty strings; got {axis_names}")
             duplicates = sorted({name for name in axis_names if axis_names.count(name) > 1})
             if duplicates:
-                raise ValueError(f"duplicate axis names {duplicates} in {axis_names}; names must be unique")
+                raise ArgumentError(
+                    f"duplicate axis names {duplicates} in {axis_names}; names must be unique"
+                )
         if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
-            raise ValueError(f"rank_offset must be an int >= 0; got {rank_offset!r}")
+            raise ArgumentError(f"rank_offset must be an int >= 0; got {rank_offset!r}")
         self._shape: tuple[int, ...] = shape
         self._axis_names: tuple[str, ...] | None = axis_names
         self._rank_offset = rank_offset
@@ -83,11 +87,11 @@ class MeshLayout:
         """
         names = [name for name in order.split("-") if name]
         if not names:
-            raise ValueError(f"order {order!r} names no axis; use names joined by '-', e.g. 'tp-pp-dp'")
+            raise ArgumentError(f"order {order!r} names no axis; use names joined by '-', e.g. 'tp-pp-dp'")
         missing = [name for name in names if name not in sizes]
         extra = sorted(set(sizes) - set(names))
         if missing or extra:
-            raise ValueError(
+            raise ArgumentError(
                 f"order {order!r} and sizes {sizes} disagree: no size for {missing}, no place for {extra}; "
                 "give exactly one size per name in the order"
             )
@@ -152,12 +156,12 @@ class MeshLayout:
         if isinstance(axis, str):
             if self._axis_names is None or axis not in self._axis_names:
                 valid = list(self._axis_names) if self._axis_names else "none: the mesh is unnamed"
-                raise KeyError(f"unknown axis name {axis!r}; valid names: {valid}")
+                raise UnknownNameError(f"unknown axis name {axis!r}; valid names: {valid}")
             return self._axis_names.index(axis)
         if isinstance(axis, bool) or not isinstance(axis, int):
-            raise TypeError(f"an axis is an int or a name; got {axis!r}")
+            raise UnsupportedTypeError(f"an axis is an int or a name; got {axis!r}")
         if not -self.ndim <= axis < self.ndim:
-            raise ValueError(
+            raise ArgumentError(
                 f"axis {axis} is out of range for a {self.ndim}-axis mesh; valid: 0..{self.ndim - 1}"
             )
         return axis % self.ndim
@@ -166,10 +170,12 @@ class MeshLayout:
         """Indices of one axis or several, validated, duplicates refused."""
         seq = [axes] if isinstance(axes, (int, str)) else list(axes)
         if not seq:
-            raise ValueError("give at least one axis")
+            raise ArgumentError(
+                f"give at least one axis (an int in {-self.ndim}..{self.ndim - 1} or a name); got none"
+            )
         indices = tuple(self.axis_index(axis) for axis in seq)
         if len(set(indices)) != len(indices):
-            raise ValueError(f"axes {seq} name the same axis twice")
+            raise ArgumentError(f"axes {seq} name the same axis twice; name each axis once")
         return indices
 
     # -- coordinates ------------------------------------------------------------------------------
@@ -182,10 +188,10 @@ class MeshLayout:
                 axis size, ``"clip"`` clamps them into range.
         """
         if mode not in _RAVEL_MODES:
-            raise ValueError(f"unknown ravel mode {mode!r}; valid: {list(_RAVEL_MODES)}")
+            raise ArgumentError(f"unknown ravel mode {mode!r}; valid: {list(_RAVEL_MODES)}")
         coord, shape = tuple(coord), tuple(shape)
         if len(coord) != len(shape):
-            raise ValueError(
+            raise ArgumentError(
                 f"coordinate {coord} has {len(coord)} entries for a {len(shape)}-axis shape {shape}"
             )
         index = 0
@@ -193,7 +199,7 @@ class MeshLayout:
             c = int(c)
             if not 0 <= c < n:
                 if mode == "raise":
-                    raise ValueError(
+                    raise ArgumentError(
                         f"coordinate {coord} is out of range on axis {axis}: {c} not in 0..{n - 1} (shape {shape})"
                     )
                 c = c % n if mode == "wrap" else min(max(c, 0), n - 1)
@@ -207,7 +213,7 @@ class MeshLayout:
         total = math.prod(shape)
         rank = int(rank)
         if not 0 <= rank < total:
-            raise ValueError(f"index {rank} is out of range for shape {shape}; valid: 0..{total - 1}")
+            raise ArgumentError(f"index {rank} is out of range for shape {shape}; valid: 0..{total - 1}")
         coord = []
         for n in reversed(shape):
             rank, c = divmod(rank, n)
@@ -229,7 +235,7 @@ class MeshLayout:
 
     def _check_rank(self, rank: int) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank not in self.ranks:
-            raise ValueError(
+            raise ArgumentError(
                 f"rank {rank!r} is not in {self!r}; valid ranks: "
                 f"{self._rank_offset}..{self._rank_offset + self.size - 1}"
             )
@@ -277,7 +283,7 @@ class MeshLayout:
         choices: list[Iterable[int]] = [[c] for c in coord]
         for axis, picked in zip(grouped, selection):
             if picked is not None and coord[axis] not in picked:
-                raise ValueError(
+                raise ArgumentError(
                     f"rank {rank} has index {coord[axis]} on axis {axis}, which is not among "
                     f"indices_at_axis {list(picked)}; it belongs to no such group"
                 )
@@ -297,7 +303,7 @@ class MeshLayout:
         else:
             per_axis = [None if i is None else list(i) for i in items]
         if len(per_axis) != len(grouped):
-            raise ValueError(
+            raise ArgumentError(
                 f"indices_at_axis has {len(per_axis)} entries for {len(grouped)} axes; give one list per axis"
             )
         result: list[list[int] | None] = []
@@ -309,7 +315,7 @@ class MeshLayout:
             n = self._shape[axis]
             bad = [i for i in picked if not 0 <= i < n]
             if bad or not picked or len(set(picked)) != len(picked):
-                raise ValueError(
+                raise ArgumentError(
                     f"indices_at_axis {picked} for axis {axis} must be distinct, non-empty and in 0..{n - 1}"
                 )
             result.append(sorted(picked))

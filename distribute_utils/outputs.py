@@ -90,7 +90,7 @@ def prepare_output(
     paths = [Path(f) for f in files]
     directory = paths[0].parent if paths else Path(path)
     if any(p.parent != directory for p in paths):
-        raise ValueError(f"prepare_output: the files must be in one directory, got {_names(paths)}")
+        raise OutputError(f"prepare_output: the files must be in one directory, got {_names(paths)}")
     if not directory.parent.is_dir():
         raise OutputError(
             f"the parent of output '{directory}' ('{directory.parent}') does not exist; create it first "

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from . import interrupts
 from ._host import SHM_DIR, ProcessInfo, process_alive, this_process
+from .errors import ArgumentError
 
 __all__ = [
     "RECORD_DIR",
@@ -109,7 +110,9 @@ class Temporaries:
     def create(self, temp: str | os.PathLike[str], mode: int = 0o666) -> int:
         """Creates one of :attr:`temps` exclusively and returns its descriptor (write only, close on exec)."""
         if Path(temp) not in self.temps:
-            raise ValueError(f"'{temp}' is not one of these temporaries")
+            raise ArgumentError(
+                f"'{temp}' is not one of these temporaries; valid: {', '.join(sorted(map(str, self.temps)))}"
+            )
         with interrupts.uninterruptible():
             return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
 

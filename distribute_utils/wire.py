@@ -41,7 +41,7 @@ import msgpack
 import torch
 
 from .caches import Recent
-from .errors import ArgumentError, DeviceUnavailableError, PayloadError, UnsupportedTypeError
+from .errors import ArgumentError, DeviceUnavailableError, PayloadError, SpaceError, UnsupportedTypeError
 
 __all__ = [
     "ALIGN",
@@ -253,7 +253,10 @@ def pwrite_all(fd: int, bufs: Iterable[memoryview], offset: int) -> None:
         # os.pwritev exists on Linux, the BSDs and macOS >= 11; plain pwrite elsewhere.
         written = pwritev(fd, batch, pos) if pwritev is not None else os.pwrite(fd, batch[0], pos)
         if written <= 0:
-            raise OSError(f"pwritev wrote {written} of {size} bytes at offset {pos} of fd {fd}")
+            raise SpaceError(
+                f"pwritev wrote {written} of {size} bytes at offset {pos} of fd {fd}: the file takes no more "
+                "(is its filesystem full?)"
+            )
         pos += written
         while i < len(segs) and written >= segs[i].nbytes:
             written -= segs[i].nbytes

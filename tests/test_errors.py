@@ -4,10 +4,12 @@ boundaries: a spawned rank's error is re-raised in its parent)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import pickle
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +17,7 @@ import distribute_utils
 from distribute_utils import errors, interrupts
 from distribute_utils.caches import Recent
 
-BUILTINS = (ValueError, TypeError, OSError, TimeoutError, RuntimeError)
+BUILTINS = (ValueError, TypeError, OSError, TimeoutError, RuntimeError, KeyError, IndexError)
 
 
 def _package_exceptions() -> dict[str, type[BaseException]]:
@@ -112,6 +114,18 @@ def test_bad_input_errors_keep_their_builtin() -> None:
     with pytest.raises(TypeError, match="cannot encode a value of type") as unsupported:
         wire.encode({"f": object()})
     assert isinstance(unsupported.value, errors.UnsupportedTypeError)
+    from distribute_utils.consolidate.writers import parse_size
+    from distribute_utils.mesh_layout import MeshLayout
+
+    with pytest.raises(KeyError) as unknown:
+        MeshLayout((2, 2), axis_names=("dp", "tp")).axis_index("ep")
+    assert isinstance(unknown.value, errors.UnknownNameError)
+    assert str(unknown.value) == "unknown axis name 'ep'; valid names: ['dp', 'tp']", (
+        "not KeyError's quoted repr"
+    )
+    with pytest.raises(ValueError, match="unknown unit 'XB'; valid units") as size:
+        parse_size("5XB")
+    assert isinstance(size.value, errors.ArgumentError)
 
 
 def test_recent_is_bounded() -> None:
@@ -120,3 +134,53 @@ def test_recent_is_bounded() -> None:
         assert cache.make(i, lambda i=i: i * i) == i * i
         assert len(cache) <= 3
     assert cache.make(9, lambda: -1) == 81, "a kept value is not made again"
+
+
+# A built-in raised as itself would escape ``except DistributeError``. The only ones left are these
+# (path under distribute_utils/, enclosing function, class), each for its reason:
+_PLAIN_RAISES_ALLOWED = {
+    # Re-raise of a failed write with the tensor named: OSError(errno, ...) builds the errno's own subclass
+    # (PermissionError, ...) and keeps the errno, as the OSError it replaces had them.
+    ("consolidate/job.py", "write_item", "OSError"),
+}
+# Plain raises in files other helpers were editing when this test was written (issue 33): convert them
+# and delete their rows; a row whose raise is gone fails the test as stale.
+_PLAIN_RAISES_PENDING = {
+    ("transports/files.py", "reserve_space", "OSError"),
+    ("transports/namespace.py", "check_token", "ValueError"),
+    ("transports/nfs_workspace.py", "NFSWorkspace._require", "ValueError"),
+    ("transports/workspace.py", "WorkspaceTransport.__init__", "ValueError"),
+    ("transports/workspace.py", "WorkspaceTransport.publish", "ValueError"),
+}
+_PLAIN = ("ValueError", "TypeError", "RuntimeError", "OSError", "TimeoutError", "KeyError", "IndexError")
+
+
+def _plain_raises() -> set[tuple[str, str, str]]:
+    """``(path, function, class)`` of every ``raise ValueError(...)`` (or another built-in of ``_PLAIN``)."""
+    root = Path(distribute_utils.__file__).parent
+    found: set[tuple[str, str, str]] = set()
+
+    def visit(node: ast.AST, path: str, scope: tuple[str, ...]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, path, (*scope, child.name))
+                continue
+            if isinstance(child, ast.Raise) and child.exc is not None:
+                exc = child.exc.func if isinstance(child.exc, ast.Call) else child.exc
+                if isinstance(exc, ast.Name) and exc.id in _PLAIN:
+                    found.add((path, ".".join(scope) or "<module>", exc.id))
+            visit(child, path, scope)
+
+    for file in sorted(root.rglob("*.py")):
+        visit(ast.parse(file.read_text(), str(file)), file.relative_to(root).as_posix(), ())
+    return found
+
+
+def test_no_plain_builtin_is_raised_on_purpose() -> None:
+    """Every error raised on purpose is a ``DistributeError`` (and the built-in it resembles)."""
+    found = _plain_raises()
+    allowed = _PLAIN_RAISES_ALLOWED | _PLAIN_RAISES_PENDING
+    plain = sorted(found - allowed)
+    assert not plain, f"raise an errors.py class (derived from the same built-in) instead: {plain}"
+    stale = sorted(allowed - found)
+    assert not stale, f"rows of the allow-lists whose raise is gone: delete them: {stale}"

@@ -314,7 +314,7 @@ def test_missing_shard_and_world_mismatch(
     tp2 = tmp_path / "tp2"
     write_own_layout(tp2, shard_state_dict(model, 2, 1))
     results = ranks4.run(_error_on_rank, str(tp2), str(tmp_path / "out"), {})
-    assert results[0][0] == "ValueError" and "needs 2 ranks, but the world has 4" in results[0][1]
+    assert results[0][0] == "ArgumentError" and "needs 2 ranks, but the world has 4" in results[0][1]
     assert results[1][0] == "ConsolidationError"
     _no_leftovers(tmp_path / "out")
 

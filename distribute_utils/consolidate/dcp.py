@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 
-from ..errors import DistributeError
+from ..errors import ArgumentError, DistributeError, UnsupportedTypeError
 from ..mesh_layout import MeshLayout
 from .layouts import LayoutError, MergePlanEntry
 from .reading import BatchReads
@@ -122,7 +122,7 @@ class DcpCheckpoint:
 
         self.root = Path(root)
         if names is not None and names not in MEGATRON_NAMES:
-            raise ValueError(f"names must be one of {', '.join(MEGATRON_NAMES)}, got {names!r}")
+            raise ArgumentError(f"names must be one of {', '.join(MEGATRON_NAMES)}, got {names!r}")
         self._reader = FileSystemReader(str(self.root))
         meta = self.root / DCP_METADATA
         try:
@@ -186,7 +186,7 @@ class DcpCheckpoint:
     def check_ranks(self, world: int, name: str | os.PathLike[str]) -> None:
         """Raises ValueError unless ``world`` is 1: one process streams it from its files."""
         if world != 1:
-            raise ValueError(
+            raise ArgumentError(
                 f"'{name}' is {self.describe_grid()}: one process streams it from its files; run the "
                 f"consolidation on 1 rank, not {world}"
             )
@@ -593,7 +593,7 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> Any:
         FileNotFoundError: no such file.
         UnsafeCheckpointError: the file names another global (a crafted file: the message names the file and
             the global; nothing was run).
-        TypeError: the pickle holds something other than a ``Metadata``.
+        UnsupportedTypeError: (a ``TypeError``) the pickle holds something other than a ``Metadata``.
         Exception: what ``pickle`` raises on a damaged file (:class:`DcpCheckpoint` describes it).
     """
     from torch.distributed.checkpoint.metadata import Metadata
@@ -605,7 +605,7 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> Any:
         "by a DCP writer, and nothing in it was run: do not load it with torch either (it would run)",
     )
     if not isinstance(md, Metadata):
-        raise TypeError(f"the pickle holds {type(md).__name__}, not DCP Metadata")
+        raise UnsupportedTypeError(f"the pickle holds {type(md).__name__}, not DCP Metadata")
     return md
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..errors import LayoutError
+from ..errors import ArgumentError, LayoutError, OutOfRangeError
 from ..mesh_layout import MeshLayout
 from ..temporaries import write_atomically
 from .reading import MappedShard
@@ -209,7 +209,10 @@ class CheckpointLayout(ABC):
 
     def _check_coords(self, tp_rank: int, stage: int) -> None:
         if not (0 <= tp_rank < self.tp and 0 <= stage < self.stages):
-            raise IndexError(f"shard (tp={tp_rank}, stage={stage}) is outside {self.describe_grid()}")
+            raise OutOfRangeError(
+                f"shard (tp={tp_rank}, stage={stage}) is outside {self.describe_grid()}; valid: tp in "
+                f"0..{self.tp - 1}, stage in 0..{self.stages - 1}"
+            )
 
     def shards(self) -> Iterator[tuple[int, int]]:
         """All ``(tp_rank, stage)`` pairs, stage by stage."""
@@ -354,7 +357,7 @@ class CheckpointLayout(ABC):
         """Raises ValueError unless ``world`` is one rank per shard file."""
         needed = self.tp * self.stages
         if world != needed:
-            raise ValueError(
+            raise ArgumentError(
                 f"'{name}' is a {self.describe_grid()} checkpoint and needs {needed} ranks, but the world "
                 f"has {world}; run it on {needed} ranks (or on 1 to consolidate in one process)"
             )
@@ -567,12 +570,12 @@ def plan_merge(layout: CheckpointLayout, rules: RuleTable | None = None) -> list
 
 def grid_of(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]) -> tuple[int, int]:
     if not shards:
-        raise ValueError("no shards given")
+        raise ArgumentError("no shards given; give {(tp_rank, pp_rank): state_dict} for a full grid")
     tp = max(t for t, _ in shards) + 1
     pp = max(p for _, p in shards) + 1
     missing = [(t, p) for p in range(pp) for t in range(tp) if (t, p) not in shards]
     if missing:
-        raise ValueError(f"shards must cover a full tp={tp} x pp={pp} grid; missing (tp, pp) {missing}")
+        raise ArgumentError(f"shards must cover a full tp={tp} x pp={pp} grid; missing (tp, pp) {missing}")
     return tp, pp
 
 
@@ -621,7 +624,7 @@ def write_own_layout(
         The layout, as :func:`open_checkpoint` would open it.
     """
     if file_format not in _FILE_FORMATS:
-        raise ValueError(f"unknown file_format {file_format!r}; valid: {', '.join(_FILE_FORMATS)}")
+        raise ArgumentError(f"unknown file_format {file_format!r}; valid: {', '.join(_FILE_FORMATS)}")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     tp, pp = grid_of(shards)
@@ -641,7 +644,7 @@ def write_own_layout(
         path.parent.mkdir(parents=True, exist_ok=True)
         if file_format == "safetensors":
             if not path.name.endswith(".safetensors"):
-                raise ValueError(f"safetensors shard names must end in .safetensors, got '{path.name}'")
+                raise ArgumentError(f"safetensors shard names must end in .safetensors, got '{path.name}'")
             with SafetensorsWriter(path, [TensorSpec.of(n, x) for n, x in sd.items()]) as w:
                 for n, x in sd.items():
                     w.write(n, x)

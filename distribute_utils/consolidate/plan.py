@@ -20,6 +20,7 @@ from pathlib import Path
 
 import msgpack
 
+from ..errors import SpaceError, UnsupportedTypeError
 from .formats import Checkpoint, open_checkpoint
 from .layouts import MergePlanEntry
 from .rules import RuleTable
@@ -63,7 +64,9 @@ def resolve_rules(
         return rules
     if isinstance(rules, (str, os.PathLike)):
         return RuleTable.from_file(rules).then(default)
-    raise TypeError(f"rules must be a RuleTable, a rules file path or None; got {type(rules).__name__}")
+    raise UnsupportedTypeError(
+        f"rules must be a RuleTable, a rules file path or None; got {type(rules).__name__}"
+    )
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,7 @@ def check_space(output: str | os.PathLike[str], nbytes: int) -> None:
     """Fails early, naming the path, when the output's filesystem cannot hold ``nbytes``.
 
     Raises:
-        OSError: ``ENOSPC``, with the bytes needed and free.
+        SpaceError: (an ``OSError``) ``ENOSPC``, with the bytes needed and free.
     """
     probe = Path(output).absolute()
     while not probe.exists() and probe.parent != probe:
@@ -151,7 +154,7 @@ def check_space(output: str | os.PathLike[str], nbytes: int) -> None:
         return
     free = st.f_bavail * st.f_frsize
     if free < nbytes:
-        raise OSError(
+        raise SpaceError(
             errno.ENOSPC,
             f"no space left for the consolidated checkpoint: it needs {nbytes:,} bytes, "
             f"the filesystem of '{probe}' has {free:,} free",

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import sync
-from ..errors import plural_list
+from ..errors import ConsolidationError, plural_list
 from ..gather import gather_configs
 from ..mesh import ProcessGroupMesh
 from .failures import Failure, Failures
@@ -279,7 +279,7 @@ class RankJob(Job):
                 batch = plan.batches[p][r] if r < len(plan.batches[p]) else ()
                 items = got[p]["t"]
                 if len(items) != len(batch):
-                    raise RuntimeError(
+                    raise ConsolidationError(
                         f"stage {p} sent {len(items)} tensors in round {r}, expected {len(batch)}"
                     )
                 ranks = plan.checkpoint.stage_ranks(p)

@@ -28,7 +28,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..errors import MergeError, RuleSyntaxError, plural_list
+from ..errors import ArgumentError, MergeError, RuleSyntaxError, plural_list
 from ..wire import as_uint8
 from .writers import CheckpointWriter, SafetensorsWriter, TensorSpec, tensor_bytes
 
@@ -49,6 +49,7 @@ __all__ = [
     "ScalarMax",
     "Sum",
     "Unknown",
+    "check_quant_format",
     "is_catch_all",
     "parse_rule",
     "quantized_rule",
@@ -611,15 +612,20 @@ _QUANT_RULES: dict[tuple[str, str, str], MergeRule] = {
 _SCALE_KINDS = ("weight_scale", "activation_scale", "pre_quant_scale")
 
 
-def _check_quant_args(quant_format: str | None, parallel: str, kind: str) -> None:
+def check_quant_format(quant_format: str | None) -> None:
+    """Raises :class:`ArgumentError` (a ``ValueError``) unless ``quant_format`` is one of :data:`QUANT_FORMATS`."""
     if quant_format not in QUANT_FORMATS:
-        raise ValueError(
+        raise ArgumentError(
             f"unknown quant_format {quant_format!r}; valid: {', '.join(map(str, QUANT_FORMATS))}"
         )
+
+
+def _check_quant_args(quant_format: str | None, parallel: str, kind: str) -> None:
+    check_quant_format(quant_format)
     if parallel not in ("column", "row"):
-        raise ValueError(f"unknown parallel kind {parallel!r}; valid: column, row")
+        raise ArgumentError(f"unknown parallel kind {parallel!r}; valid: column, row")
     if kind not in SCALE_SUFFIXES:
-        raise ValueError(f"unknown tensor kind {kind!r}; valid: {', '.join(SCALE_SUFFIXES)}")
+        raise ArgumentError(f"unknown tensor kind {kind!r}; valid: {', '.join(SCALE_SUFFIXES)}")
 
 
 def quantized_rule(
@@ -648,10 +654,16 @@ def quantized_rule(
     if kind in ("weight", "bias"):
         return _PLAIN_RULES[(parallel, kind)]
     if quant_format is None:
-        raise ValueError(f"tensor kind {kind!r} only exists in quantized models: pass quant_format")
+        raise ArgumentError(
+            f"tensor kind {kind!r} only exists in quantized models: pass quant_format (valid: "
+            f"{', '.join(q for q in QUANT_FORMATS if q)})"
+        )
     rule = _QUANT_RULES.get((quant_format, parallel, kind))
     if rule is None:
-        raise ValueError(f"{quant_format} {parallel}-parallel layers have no {kind}")
+        have = [k for (q, par, k) in _QUANT_RULES if (q, par) == (quant_format, parallel)]
+        raise ArgumentError(
+            f"{quant_format} {parallel}-parallel layers have no {kind}; valid: weight, bias, {', '.join(have)}"
+        )
     if isinstance(rule, Max):
         return rule
     if shape is None:
@@ -843,10 +855,7 @@ class RuleTable:
             gated: whether the MLP is gated (SwiGLU); ``None`` when unknown: a split ``linear_fc1`` is then
                 an error that asks which it is.
         """
-        if quant_format not in QUANT_FORMATS:
-            raise ValueError(
-                f"unknown quant_format {quant_format!r}; valid: {', '.join(map(str, QUANT_FORMATS))}"
-            )
+        check_quant_format(quant_format)
         fc1: MergeRule
         if gated is None:
             fc1 = Unknown(

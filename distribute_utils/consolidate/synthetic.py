@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ArgumentError
 from .layouts import global_layer_name, local_layer_index
-from .rules import QUANT_FORMATS, RuleTable
+from .rules import RuleTable, check_quant_format
 from .writers import TensorSpec
 
 __all__ = [
@@ -68,14 +69,16 @@ def gpt_specs(
     * ``int4_awq``: weight in ``dtype``, per-block weight scale ``[out, in / awq_group_size]``, scalar
       activation scale, pre-quant scale ``[in]``.
     """
-    if quant_format not in QUANT_FORMATS:
-        raise ValueError(
-            f"unknown quant_format {quant_format!r}; valid: {', '.join(map(str, QUANT_FORMATS))}"
-        )
+    check_quant_format(quant_format)
     if min(num_layers, hidden, ffn_hidden, vocab) < 1:
-        raise ValueError("num_layers, hidden, ffn_hidden and vocab must be positive")
+        raise ArgumentError(
+            f"num_layers, hidden, ffn_hidden and vocab must be positive, got {num_layers}, {hidden}, {ffn_hidden}, "
+            f"{vocab}"
+        )
     if quant_format == "int4_awq" and (hidden % awq_group_size or ffn_hidden % awq_group_size):
-        raise ValueError(f"int4_awq needs hidden and ffn_hidden divisible by awq_group_size={awq_group_size}")
+        raise ArgumentError(
+            f"int4_awq needs hidden and ffn_hidden divisible by awq_group_size={awq_group_size}"
+        )
     dims = {"hidden": hidden, "ffn": ffn_hidden, "qkv": 3 * hidden}
     f32 = torch.float32
     specs = [TensorSpec("embedding.word_embeddings.weight", dtype, (vocab, hidden))]
@@ -169,7 +172,7 @@ def make_gpt_state_dict(
 def balanced_layers_per_stage(num_layers: int, pp: int) -> list[int]:
     """Splits layers over stages as evenly as possible, earlier stages taking the remainder: 5, 2 -> [3, 2]."""
     if pp < 1:
-        raise ValueError(f"pp must be positive, got {pp}")
+        raise ArgumentError(f"pp must be positive, got {pp}")
     base, extra = divmod(num_layers, pp)
     return [base + (1 if p < extra else 0) for p in range(pp)]
 
@@ -209,17 +212,17 @@ def shard_state_dict(
         ``{(tp_rank, pp_rank): {local_name: tensor}}``, stage by stage; tensors may share storage with ``sd``.
     """
     if tp < 1 or pp < 1:
-        raise ValueError(f"tp and pp must be positive, got tp={tp}, pp={pp}")
+        raise ArgumentError(f"tp and pp must be positive, got tp={tp}, pp={pp}")
     table = rules if rules is not None else RuleTable.default(quant_format)
     indices = {i for n in sd if (i := local_layer_index(n)) is not None}
     num_layers = len(indices)
     if indices != set(range(num_layers)):
-        raise ValueError(f"layer indices must be 0..n-1, got {sorted(indices)}")
+        raise ArgumentError(f"layer indices must be 0..n-1, got {sorted(indices)}")
     lps = (
         list(layers_per_stage) if layers_per_stage is not None else balanced_layers_per_stage(num_layers, pp)
     )
     if len(lps) != pp or sum(lps) != num_layers or min(lps) < 0:
-        raise ValueError(
+        raise ArgumentError(
             f"layers_per_stage {lps} must have {pp} non-negative entries summing to {num_layers}"
         )
     stage_of_layer: list[int] = []
@@ -286,7 +289,9 @@ def synthetic_size_for(
         multiple: ``hidden`` granularity.
     """
     if bytes_target <= 0 or num_layers < 1 or multiple < 1:
-        raise ValueError("bytes_target, num_layers and multiple must be positive")
+        raise ArgumentError(
+            f"bytes_target, num_layers and multiple must be positive, got {bytes_target}, {num_layers}, {multiple}"
+        )
     per_h2 = (12 * num_layers + 16) * dtype.itemsize  # 12 h^2 per layer + 2 * 8 h^2 embeddings
     guess = max(1, round(math.sqrt(bytes_target / per_h2) / multiple))
     candidates = [

@@ -57,7 +57,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import sync
-from ..errors import one_line
+from ..errors import ArgumentError, one_line
 from .failures import ConsolidationError
 from .formats import open_checkpoint
 from .job import Job
@@ -148,9 +148,9 @@ def consolidate_checkpoint(
         PeerLostError: a rank stopped answering within ``timeout``.
     """
     if format not in OUTPUT_FORMATS:
-        raise ValueError(f"unknown output format {format!r}; valid: {', '.join(OUTPUT_FORMATS)}")
+        raise ArgumentError(f"unknown output format {format!r}; valid: {', '.join(OUTPUT_FORMATS)}")
     if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 1:
-        raise ValueError(f"batch_bytes must be a positive int, got {batch_bytes!r}")
+        raise ArgumentError(f"batch_bytes must be a positive int, got {batch_bytes!r}")
     options = Options(
         format=format,
         rules=RuleChoice(rules, quant_format, swiglu),
@@ -227,7 +227,7 @@ def consolidate_local(
     )
     needed = layout.tp * layout.stages
     if nproc != needed:
-        raise ValueError(
+        raise ArgumentError(
             f"'{input_dir}' is a {layout.describe_grid()} checkpoint: it needs {needed} ranks "
             f"(or 1 for one process), not {nproc}"
         )

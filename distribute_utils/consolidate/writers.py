@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointFormatError, one_line
+from ..errors import ArgumentError, CheckpointFormatError, MisuseError, OutputError, one_line
 from ..temporaries import Temporaries
 from ..wire import pwrite_all, tensor_buffer
 
@@ -115,7 +115,9 @@ class TensorSpec:
     def __post_init__(self) -> None:
         shape = tuple(int(d) for d in self.shape)
         if any(d < 0 for d in shape):
-            raise ValueError(f"tensor '{self.name}': negative dimension in shape {shape}")
+            raise CheckpointFormatError(
+                f"tensor '{self.name}': negative dimension in shape {shape}; dimensions are ints >= 0"
+            )
         object.__setattr__(self, "shape", shape)
 
     @property
@@ -160,23 +162,25 @@ def parse_size(size: int | str) -> int:
         ValueError: malformed, unknown unit, or not positive.
     """
     if isinstance(size, bool):
-        raise ValueError(f"bad size {size!r}")
+        raise ArgumentError(f"bad size {size!r}: expected an int or a string like '5GB', not a bool")
     if isinstance(size, int):
         value = size
     elif isinstance(size, str):
         m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", size)
         if m is None:
-            raise ValueError(f"bad size {size!r}: write a number with an optional unit, e.g. 5GB or 500MiB")
+            raise ArgumentError(
+                f"bad size {size!r}: write a number with an optional unit, e.g. 5GB or 500MiB"
+            )
         unit = m.group(2).lower()
         if unit not in _UNITS:
-            raise ValueError(
+            raise ArgumentError(
                 f"bad size {size!r}: unknown unit {m.group(2)!r}; valid units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
             )
         value = int(float(m.group(1)) * _UNITS[unit]) if "." in m.group(1) else int(m.group(1)) * _UNITS[unit]
     else:
-        raise ValueError(f"bad size {size!r}: expected an int or a string like '5GB'")
+        raise ArgumentError(f"bad size {size!r}: expected an int or a string like '5GB'")
     if value <= 0:
-        raise ValueError(f"bad size {size!r}: must be positive")
+        raise ArgumentError(f"bad size {size!r}: must be positive")
     return value
 
 
@@ -238,7 +242,9 @@ class CheckpointWriter:
         self._by_name: dict[str, TensorSpec] = {}
         for s in self.specs:
             if s.name in self._by_name:
-                raise ValueError(f"tensor '{s.name}' appears twice in the specs")
+                raise CheckpointFormatError(
+                    f"tensor '{s.name}' appears twice in the specs; give each name once"
+                )
             self._by_name[s.name] = s
         self.max_shard_size = None if max_shard_size is None else parse_size(max_shard_size)
         self.directory, self.stem = _split_target(path_or_dir, self.suffix, self.default_stem)
@@ -287,7 +293,9 @@ class CheckpointWriter:
 
     def _check_meta(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> TensorSpec:
         if self._closed:
-            raise RuntimeError(f"cannot write tensor '{name}': the writer is closed")
+            raise MisuseError(
+                f"cannot write tensor '{name}': the writer is closed (write every tensor before close())"
+            )
         spec = self._by_name.get(name)
         if spec is None:
             raise CheckpointFormatError(f"tensor '{name}' is not in this writer's specs")
@@ -461,7 +469,7 @@ class SafetensorsWriter(CheckpointWriter):
         meta = {"format": "pt"} if metadata is None else dict(metadata)
         for k, v in meta.items():
             if not isinstance(k, str) or not isinstance(v, str):
-                raise ValueError(f"safetensors metadata must map str to str, got {k!r}: {v!r}")
+                raise ArgumentError(f"safetensors metadata must map str to str, got {k!r}: {v!r}")
         super().__init__(path_or_dir, specs, max_shard_size)
         self.metadata = meta
         self._fds: list[int] = []
@@ -642,7 +650,7 @@ def open_writer(
 def _writer_class(format: str) -> type[CheckpointWriter]:
     writers: dict[str, type[CheckpointWriter]] = {"safetensors": SafetensorsWriter, "torch": TorchSaveWriter}
     if format not in writers:
-        raise ValueError(f"unknown checkpoint format {format!r}; valid: {', '.join(writers)}")
+        raise ArgumentError(f"unknown checkpoint format {format!r}; valid: {', '.join(writers)}")
     return writers[format]
 
 
@@ -666,7 +674,7 @@ def output_paths(
     cls = _writer_class(format)
     suffix = Path(out).suffix
     if suffix in (".safetensors", ".bin") and suffix != cls.suffix and not Path(out).is_dir():
-        raise ValueError(
+        raise OutputError(
             f"output '{out}' ends in {suffix}, but the {format} format writes {cls.suffix} files; give a "
             f"file name ending in {cls.suffix}, or a directory"
         )
@@ -674,7 +682,9 @@ def output_paths(
     if max_shard_size is None:
         n = 1
     elif specs is None:
-        raise ValueError("output_paths: max_shard_size needs the specs (they decide the split)")
+        raise ArgumentError(
+            "output_paths: max_shard_size needs the specs (they decide the split); pass specs too"
+        )
     else:
         n = len(_plan_shards(specs, parse_size(max_shard_size)))
     files, index = cls.names(stem, n)
