@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointFormatError",
     "ConcurrentUseError",
     "ConsolidationError",
+    "CudaError",
     "DeviceUnavailableError",
     "DistributeError",
     "ForkedProcessError",
@@ -60,6 +61,11 @@ def plural_list(noun: str, items: Sequence[object]) -> str:
 
 class DistributeError(Exception):
     """Base of every error raised on purpose by ``distribute_utils``."""
+
+
+class CudaError(DistributeError, RuntimeError):
+    """A CUDA driver call failed (:mod:`.transports.cuda_driver`); the GPU carriers turn it into their own
+    errors or fall back, so callers of the gathers do not see it."""
 
 
 class DeviceUnavailableError(DistributeError, RuntimeError):

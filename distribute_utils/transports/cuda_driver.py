@@ -14,13 +14,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from ..errors import CudaError
+
 __all__ = ["HANDLE_SIZE", "CudaError", "Driver", "IpcHandle", "driver"]
 
 HANDLE_SIZE = 64  # CU_IPC_HANDLE_SIZE
-
-
-class CudaError(RuntimeError):
-    """A CUDA driver call failed (internal to the transports: each turns it into its own errors)."""
 
 
 class IpcHandle(ctypes.Structure):
