@@ -21,8 +21,9 @@ One call (:class:`distribute_utils.sync.Call`), one hop each way:
    and transport and carry no error, fetches each payload from the carrier its receipt names
    (:class:`~.transports.carriers.Receiving`; the receipt stays unread), decodes it (zero-copy; in a
    direct round as each claim comes, so that only the last one's payload is left when it comes), and
-   sends its verdict (with the carriers' notes for its senders, :data:`~.transports.carriers.reports`). Any disagreement or error ends up in the verdict,
-   so every rank of that gather raises, and nobody waits for a rank that will not come.
+   sends its verdict (with the carriers' notes for its senders, :data:`~.transports.carriers.reports`).
+   Any disagreement or error ends up in the verdict, so every rank of that gather raises, and nobody
+   waits for a rank that will not come.
 3. a sender releases what it published as soon as it has the verdict.
 
 Claims and verdicts travel one of two ways, decided alike by every participant from where the

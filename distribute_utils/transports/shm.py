@@ -387,6 +387,7 @@ class SegmentPool:
     LOOK_EVERY_S = 1.0  # a busy segment's receiver is looked up at most this often (a /proc read)
 
     def __init__(self) -> None:
+        _POOLS.add(self)  # a forked child closes its copies of every pool's segments
         self._lock = threading.Lock()
         self._segments: dict[str, _Segment] = {}
         self._recent: collections.deque[int] = collections.deque(maxlen=self.RECENT)
@@ -599,6 +600,7 @@ class _Notices:
         self._lock, self._sock, self._name, self._tried = threading.Lock(), None, "", False
 
 
+_POOLS: weakref.WeakSet[SegmentPool] = weakref.WeakSet()  # every pool of this process (one but in tests)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _TRUNCATED = int(socket.MSG_TRUNC)
 _NO_WAIT = int(socket.MSG_DONTWAIT)
@@ -865,4 +867,5 @@ def _hook(what: str) -> None:
 
 def _forked() -> None:
     _NOTICES.forked()
-    _POOL.forked()
+    for pool in list(_POOLS):
+        pool.forked()

@@ -96,7 +96,9 @@ class WorkspaceTransport:
     def receiving(cls, context: Context, rank: int, receipt: Any) -> Carrier:
         """The round's workspace carrier (its ``workspace_path``): the one every rank of the job shares."""
         if context.workspace is None:
-            raise PayloadError("a payload was published in the workspace, but this gather has no workspace_path")
+            raise PayloadError(
+                "a payload was published in the workspace, but this gather has no workspace_path"
+            )
         return context.workspace()
 
     def _open(self) -> Namespace:
