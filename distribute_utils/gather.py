@@ -12,17 +12,18 @@ proceed at once. A rank its list does not name only checks in and returns ``[]``
 
 One call (:class:`distribute_utils.sync.Call`), one hop each way:
 
-1. a sender encodes its value and publishes it through the transport its route names (see
-   :mod:`distribute_utils.transports.base`): within a host :class:`~.transports.host.HostTransport`
-   (inside the claim when small, else shared memory), across hosts the workspace or a collective;
+1. a sender encodes its value and publishes it through a carrier (see
+   :mod:`distribute_utils.transports.base`): within a host the one :class:`~.transports.host.HostRoute`
+   picks (inside the claim when small, else shared memory), across hosts the workspace or a collective;
    then sends its claim (list digest, transport, local error, ``[token, receipt]``) and waits
    for one answer: its first rank's verdict.
 2. the first rank reads only its own participants' claims, checks that they name the same list
-   and transport and carry no error, fetches each payload from the transport that carried it
-   (handing back the receipt unread), decodes it (zero-copy; in a direct round as each claim
-   comes, so that only the last one's payload is left when it comes), and sends its verdict (with
-   the host transport's notes for its senders). Any disagreement or error ends up in the verdict,
-   so every rank of that gather raises, and nobody waits for a rank that will not come.
+   and transport and carry no error, fetches each payload from the carrier its receipt names
+   (:class:`~.transports.carriers.Receiving`; the receipt stays unread), decodes it (zero-copy; in a
+   direct round as each claim comes, so that only the last one's payload is left when it comes), and
+   sends its verdict (with the carriers' notes for its senders, :data:`~.transports.carriers.reports`).
+   Any disagreement or error ends up in the verdict, so every rank of that gather raises, and nobody
+   waits for a rank that will not come.
 3. a sender releases what it published as soon as it has the verdict.
 
 Claims and verdicts travel one of two ways, decided alike by every participant from where the
@@ -78,9 +79,12 @@ from .errors import (
     UnsupportedTypeError,
 )
 from .mesh import ProcessGroupMesh
-from .transports import CollectiveTransport, Transport, cuda_ipc
-from .transports.host import INLINE_MAX_BYTES, HostTransport
-from .transports.shm import note_payload, release_shared_memory
+from .transports import CollectiveTransport, carriers
+from .transports.base import Carrier, Context, Route
+from .transports.collective import message_device
+from .transports.host import INLINE_MAX_BYTES, HostRoute
+from .transports.inline import AttachedCarrier
+from .transports.shm import release_shared_memory
 
 __all__ = [
     "ATTACHED_MAX_BYTES",
@@ -193,7 +197,7 @@ class _Claim(NamedTuple):
     payload is, in the words of the transport that carried it) or "none"
     (its own list does not name it: it only checks in). Ranks that do not receive also post a
     :class:`_Verdict` marker under ``v/<rank>``, so that a rank that wrongly takes them for its
-    receiver hears why at once instead of waiting. ``notes`` are the host transport's word for other
+    receiver hears why at once instead of waiting. ``notes`` are the carriers' word for other
     senders of this gather that this rank holds (a leader let their segments go): the first rank
     passes them on in its verdict.
     """
@@ -221,7 +225,7 @@ class _Verdict(NamedTuple):
     ranks: list[int] | None
     digest: str
     error: Sequence[Any] | None = None  # the receiver failed: as in a claim
-    notes: Sequence[Any] = ()  # the host transport's word to its senders
+    notes: Sequence[Any] = ()  # the carriers' word to its senders (carriers.reports)
 
     def pack(self) -> bytes:
         return msgpack.packb(self)  # an array of the fields, in order
@@ -384,11 +388,10 @@ class _Gather:
         self._notes_taken: list[Any] = []  # this rank's own notes, posted in its claim or verdict
 
     # State that most calls never change (class defaults: nothing to set up per call).
-    _workspace: Transport | None = None
-    _sent: tuple[Transport, str, Any] | None = None  # a sender's (transport, token, receipt)
+    _workspace: Carrier | None = None
+    _sent: carriers.Sent | None = None  # a sender's publication, until released
     _attached: wire.EncodedPayload | None = None  # a direct sender's payload, in its claim message
-    _host_in: HostTransport | None = None
-    _ipc_in: cuda_ipc.CudaIpcTransport | None = None
+    _receiving: carriers.Receiving | None = None
     _deferred: tuple[str, wire.EncodedPayload] | None = None  # a collective send awaiting "go"
     _go_posted = False
     _cross: str | None = None
@@ -400,8 +403,8 @@ class _Gather:
 
     # -- shared helpers ------------------------------------------------------------------------
     @property
-    def workspace(self) -> Transport:
-        """The workspace transport of the job (made on first use; sweeps dead jobs' leftovers)."""
+    def workspace(self) -> Carrier:
+        """The workspace carrier of the job (made on first use; sweeps dead jobs' leftovers)."""
         if self._workspace is None:
             from .transports.namespace import job_token
             from .transports.workspace import WorkspaceTransport
@@ -532,136 +535,108 @@ class _Gather:
     def encode(self, value: Any, checksum: bool, keep_device: bool) -> wire.EncodedPayload:
         return wire.encode(value, root=self.root, checksum=checksum, keep_device=keep_device)
 
-    def host(self, receiver: int | None = None) -> HostTransport:
-        """The host transport: a sender's to ``receiver`` (on this host), or the receiving side's."""
-        if receiver is None and self._host_in is not None:
-            return self._host_in
-        info, pool = None, False
-        if receiver is not None:
-            directory = self.companion.directory
-            assert directory is not None
-            info = directory.info(receiver, self.companion.store, self.seconds, self.what)
-            pool = directory.me.can_watch(info)
+    def host(self, receiver: int) -> HostRoute:
+        """A sender's route to ``receiver`` (on this host): CUDA IPC first when it is the first rank and
+        likely wants tensors on a GPU (``cuda_wanted``); else inline, shared memory, the workspace."""
+        directory = self.companion.directory
+        assert directory is not None
+        info = directory.info(receiver, self.companion.store, self.seconds, self.what)
+        pool = directory.me.can_watch(info)
         # A sender may fall back to the workspace when /dev/shm is full, unless told "shm" only.
-        fallback = self.workspace_path is not None and (receiver is None or self.transport != "shm")
-        host = HostTransport(
+        fallback = self.workspace_path is not None and self.transport != "shm"
+        return HostRoute(
             info,
             pool=pool,
-            pin=receiver is None and self.pin_maps,
+            cuda=self.cuda_wanted and receiver == self.first,
             workspace=self._workspace_now if fallback else None,
             workspace_path=str(self.workspace_path),
             what=self.what,
         )
-        if receiver is None:
-            self._host_in = host
-        return host
 
-    def _workspace_now(self) -> Transport:
+    def _workspace_now(self) -> Carrier:
         return self.workspace
 
+    @property
+    def receiving(self) -> carriers.Receiving:
+        """The receiving side's carriers (made on the first fetch, once ``pin_maps`` and ``_ipc_to`` are set)."""
+        if self._receiving is None:
+            pg = self.group if self.group is None or isinstance(self.group, dist.ProcessGroup) else None
+            self._receiving = carriers.Receiving(
+                Context(
+                    self.first,
+                    self.seconds,
+                    pg,
+                    self._workspace_now if self.workspace_path is not None else None,
+                    self.pin_maps,
+                    self._ipc_to,
+                    self._attached_in,
+                )
+            )
+        return self._receiving
+
     def publish_here(self, payload: wire.EncodedPayload) -> list[Any]:
-        """A sender on its first rank's host, past the inline sizes: device to device by CUDA IPC when
-        its payload is all on one GPU, the first rank likely wants it on a GPU (``cuda_wanted``) and
-        runs in this pid namespace; else (or when IPC refuses) the host transport, which takes a GPU's
-        tensors from there into shared memory."""
-        if (
-            self.cuda_wanted
-            and payload.nbytes > INLINE_MAX_BYTES
-            and cuda_ipc.CudaIpcTransport.can_carry(payload)
-        ):
-            directory = self.companion.directory
-            assert directory is not None
-            info = directory.info(self.first, self.companion.store, self.seconds, self.what)
-            if directory.me.can_watch(info):
-                try:
-                    return self.publish(cuda_ipc.CudaIpcTransport(info), payload)
-                except TransportUnavailableError as exc:
-                    logger.debug("%s: %s; through shared memory instead", self.what, exc)
+        """A sender on its first rank's host, past the attached sizes: its host route (see :meth:`host`)."""
         return self.publish(self.host(self.first), payload)
 
     def attach(self, payload: wire.EncodedPayload) -> list[Any]:
         """A direct round's sender: ``payload`` goes in its claim's message (see :data:`ATTACHED_MAX_BYTES`);
-        returns the claim body. Nothing to release afterwards."""
-        note_payload(payload.nbytes)  # (the segment pool sizes itself by every payload)
-        self._attached = payload.to_cpu()
-        return ["", ["attached", payload.nbytes]]
+        returns the claim body (no token: nothing is named after it, and the claim may be kept)."""
+        carrier = AttachedCarrier()
+        body = self.publish(carrier, payload, token="")
+        self._attached = carrier.outgoing
+        return body
 
-    def publish(self, transport: Transport, payload: wire.EncodedPayload) -> list[Any]:
-        """Publish this sender's ``payload`` through ``transport``; returns the claim body."""
-        token = secrets.token_hex(8)
-        receipt = transport.publish(token, self.me, payload)
-        self._sent = (transport, token, receipt)
-        return [token, receipt]
+    def publish(
+        self, carrier: Carrier | Route, payload: wire.EncodedPayload, token: str | None = None
+    ) -> list[Any]:
+        """Publish this sender's ``payload`` through ``carrier`` (or the one a route picks); returns the
+        claim body."""
+        token = secrets.token_hex(8) if token is None else token
+        self._sent = carriers.publish(carrier, token, self.me, payload)
+        return [token, self._sent.receipt]
 
     def publish_across(self, plan: _Plan, payload: wire.EncodedPayload) -> list[Any]:
         if plan.cross == "workspace":
             return self.publish(self.workspace, payload)
         # A send cannot be taken back: it goes only after the first rank's "go" (see send()).
-        device = _carrier(self.group, payload.device_resident)
+        device = message_device(self.group, payload.device_resident)
         self._deferred = (device, payload.to_cpu() if device == "cpu" else payload)
         token = secrets.token_hex(8)
-        self._sent = (self.collective(device), token, device)
-        return [token, device]
+        self._sent = carriers.Sent(self.collective(device), token, device, self.me)
+        return [token, self._sent.receipt]
 
-    def source(self, rank: int, plan: _Plan | None, receipt: Any) -> Transport:
-        """The transport that carried ``rank``'s payload here: a remote host's leader (or, with a
-        forced transport, every sender) came across hosts; the rest through this host."""
-        if cuda_ipc.is_receipt(receipt):
-            if self._ipc_in is None:
-                self._ipc_in = cuda_ipc.CudaIpcTransport(device=self._ipc_to)
-            return self._ipc_in
-        if plan is None or plan.cross is None or rank not in plan.hosts:
-            return self.host()
-        if plan.cross == "workspace":
-            return self.workspace
-        if type(receipt) is not str or not (receipt == "cpu" or receipt.startswith("cuda")):
-            raise PayloadError(f"rank {rank} sent its payload on an unknown device {receipt!r:.40}")
-        return self.collective(receipt)
-
-    def fetch(self, rank: int, plan: _Plan | None, body: list[Any] | None) -> Any:
-        """The buffer of ``rank``'s payload, from the transport that carried it."""
+    def fetch(self, rank: int, body: list[Any] | None) -> Any:
+        """The buffer of ``rank``'s payload, from the carrier that carried it."""
         if type(body) is not list or len(body) != 2 or type(body[0]) is not str:
             raise PayloadError(f"rank {rank} posted a malformed claim body {body!r:.80}")
-        token, receipt = body
-        if _is_attached(receipt):
-            found = self._attached_in.pop(rank, None)
-            if found is None or found.nbytes != receipt[1]:
-                size = "no" if found is None else f"{found.nbytes} bytes of"
-                raise PayloadError(f"rank {rank} sent {size} payload with its claim, which says {receipt[1]}")
-            return found
-        return self.source(rank, plan, receipt).fetch(token, rank, receipt)
+        return self.receiving.fetch(body[0], rank, body[1])
 
-    def discard(self, rank: int, plan: _Plan | None, body: list[Any] | None) -> None:
+    def discard(self, rank: int, body: list[Any] | None) -> None:
         """Remove what ``rank`` published for us and we did not take (a dead peer cannot)."""
         if not body:
             return
-        if type(body) is list and len(body) == 2 and _is_attached(body[1]):
-            self._attached_in.pop(rank, None)
-            return
         try:
             token, receipt = body
-            self.source(rank, plan, receipt).discard(token, rank, receipt)
+            self.receiving.discard(token, rank, receipt)
         except Exception as exc:
             logger.warning("%s: could not remove what rank %d published: %s", self.what, rank, exc)
 
     def remove_leftovers_of(self, ranks: Sequence[int]) -> None:
-        """Senders that died before they could claim may have left a half-written named segment:
-        remove those of dead processes on this host (their tokens were never told)."""
+        """Senders that died before they could claim may have left a half-published payload (a named
+        segment): remove those of dead processes on this host (their tokens were never told)."""
         directory = self.companion.directory
         for rank in ranks:
             info = directory.local_peers().get(rank) if directory is not None else None
             if info is not None and not process_alive(info):
-                for path in HostTransport.remove_left_by(rank, info.pid):
+                for path in carriers.remove_left_by(rank, info.pid):
                     logger.info("%s: removed %s, left by rank %d, which died", self.what, path, rank)
 
     def release(self, taken: bool, answered: bool = False) -> None:
         """Remove what this sender published, once its receiver is done (or gave up: ``taken=False``).
         ``answered``: a verdict came, so the receiver no longer reads (what frees CUDA IPC memory)."""
         if self._sent is not None:
-            transport, token, receipt = self._sent
-            self._sent = None
-            done = taken or (answered and transport.name == cuda_ipc.CudaIpcTransport.name)
-            transport.release(token, self.me, receipt, taken=done)
+            sent, self._sent = self._sent, None
+            sent.release(taken, answered)
 
     @staticmethod
     def decode(buffer: Any, rank: int, target: torch.device | str | None) -> Any:
@@ -729,7 +704,7 @@ class _Gather:
             self.take_back_notes()
         if not verdict.receiver or verdict.digest != self.digest:
             raise _mismatch(self.me, self.shown, self.first, verdict.ranks)
-        HostTransport.heed(self.me, verdict.notes)
+        carriers.reports.heed(self.me, verdict.notes)
         if verdict.error is not None:
             _raise_from(verdict.error, f"the first rank ({self.first}) failed: ")
 
@@ -800,7 +775,7 @@ class _Gather:
         """A remote host's leader: collect its host's payloads and send one bundle across."""
         host = plan.hosts[self.me]
         flat = len(host) == 1
-        keep_device = flat and plan.cross == "collective" and _carrier(self.group, True) != "cpu"
+        keep_device = flat and plan.cross == "collective" and message_device(self.group, True) != "cpu"
         own = self.encode(value, checksum=flat and plan.cross == "workspace", keep_device=keep_device)
         if flat:
             return self.publish_across(plan, own)
@@ -814,10 +789,10 @@ class _Gather:
             own.write_into(mine)
             parts = [torch.frombuffer(mine, dtype=torch.uint8)]
             for rank, claim in zip(others, claims):
-                parts.append(torch.frombuffer(self.fetch(rank, None, claim.body), dtype=torch.uint8))
+                parts.append(torch.frombuffer(self.fetch(rank, claim.body), dtype=torch.uint8))
         except BaseException:
             for rank, claim in zip(others, claims):
-                self.discard(rank, None, claim.body)
+                self.discard(rank, claim.body)
             raise
         bundle = {"ranks": [self.me, *others], "parts": parts}
         payload = wire.encode(bundle, root="bundle", checksum=plan.cross == "workspace")
@@ -859,7 +834,7 @@ class _Gather:
             for rank in direct:
                 if rank in found:  # a direct round's: decoded as its claim came
                     continue
-                value = self.decode(self.fetch(rank, plan, claims[rank].body), rank, decode_to)
+                value = self.decode(self.fetch(rank, claims[rank].body), rank, decode_to)
                 taken.add(rank)
                 if rank in plan.hosts and len(plan.hosts[rank]) > 1:
                     for part_rank, part in zip(value["ranks"], value["parts"]):
@@ -880,12 +855,12 @@ class _Gather:
             self.take_back_notes()
             for rank, claim in claims.items():
                 if rank not in taken and rank not in found:  # (found: fetched as its claim came)
-                    self.discard(rank, plan, claim.body)
+                    self.discard(rank, claim.body)
             self.remove_leftovers_of(getattr(exc, "missing", ()))
             raise
         notes += [note for c in claims.values() for note in c.notes or ()]
         # A sender may have received from this rank in an earlier gather (other roles, other numbers).
-        HostTransport.heed(self.me, notes)
+        carriers.reports.heed(self.me, notes)
         verdict = _Verdict(True, self.shown, self.digest, None, notes).pack() if notes else self.success()
         if self.direct:
             for rank in direct:  # each waits in its mailbox, so there is room; one that left is not told
@@ -930,21 +905,21 @@ class _Gather:
                 raise PayloadError(f"rank {rank} sent a malformed claim: {exc}") from None
             self._attached_in[rank] = message[_CLAIM_LENGTH.size + length :]
             self.check_claim(rank, claim)
-            found[rank] = self.decode(self.fetch(rank, None, claim.body), rank, decode_to)
+            found[rank] = self.decode(self.fetch(rank, claim.body), rank, decode_to)
 
         self.call.receive_direct(_CLAIM, senders, self.seconds, self.what, self.judge_sender, arrived)
 
     def notes_for(self, ranks: Sequence[int]) -> list[Any]:
-        """The host transport's word (this rank's) for the other processes of ``ranks`` in its pid namespace.
+        """The carriers' word (this rank's: :data:`carriers.reports`) for the other processes of ``ranks`` in its pid namespace.
         Its reports name processes; their rank numbers are looked up in the current incarnation (a number
         may have been another process's when the report was made). Ranks that have not posted where they
         run yet are left for a later gather."""
         directory = self.companion.directory
-        if directory is None or not HostTransport.has_notes():
+        if directory is None or not carriers.reports.pending():
             return []
         found = directory.posted(ranks, self.companion.store)
         pids = {i.pid: r for r, i in found.items() if r != self.me and directory.me.can_watch(i)}
-        self._notes_taken = HostTransport.notes(pids)
+        self._notes_taken = carriers.reports.take(pids)
         return self._notes_taken
 
     def take_back_notes(self) -> None:
@@ -952,7 +927,7 @@ class _Gather:
         took for a later gather. Every note is delivered once: a second report of a segment written
         again since would let its sender overwrite what a receiver maps. (A rank that never reads the
         verdict keeps nothing back: the first rank may have delivered them; those segments stay busy.)"""
-        HostTransport.keep(self._notes_taken)
+        carriers.reports.keep(self._notes_taken)
         self._notes_taken = []
 
     def tell_go(self, error: tuple[Any, ...] | None, claims: dict[int, _Claim]) -> None:
@@ -1005,26 +980,6 @@ def _on_cpu(target: torch.device | str | None) -> bool:
     if isinstance(target, str) and target == wire.SOURCE_DEVICE:
         return False
     return torch.device(target).type == "cpu"
-
-
-def _is_attached(receipt: Any) -> bool:
-    return type(receipt) is list and len(receipt) == 2 and receipt[0] == "attached"
-
-
-def _carrier(group: dist.ProcessGroup | Sequence[int] | None, on_device: bool) -> str:
-    """Where a sender's collective messages travel; no group is ever created.
-
-    Point-to-point messages need no other rank's help, so they travel over ``group`` itself
-    (the world for a mesh's rank list). A backend with gloo carries CPU bytes; with NCCL
-    only, or when the payload's tensors already live on the GPU, messages go through GPU
-    memory (the GPU fallback). Each sender's claim names its carrier, so the first rank
-    receives each payload where it was sent from.
-    """
-    pg = group if group is None or isinstance(group, dist.ProcessGroup) else None
-    backend = str(dist.get_backend(pg))
-    if "nccl" in backend and (on_device or "gloo" not in backend):
-        return f"cuda:{torch.cuda.current_device()}"
-    return "cpu"
 
 
 def _place_own(value: Any, target: torch.device | None, root: str) -> Any:

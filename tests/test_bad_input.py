@@ -653,13 +653,13 @@ def _segment_modes(rounds: int) -> dict[str, Any]:
 
     old_umask = os.umask(0)
     undo = _patched(shm.SharedMemoryTransport, "publish", make)
-    take, shm._POOL.take = shm._POOL.take, lambda nbytes: None  # type: ignore[method-assign]
+    shm.SharedMemoryTransport.pooling = False
     try:
         for i in range(rounds):  # above the inline and attached limits: each sender makes a named segment
             with get_tensors_parallel(torch.full((80_000 + i,), float(rank)), [0, 1, 2, 3], timeout=30):
                 pass
     finally:
-        shm._POOL.take = take  # type: ignore[method-assign]
+        shm.SharedMemoryTransport.pooling = True
         undo()
         os.umask(old_umask)
     return {"rank": rank, "pid": os.getpid(), "recorded": recorded}

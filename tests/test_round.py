@@ -35,7 +35,7 @@ from distribute_utils import (
     liveness,
     sync,
 )
-from distribute_utils.transports import shm
+from distribute_utils.transports import carriers, shm
 
 from harness import RankPool, load_script
 
@@ -241,17 +241,15 @@ def test_a_late_rank_at_the_first_meeting_does_not_break_the_group(ranks4: RankP
 
 
 def _claim_fails_on_rank_2() -> dict[str, Any]:
-    """Building rank 2's claim raises (after it published its payload): everybody hears it at once."""
-    from distribute_utils import gather
-
+    """Rank 2 fails once it has published its payload, before its claim goes (a fault injected at the
+    carriers' "published" point): everybody hears it at once."""
     rank = dist.get_rank()
-    kept = gather._Gather.notes_for
-    if rank == 2:
 
-        def broken(self: Any, ranks: Any) -> list[Any]:
+    def broken(point: str, sender: int, carrier: Any, receipt: Any) -> None:
+        if point == "published":
             raise RuntimeError("no notes today")
 
-        gather._Gather.notes_for = broken  # type: ignore[method-assign]
+    kept = carriers.inject(broken if rank == 2 else None)
     start = time.monotonic()
     try:
         with get_tensors_parallel(torch.full((300_000,), float(rank)), [0, 1, 2, 3], timeout=60):
@@ -259,7 +257,7 @@ def _claim_fails_on_rank_2() -> dict[str, Any]:
     except Exception as exc:
         outcome = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
-        gather._Gather.notes_for = kept  # type: ignore[method-assign]
+        carriers.inject(kept)
     outcome["seconds"] = time.monotonic() - start
     with get_tensors_parallel(torch.full((300_000,), float(rank)), [0, 1, 2, 3], timeout=60) as got:
         outcome["after"] = [float(t[0]) for t in got]
@@ -728,21 +726,17 @@ def test_a_malformed_direct_claim_fails_every_rank_naming_its_sender() -> None:
 
 def _reads_each_payload_as_its_claim_comes(elements: int) -> dict[str, Any]:
     """Rank 3 enters only once the first rank has read the payloads of ranks 1 and 2 (it says so in the
-    store as it decodes them): the first rank must read each payload as its claim comes, not once every
+    store as it fetches them): the first rank must read each payload as its claim comes, not once every
     claim has come."""
-    from distribute_utils import gather
-
     rank = dist.get_rank()
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
-        decode = gather._Gather.decode
 
-        def decode_and_tell(buffer: Any, sender: int, target: Any) -> Any:
-            value = decode(buffer, sender, target)
-            store.set(f"test/decoded/{sender}", b"1")
-            return value
+        def tell(point: str, sender: int, carrier: Any, buffer: Any) -> None:
+            if point == "fetched":
+                store.set(f"test/decoded/{sender}", b"1")
 
-        gather._Gather.decode = staticmethod(decode_and_tell)  # type: ignore[method-assign]
+        carriers.inject(tell)
     barrier(timeout=30)
     if rank == 3:
         store.wait(["test/decoded/1", "test/decoded/2"], datetime.timedelta(seconds=20))
@@ -783,20 +777,21 @@ def test_waits_poll_before_they_sleep_only_where_each_rank_has_a_core(cores: int
 
 
 def _a_corrupt_direct_payload(elements: int) -> dict[str, Any]:
-    """Rank 1's first payload has a wrong magic number (in its claim, or in its pooled segment): the first
-    rank reads it as its claim comes and fails the gather at once, on every rank; the next gather works."""
-    from distribute_utils import gather, wire
-
+    """Rank 1's first payload arrives with a wrong magic number (in its claim, or in its pooled segment; a
+    fault injected at the carriers' "fetched" point): the first rank reads it as its claim comes and fails
+    the gather at once, on every rank; the next gather works."""
     rank = dist.get_rank()
-    if rank == 1:
-        encode = gather._Gather.encode
+    if rank == 0:
 
-        def corrupt_once(self: Any, value: Any, checksum: bool, keep_device: bool) -> Any:
-            gather._Gather.encode = encode  # type: ignore[method-assign]
-            good = encode(self, value, checksum, keep_device)
-            return wire.EncodedPayload(good.nbytes, b"\x00" + good.head[1:], good.chunks)
+        def corrupt_once(point: str, sender: int, carrier: Any, buffer: Any) -> Any:
+            if point != "fetched" or sender != 1:
+                return None
+            carriers.inject(None)
+            corrupt = bytearray(buffer)
+            corrupt[0] ^= 0xFF
+            return corrupt
 
-        gather._Gather.encode = corrupt_once  # type: ignore[method-assign]
+        carriers.inject(corrupt_once)
     barrier(timeout=60)
     start = time.monotonic()
     try:

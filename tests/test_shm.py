@@ -13,6 +13,7 @@ from distribute_utils import PayloadError, PeerLostError, wire
 from distribute_utils.transports import shm
 
 PID = os.getpid()
+REPORTS = shm.SharedMemoryTransport.reports  # this process's freed reports, as a receiver
 
 
 def _ours() -> set[str]:
@@ -127,7 +128,7 @@ def test_pooled_segment_is_invisible_busy_until_freed_then_reused() -> None:
     # Dropping the views tells the sender at once (its notice socket): the warm segment is written
     # again at the next round, with no report left for a verdict.
     del got
-    assert (PID, ident) not in shm.take_freed([PID]), "the report went one way only"
+    assert [1, ident, PID] not in REPORTS.take({PID: 1}), "the report went one way only"
     third = transport.publish("00000000000000b2", 1, wire.encode(big * 3))
     assert third == receipt, "the freed warm segment is written again"
     assert torch.equal(wire.decode(transport.fetch("00000000000000b2", 1, third)), big * 3)
@@ -156,17 +157,18 @@ def test_without_a_notice_socket_the_report_waits_for_a_verdict() -> None:
         got = wire.decode(transport.fetch("00000000000000b5", 1, quiet))
         assert torch.equal(got, big)
         del got
-        assert (PID, ident) in shm.take_freed([PID]), notice
+        assert [1, ident, PID] in REPORTS.take({PID: 1}), notice
         other = transport.publish("00000000000000b6", 1, wire.encode(big)).split(":")[2]
         assert other != ident, "still busy for the sender until the report reaches it"
-        shm.segments_freed({ident, other})  # as the next verdict does (the other was never fetched)
+        # As the next verdict does (the other was never fetched).
+        REPORTS.heed(1, [[1, ident, PID], [1, other, PID]])
         _empty_pools()
 
 
 def test_a_notice_from_another_process_than_the_receiver_is_ignored() -> None:
     from distribute_utils._host import this_process
 
-    pool = shm._SegmentPool()
+    pool = shm.SegmentPool()
     seg = pool.take(2**20)
     assert seg is not None
     pool.fit(seg, 2**20, 1)
@@ -180,14 +182,14 @@ def test_a_notice_from_another_process_than_the_receiver_is_ignored() -> None:
 
 def _empty_pools() -> None:
     """Earlier tests' views are gone: hand their reports back, then release every pooled segment and kept map."""
-    shm.segments_freed({ident for _, ident in shm.take_freed([PID])})
+    REPORTS.heed(1, REPORTS.take({PID: 1}))
     shm.release_shared_memory()
-    assert shm.pooled_bytes() == (0, 0) and shm._KEPT.held() == (0, 0)
+    assert shm.pooled_bytes() == (0, 0) and shm.kept_maps() == (0, 0)
 
 
 def _publish_freed(transport: shm.SharedMemoryTransport, token: str, value: torch.Tensor) -> str:
     """Hand the receiver's freed reports back to this (sending) process, then publish ``value``."""
-    shm.segments_freed({ident for _, ident in shm.take_freed([PID])})
+    REPORTS.heed(1, REPORTS.take({PID: 1}))
     return transport.publish(token, 1, wire.encode(value))
 
 
@@ -200,14 +202,14 @@ def test_the_first_rank_keeps_a_small_segments_map_and_sees_the_senders_new_byte
     receipt = transport.publish("00000000000000d0", 1, wire.encode(first))
     assert receipt.startswith("p:")
     got = wire.decode(transport.fetch("00000000000000d0", 1, receipt))
-    assert torch.equal(got, first) and shm._KEPT.held() == (0, 0), "lent: not kept while viewed"
+    assert torch.equal(got, first) and shm.kept_maps() == (0, 0), "lent: not kept while viewed"
     got.fill_(-1.0)  # the receiver may write into its tensors (nobody else reads the segment meanwhile)
     del got
-    assert shm._KEPT.held()[0] == 1, "its views gone, the map is kept"
+    assert shm.kept_maps()[0] == 1, "its views gone, the map is kept"
     again = _publish_freed(transport, "00000000000000d1", first * 3)
     assert again == receipt, "the same warm segment, so the kept map serves it"
     got = wire.decode(transport.fetch("00000000000000d1", 1, again))
-    assert shm._KEPT.held() == (0, 0), "taken from the kept maps"
+    assert shm.kept_maps() == (0, 0), "taken from the kept maps"
     assert torch.equal(got, first * 3), "the sender's new bytes, not what the receiver wrote"
     # A smaller payload in the same segment is lent from the same map, exactly its length.
     del got
@@ -218,7 +220,7 @@ def test_the_first_rank_keeps_a_small_segments_map_and_sees_the_senders_new_byte
     held = wire.decode(transport.fetch("00000000000000d2", 1, smaller))
     shm.release_shared_memory()
     del held
-    assert shm._KEPT.held() == (0, 0)
+    assert shm.kept_maps() == (0, 0)
     _empty_pools()
 
 
@@ -229,7 +231,7 @@ def test_maps_of_large_segments_are_not_kept_and_kept_ones_are_bounded() -> None
     receipt = transport.publish("00000000000000e0", 1, wire.encode(big))
     assert receipt.startswith("p:")
     wire.decode(transport.fetch("00000000000000e0", 1, receipt))
-    assert shm._KEPT.held() == (0, 0), "a segment over 4 MiB is unmapped once its views are gone"
+    assert shm.kept_maps() == (0, 0), "a segment over 4 MiB is unmapped once its views are gone"
     kept = shm._KeptMaps()
     maps = [shm._Map(mmap_of(2**20), 0, 2**20) for _ in range(kept.MAX_TOTAL_BYTES // 2**20 + 3)]
     for i, item in enumerate(maps):  # one segment each of many senders
@@ -260,9 +262,8 @@ def test_a_sender_copies_into_its_own_map_of_a_pooled_segment(monkeypatch: pytes
     """A new segment's first payload goes with ``pwrite`` (fresh pages); from the second on, no ``pwrite``:
     the sender maps the segment once, shared, and copies into it. The map closes with the segment, and a
     forked child holds neither."""
-    pool = shm._SegmentPool()
-    monkeypatch.setattr(shm, "_POOL", pool)
-    transport = shm.SharedMemoryTransport(pool=True)
+    pool = shm.SegmentPool()
+    transport = shm.SharedMemoryTransport(pool=pool)
     big = torch.arange(2**20, dtype=torch.float32)
     first = transport.publish("00000000000000c0", 1, wire.encode(big * 2))
     seg = pool._segments[first.split(":")[2]]
@@ -295,15 +296,12 @@ def test_a_sender_copies_into_its_own_map_of_a_pooled_segment(monkeypatch: pytes
     assert seg.mapped.closed
 
 
-def test_a_forked_child_lets_go_of_a_segment_a_parents_thread_was_copying_into(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_forked_child_lets_go_of_a_segment_a_parents_thread_was_copying_into() -> None:
     """Fork while another thread of the parent holds a view of a pooled segment's map (it was copying a
     payload in): the child cannot close that map (``BufferError``), but it still forgets the segment and
     closes its descriptor, and every other segment; the parent's pool is untouched."""
-    pool = shm._SegmentPool()
-    monkeypatch.setattr(shm, "_POOL", pool)
-    transport = shm.SharedMemoryTransport(pool=True)
+    pool = shm.SegmentPool()
+    transport = shm.SharedMemoryTransport(pool=pool)
     tensor = torch.arange(2**18, dtype=torch.float32)
     first = transport.publish("00000000000000e0", 1, wire.encode(tensor))
     got = wire.decode(transport.fetch("00000000000000e0", 1, first))
@@ -341,17 +339,16 @@ def test_a_forked_child_lets_go_of_a_segment_a_parents_thread_was_copying_into(
 
 def test_a_sender_that_cannot_map_its_segment_writes_it_with_pwrite(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mapping the segment fails (e.g. no address space left): the payload still goes, with pwrite."""
-    pool = shm._SegmentPool()
-    monkeypatch.setattr(shm, "_POOL", pool)
+    pool = shm.SegmentPool()
     real_mmap = shm.mmap.mmap
 
     def no_sender_map(fd: int, length: int, flags: int = shm.mmap.MAP_SHARED, **kwargs: Any) -> Any:
-        if flags & shm._POPULATE:
+        if flags & getattr(shm.mmap, "MAP_POPULATE", 0):  # the sender maps its segments with it
             raise OSError(12, "Cannot allocate memory")
         return real_mmap(fd, length, flags=flags, **kwargs)
 
     monkeypatch.setattr(shm.mmap, "mmap", no_sender_map)
-    transport = shm.SharedMemoryTransport(pool=True)
+    transport = shm.SharedMemoryTransport(pool=pool)
     big = torch.arange(2**18, dtype=torch.int32)
     for i, token in enumerate(("00000000000000d0", "00000000000000d1")):  # the map is tried at the second
         receipt = transport.publish(token, 1, wire.encode(big + i))
@@ -367,7 +364,7 @@ def test_a_sender_that_cannot_map_its_segment_writes_it_with_pwrite(monkeypatch:
 def test_pool_never_grows_a_sent_segment() -> None:
     """A payload larger than every free segment gets a new one (the smallest free one is closed):
     a first rank may keep the old one's map, which must never come to hold more pages."""
-    pool = shm._SegmentPool()
+    pool = shm.SegmentPool()
     one, two = pool.take(2**20), pool.take(2 * 2**20)
     assert one is not None and two is not None
     pool.fit(one, 2**20, 1)
@@ -384,7 +381,7 @@ def test_pool_never_grows_a_sent_segment() -> None:
 
 def test_pool_gives_the_best_fit_and_never_shrinks_a_segment() -> None:
     """A 64 MiB payload alternating with 16 MiB ones keeps its warm 64 MiB segment."""
-    pool = shm._SegmentPool()
+    pool = shm.SegmentPool()
     large = pool.take(64 * 2**20)
     small = pool.take(16 * 2**20)
     assert large is not None and small is not None
@@ -469,7 +466,7 @@ def test_the_pool_gives_back_what_recent_rounds_do_not_need(pools) -> None:
 def test_doctor_sees_unnamed_segments_held_open_and_release_gives_them_back() -> None:
     from distribute_utils import hygiene
 
-    pool = shm._SegmentPool()
+    pool = shm.SegmentPool()
     seg = pool.take(4 * 2**20)
     assert seg is not None
     pool.fit(seg, 4 * 2**20, 1)
@@ -493,7 +490,7 @@ def test_a_segment_whose_receiver_died_is_given_back() -> None:
         receiver = type(me)(
             me.hostname, me.boot_id, me.shm_device, me.pid_namespace, child.pid, _start(child.pid)
         )
-        pool = shm._SegmentPool()
+        pool = shm.SegmentPool()
         seg = pool.take(2**20)
         assert seg is not None
         pool.fit(seg, 2**20, 1)

@@ -1,46 +1,91 @@
-"""The transport protocol: how one gather round moves payloads to the first rank.
+"""The carrier protocol: how the payload of one sender travels to the first rank of a gather round.
 
-A transport only moves bytes. The gather module (:mod:`distribute_utils.gather`) owns the
-round: it checks agreement, plans the route (which transport carries each sender's payload),
-signals through the CPU companion of the group (:mod:`distribute_utils.sync`) and decodes what
-arrives. As torch DCP's storage layer hands its planner opaque ``storage_data``, a transport
-hands the gather an opaque *receipt*: a msgpack-able value that the gather carries to the
-receiver in the sender's claim and gives back, unread, to the same transport.
+A carrier only moves bytes. The gather module (:mod:`distribute_utils.gather`) owns the round: it
+checks agreement, plans the route, signals through the CPU companion of the group
+(:mod:`distribute_utils.sync`) and decodes what arrives. As torch DCP's storage layer hands its
+planner opaque ``storage_data``, a carrier hands the round an opaque *receipt*: a msgpack-able value
+that travels to the receiver in the sender's claim and comes back, unread, to a carrier of the same
+kind. The round never looks inside a receipt: :mod:`.carriers` tags each with its carrier's
+:attr:`Carrier.kind` and finds the carrier that fetches it (:func:`.carriers.carrier_of`).
 
 Call order of one round, for one sender ``rank`` and its ``token`` (fresh and unguessable, chosen
-by the sender and carried in its claim):
+by the sender and carried in its claim). The round calls these through :mod:`.carriers`, never
+directly (that is where receipts are tagged and the fault hook runs):
 
-1. sender: ``receipt = publish(token, rank, payload)``; the gather posts the receipt (or the
-   error) in the sender's claim.
-2. receiver, once the claim is there: ``buffer = fetch(token, rank, receipt)``, then decodes it.
-   If the round fails before it fetched: ``discard(token, rank, receipt)`` (a dead sender cannot
-   clean up; idempotent).
+1. sender: ``data = publish(token, rank, payload)`` (:func:`.carriers.publish`, or a :class:`Route`
+   that picks the carrier); the round posts the tagged receipt (or the error) in its claim.
+2. receiver, once the claim is there: ``carrier = type(...).receiving(context, rank, data)`` makes the
+   receiving side's carrier from what the round knows (:class:`Context`), then
+   ``buffer = fetch(token, rank, data)``, which the round decodes. If the round fails before it
+   fetched: ``discard(token, rank, data)`` (a dead sender cannot clean up; idempotent).
 3. the receiver posts its verdict; the sender waits for it.
-4. sender: ``release(token, rank, receipt, taken=...)``, also when anything above failed
-   (``taken=False``: no verdict came, the receiver may still hold the buffer); it removes whatever
-   ``publish`` left and must be idempotent.
+4. sender: ``release(token, rank, data, taken=...)``, also when anything above failed
+   (``taken=False``: no verdict came, or a failed one, and the receiver may still hold the buffer;
+   a carrier with :attr:`Carrier.done_when_answered` gets ``taken=True`` for any verdict). It
+   removes whatever ``publish`` left and must be idempotent.
 
 ``fetch`` returns a buffer that owns its memory (decoded tensors are views of it and keep it
-alive); nothing the transport made may stay visible to other processes once ``fetch`` has
-returned or ``release`` has run.
+alive); nothing the carrier made may stay visible to other processes once ``fetch`` has returned or
+``release`` has run.
+
+Adding a carrier: write one class with the attributes and methods of :class:`Carrier` (``kind``, a
+name no other carrier has; ``publish`` / ``fetch`` / ``discard`` / ``release``; the classmethod
+``receiving``), list it in :data:`.carriers.KINDS`, and choose it where the round publishes (a
+:class:`Route`, e.g. :class:`.host.HostRoute`). Test it with one test that publishes through it and
+fetches with :meth:`.carriers.Receiving.fetch`; :func:`.carriers.inject` lets that test kill a rank
+or corrupt a buffer at the carriers' fault points (``"published"``, ``"fetching"``, ``"fetched"``)
+without patching private code.
+
+Carriers today: inline (in the store claim) and attached (in a direct round's claim datagram),
+:mod:`.inline`; named and pooled shared-memory segments, registered with CUDA when copied to a GPU,
+:mod:`.shm`; workspace files, :mod:`.workspace`; point-to-point collectives, :mod:`.collective`;
+CUDA IPC, :mod:`.cuda_ipc`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..wire import EncodedPayload
 
-__all__ = ["Transport"]
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from .carriers import Sent
+
+__all__ = ["Carrier", "Context", "Route", "Transport"]
 
 
-class Transport(Protocol):
+@dataclass
+class Context:
+    """What the receiving side of one round knows, for the carriers it fetches through (made by the
+    round on its first fetch; see :meth:`Carrier.receiving`)."""
+
+    first: int  # the global rank that receives
+    seconds: float  # the round's timeout
+    group: dist.ProcessGroup | None = None  # the round's group (collective messages)
+    workspace: Callable[[], Carrier] | None = None  # the job's workspace carrier (None: no workspace_path)
+    pin: bool = False  # what it fetches is copied to a GPU (shared memory: register maps with CUDA)
+    device: torch.device | None = None  # the GPU it decodes to (CUDA IPC copies there)
+    arrived: dict[int, Any] = field(default_factory=dict)  # payloads that came inside claims, by sender
+
+
+class Carrier(Protocol):
     """Moves one payload per sender to the first rank of a round (see module doc)."""
 
-    name: str
+    kind: str
+    """The tag of its receipts: unique among :data:`.carriers.KINDS`."""
+    done_when_answered: bool
+    """True when a receiver that sent any verdict no longer reads what was published (``release``
+    then gets ``taken=True``); False when only a successful one says so."""
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> Any:
-        """Make ``payload`` of ``rank`` available to the first rank; returns the receipt. Senders only."""
+        """Make ``payload`` of ``rank`` available to the first rank; returns the receipt. Senders only.
+        Raises :class:`~distribute_utils.errors.SpaceError` or
+        :class:`~distribute_utils.errors.TransportUnavailableError` when a route may try another carrier."""
         ...
 
     def fetch(self, token: str, rank: int, receipt: Any) -> Any:
@@ -54,3 +99,22 @@ class Transport(Protocol):
     def release(self, token: str, rank: int, receipt: Any, *, taken: bool = True) -> None:
         """Remove what ``publish`` made, if anything is left. Senders only; idempotent."""
         ...
+
+    @classmethod
+    def receiving(cls, context: Context, rank: int, receipt: Any) -> Carrier:
+        """The carrier that fetches ``receipt`` (of sender ``rank``) on the receiving side of a round described by ``context``."""
+        ...
+
+
+Transport = Carrier
+"""The former name of :class:`Carrier`."""
+
+
+class Route:
+    """A sender's choice among carriers for each payload (e.g. inline when small, else a segment, else
+    the workspace). Subclasses implement :meth:`publish`; :func:`.carriers.publish` calls it."""
+
+    def publish(self, token: str, rank: int, payload: EncodedPayload) -> Sent:
+        """Publish ``payload`` through the carrier this route picks for it (each through
+        :func:`.carriers.publish`)."""
+        raise NotImplementedError

@@ -19,21 +19,25 @@ tensors, straight from and into GPU memory (the GPU fallback).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..errors import PayloadError
 from ..wire import EncodedPayload, as_uint8
+from .base import Context
 
-__all__ = ["CollectiveTransport"]
+__all__ = ["CollectiveTransport", "message_device"]
 
 logger = logging.getLogger(__name__)
 
 
 class CollectiveTransport:
-    """Moves payloads to ``first`` with point-to-point messages over ``group``.
+    """The collective carrier: moves payloads to ``first`` with point-to-point messages over ``group``;
+    implements :class:`.base.Carrier` (kind ``"collective"``; the receipt names the device).
 
     Args:
         group: a process group holding every participant (None: the world).
@@ -42,7 +46,8 @@ class CollectiveTransport:
         device: where messages travel from and to: the CPU (gloo) or a GPU (NCCL).
     """
 
-    name = "collective"
+    kind = "collective"
+    done_when_answered = False
 
     def __init__(
         self, group: dist.ProcessGroup | None, first: int, timeout: float, device: torch.device
@@ -52,6 +57,13 @@ class CollectiveTransport:
         self._timeout = timeout
         self._device = device
         self._pending: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
+
+    @classmethod
+    def receiving(cls, context: Context, rank: int, receipt: Any) -> CollectiveTransport:
+        """Receives on the device the sender's receipt names (the CPU or a GPU)."""
+        if type(receipt) is not str or not (receipt == "cpu" or receipt.startswith("cuda")):
+            raise PayloadError(f"rank {rank} sent its payload on an unknown device {receipt!r:.40}")
+        return cls(context.group, context.first, context.seconds, torch.device(receipt))
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> str:
         """Start sending ``payload`` (asynchronously); the receipt names the device it travels on."""
@@ -101,3 +113,19 @@ class CollectiveTransport:
                 logger.warning(
                     "a send of rank %d to rank %d did not complete", rank, self._first, exc_info=True
                 )
+
+
+def message_device(group: dist.ProcessGroup | Sequence[int] | None, on_device: bool) -> str:
+    """Where a sender's collective messages travel (the receipt it publishes); no group is ever created.
+
+    Point-to-point messages need no other rank's help, so they travel over ``group`` itself
+    (the world for a mesh's rank list). A backend with gloo carries CPU bytes; with NCCL
+    only, or when the payload's tensors already live on the GPU, messages go through GPU
+    memory (the GPU fallback). Each sender's claim names its device, so the first rank
+    receives each payload where it was sent from.
+    """
+    pg = group if group is None or isinstance(group, dist.ProcessGroup) else None
+    backend = str(dist.get_backend(pg))
+    if "nccl" in backend and (on_device or "gloo" not in backend):
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"

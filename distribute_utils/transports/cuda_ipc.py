@@ -63,6 +63,7 @@ import torch
 from .._host import ProcessInfo, pid_alive, process_alive
 from ..errors import PayloadError, PeerLostError, TransportUnavailableError
 from ..wire import ALIGN, EncodedPayload
+from .base import Context
 from .cuda_driver import HANDLE_SIZE, CudaError, Driver, IpcHandle
 from .cuda_driver import driver as cuda_driver
 
@@ -98,7 +99,7 @@ def is_receipt(receipt: Any) -> bool:
 
 class CudaIpcTransport:
     """Moves CUDA payloads between processes of one host by CUDA IPC (see the module doc);
-    implements :class:`.base.Transport`.
+    implements :class:`.base.Carrier` (kind ``"cuda_ipc"``).
 
     Args:
         receiver: the first rank's process (senders): tells in :meth:`release` whether it still lives.
@@ -106,11 +107,17 @@ class CudaIpcTransport:
             chunks are on, by index).
     """
 
-    name = KIND
+    kind = KIND
+    done_when_answered = True  # any verdict: the first rank no longer reads (see the module doc)
 
     def __init__(self, receiver: ProcessInfo | None = None, device: torch.device | str | None = None) -> None:
         self._receiver = receiver
         self._device = None if device is None else torch.device(device)
+
+    @classmethod
+    def receiving(cls, context: Context, rank: int, receipt: Any) -> CudaIpcTransport:
+        """Copies to the GPU the round decodes to (else the sender's device, by index)."""
+        return cls(device=context.device)
 
     @staticmethod
     def can_carry(payload: EncodedPayload) -> bool:

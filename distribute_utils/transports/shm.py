@@ -7,7 +7,7 @@ Segment ``/dev/shm/du_<token>_<rank>_<pid>``: ``token`` is unguessable and fresh
 - ``publish`` creates the segment exclusively, reserves its exact size with
   ``posix_fallocate`` (a full ``/dev/shm`` gives :class:`SpaceError` naming the size needed
   and the space free, never a SIGBUS later), then ``pwrite``s the payload into it. Large
-  payloads reuse warm pooled segments (see :class:`_SegmentPool`), copied into the sender's own
+  payloads reuse warm pooled segments (see :class:`SegmentPool`), copied into the sender's own
   map of them (:meth:`_Segment.write`). Tensors on a GPU are copied from there straight into the
   segment, once: a pooled segment is registered with the CUDA runtime (:mod:`.pinning`) the first
   time a GPU payload goes into it, and stays registered while pooled, so the copy runs at pinned speed.
@@ -37,29 +37,30 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .. import interrupts
 from .._host import SHM_DIR, ProcessInfo, process_alive
 from ..errors import PayloadError, PeerLostError, SpaceError
 from ..mailbox import ANCILLARY_SIZE, sender_pid
 from ..wire import EncodedPayload, stated_length
+from .base import Context
 from .files import reserve_space, unlink
 from .pinning import Registration
 
 __all__ = [
+    "REPORTS",
     "SEGMENT_PREFIX",
+    "FreedReports",
+    "SegmentPool",
     "SharedMemoryTransport",
-    "freed_pending",
-    "keep_freed",
-    "note_payload",
+    "kept_maps",
     "pooled_bytes",
     "release_shared_memory",
     "remove_segments_of",
     "segment_path",
-    "segments_freed",
-    "take_freed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,40 +80,67 @@ def shm_space() -> tuple[int, int]:
 
 
 class SharedMemoryTransport:
-    """Moves payloads through ``/dev/shm`` between ranks of one host.
+    """The segment carrier: moves payloads through ``/dev/shm`` between ranks of one host; implements
+    :class:`.base.Carrier` (kind ``"shm"``).
 
     Receipts (what ``publish`` returns, carried to the receiver in the sender's claim) say
     where the payload is: ``n:<pid>:<nbytes>`` for a named segment, or
     ``p:<pid>:<id>:<fd>:<inode>:<nbytes>:<notice>`` for a pooled one (``notice``: where the
     receiver tells the sender at once that its views are gone, see :class:`_Notices`; may be empty).
+    A pooled segment's receiver that cannot tell it so keeps a report for the round to carry
+    (:attr:`reports`, :class:`FreedReports`).
 
     Args:
-        pool: publish payloads of :attr:`_SegmentPool.MIN_BYTES` or more from this process's
-            warm pooled segments; only when the receiver shares this process's pid namespace
-            (it opens them through ``/proc/<pid>/fd``).
+        pool: publish payloads of :attr:`SegmentPool.MIN_BYTES` or more from this process's
+            warm pooled segments (True), or from the given pool; only when the receiver shares this
+            process's pid namespace (it opens them through ``/proc/<pid>/fd``).
         receiver: the receiving process: a pooled segment it still maps is given back once
             it has died (it will never report the segment freed).
         pin: the receiving side copies what it fetches to a GPU: its maps of pooled segments are
             registered with the CUDA runtime (once each, kept between rounds).
     """
 
-    name = "shm"
+    kind = "shm"
+    done_when_answered = False
+    pooling = True
+    """False: every segment is a named one, whatever ``pool`` says (a documented seam for tests of
+    named segments: a dead sender's pooled segment dies with it)."""
+    reports: FreedReports  # (set below: this process's, one for every instance)
 
-    def __init__(self, pool: bool = False, receiver: ProcessInfo | None = None, pin: bool = False) -> None:
-        self._pool = pool
+    def __init__(
+        self, pool: bool | SegmentPool = False, receiver: ProcessInfo | None = None, pin: bool = False
+    ) -> None:
+        self._pool = _POOL if pool is True else pool or None
         self._receiver = receiver
         self._pin = pin
 
+    @classmethod
+    def receiving(cls, context: Context, rank: int, receipt: Any) -> SharedMemoryTransport:
+        return cls(pin=context.pin)
+
+    @staticmethod
+    def note_payload(nbytes: int) -> None:
+        """Tell this process's pool a sender's payload size (every send within a host, inline ones
+        included: the pool sizes itself by them)."""
+        _POOL.note_payload(nbytes)
+
+    @staticmethod
+    def remove_left_by(rank: int, pid: int) -> list[str]:
+        """Remove what sender ``rank`` (process ``pid``, dead) left half-published; the paths removed."""
+        return remove_segments_of(rank, pid)
+
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> str:
         """Write ``payload`` into a segment; returns the receipt the receiver needs."""
-        pooled = _POOL.take(payload.nbytes) if self._pool else None
+        pool = self._pool if self.pooling else None
+        pooled = pool.take(payload.nbytes) if pool is not None else None
         if pooled is not None:
+            assert pool is not None
             try:
-                _POOL.fit(pooled, payload.nbytes, rank)
+                pool.fit(pooled, payload.nbytes, rank)
                 pooled.receiver = self._receiver
                 pooled.write(payload)
             except BaseException:
-                _POOL.discard(pooled)
+                pool.discard(pooled)
                 raise
             notice = _NOTICES.name()
             return f"p:{os.getpid()}:{pooled.ident}:{pooled.fd}:{pooled.inode}:{payload.nbytes}:{notice}"
@@ -165,7 +193,7 @@ class SharedMemoryTransport:
         if receipt is None or receipt.startswith("n:"):
             unlink(segment_path(token, rank, os.getpid()))
         elif not taken and receipt.startswith("p:"):
-            _POOL.drop(receipt.split(":")[2])
+            (self._pool or _POOL).drop(receipt.split(":")[2])
 
     def discard(self, token: str, rank: int, receipt: str) -> None:
         """The receiver, after a failure: remove ``rank``'s named segment if it is still there."""
@@ -335,7 +363,7 @@ class _Segment:
             os.close(self.fd)
 
 
-class _SegmentPool:
+class SegmentPool:
     """Each sender's warm segments, reused once the receiver's views of them are gone.
 
     Allocating fresh tmpfs pages costs more than copying into them (64 MiB here: 22 ms into a fresh
@@ -346,8 +374,8 @@ class _SegmentPool:
     it exits. The receiver opens one through ``/proc/<sender pid>/fd/<fd>`` (checking its
     inode), maps it (shared), and the segment stays *busy* until the receiver reports that
     its views are gone (a weak reference's callback sends the report to the sender's notice socket,
-    :class:`_Notices`; when it cannot, :func:`take_freed` hands the report to the host transport,
-    whose notes reach the sender in the verdict of the next gather they share, relayed by the first
+    :class:`_Notices`; when it cannot, :class:`FreedReports` keeps the report for the round,
+    which carries it to the sender in the verdict of the next gather they share, relayed by the first
     rank when a host's leader let the segment go); only then is it written again. A
     segment is pooled only while ``/dev/shm`` keeps at least four times its size free, and never
     resized once sent: its receiver may keep its map (:class:`_KeptMaps`).
@@ -359,6 +387,7 @@ class _SegmentPool:
     LOOK_EVERY_S = 1.0  # a busy segment's receiver is looked up at most this often (a /proc read)
 
     def __init__(self) -> None:
+        _POOLS.add(self)  # a forked child closes its copies of every pool's segments
         self._lock = threading.Lock()
         self._segments: dict[str, _Segment] = {}
         self._recent: collections.deque[int] = collections.deque(maxlen=self.RECENT)
@@ -515,7 +544,7 @@ class _Notices:
     keeps two. So a receiver sends the report straight here when it can (an abstract Unix datagram
     address, named in the receipt), and keeps it for a verdict only when it cannot: each report goes
     one way, never twice. The sender reads its notices, never waiting, at every send
-    (:meth:`_SegmentPool.note_payload`), when no free segment fits a payload, and when it releases its
+    (:meth:`SegmentPool.note_payload`), when no free segment fits a payload, and when it releases its
     pool; it heeds one only from the process the segment was lent to (the kernel names a datagram's
     sender).
     """
@@ -571,6 +600,7 @@ class _Notices:
         self._lock, self._sock, self._name, self._tried = threading.Lock(), None, "", False
 
 
+_POOLS: weakref.WeakSet[SegmentPool] = weakref.WeakSet()  # every pool of this process (one but in tests)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _TRUNCATED = int(socket.MSG_TRUNC)
 _NO_WAIT = int(socket.MSG_DONTWAIT)
@@ -593,10 +623,7 @@ def _tell_freed(notice: str, ident: str) -> bool:
     return True
 
 
-_POOL = _SegmentPool()
-# (sender pid, segment id) whose receiver map is gone. By process, not by rank: a rank number may
-# belong to another process by the time the report travels (the default group was made anew).
-_FREED: set[tuple[int, str]] = set()
+_POOL = SegmentPool()
 _View = ctypes.Array[ctypes.c_ubyte]  # what a pooled payload is fetched as: a view of a kept map
 
 
@@ -630,7 +657,7 @@ class _Map:
         def gone(ref: weakref.ref[_View]) -> None:
             _LENT.pop(id(ref), None)
             if not _tell_freed(notice, report[1]):
-                _FREED.add(report)
+                REPORTS.add(report)
             _KEPT.keep(report, self, epoch)
 
         ref = weakref.ref(view, gone)
@@ -650,7 +677,7 @@ class _KeptMaps:
     segment's pages (and a descriptor: ``mmap`` dups it) even after the sender has let the segment
     go; a map registered with CUDA (:meth:`_Map.pin`) is kept whatever its size and counts in neither
     bound, since registering again costs as much as a copy (its pages are its sender's pooled segment's,
-    unless the sender let that go: see below). A sender holds at most :attr:`_SegmentPool.LIMIT`
+    unless the sender let that go: see below). A sender holds at most :attr:`SegmentPool.LIMIT`
     segments at once, so a map beyond that is
     one it let go; and when a sender's new segment comes, its other kept maps whose segment it no
     longer holds are given up at once. :func:`release_shared_memory` forgets them all.
@@ -658,7 +685,7 @@ class _KeptMaps:
 
     MAX_BYTES = 4 * 2**20
     MAX_TOTAL_BYTES = 64 * 2**20
-    PER_SENDER = _SegmentPool.LIMIT
+    PER_SENDER = SegmentPool.LIMIT
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -771,41 +798,59 @@ def release_shared_memory() -> int:
     return _POOL.release()
 
 
+def kept_maps() -> tuple[int, int]:
+    """``(maps, bytes)`` of other ranks' pooled segments this process keeps mapped as a first rank,
+    between rounds (:class:`_KeptMaps`)."""
+    return _KEPT.held()
+
+
 def pooled_bytes() -> tuple[int, int]:
     """``(segments, bytes)`` of ``/dev/shm`` this process's segment pool holds."""
     return _POOL.held()
 
 
-def note_payload(nbytes: int) -> None:
-    """Tell the pool a sender's payload size (every send, inline ones included)."""
-    _POOL.note_payload(nbytes)
+class FreedReports:
+    """This process's reports, as a receiver, that its views of other processes' pooled segments are
+    gone, for the senders its notice could not reach (see :class:`_Notices`): the round carries them
+    in its claims and verdicts, each once. Reports name processes, not ranks (a rank number may belong
+    to another process by the time a report travels: the default group was made anew); as they travel
+    they are ``[rank, segment id, pid]`` ("notes"). One per process: :data:`REPORTS`.
+    """
+
+    def __init__(self) -> None:
+        self._freed: set[tuple[int, str]] = set()  # (sender pid, segment id)
+
+    def add(self, report: tuple[int, str]) -> None:
+        """A view of segment ``report[1]`` of process ``report[0]`` is gone (any thread)."""
+        self._freed.add(report)
+
+    def pending(self) -> bool:
+        """Whether any report waits (cheap; ask before looking up the senders)."""
+        return bool(self._freed)
+
+    def take(self, senders: Mapping[int, int]) -> list[list[Any]]:
+        """The receiver, when done: the reports for ``senders`` (their pid -> their rank now, processes
+        of this pid namespace), as notes. Each report is handed out once: deliver it, or :meth:`keep` it."""
+        if not self._freed:  # the common case: nothing to look up in a list that may hold thousands of ranks
+            return []
+        found = [item for item in list(self._freed) if item[0] in senders]
+        for item in found:
+            self._freed.discard(item)
+        return [[senders[pid], ident, pid] for pid, ident in found]
+
+    def keep(self, notes: Collection[Sequence[Any]]) -> None:
+        """Take back notes from :meth:`take` that were not delivered (for a later gather)."""
+        self._freed.update((pid, ident) for _, ident, pid in notes)
+
+    @staticmethod
+    def heed(rank: int, notes: Sequence[Any]) -> None:
+        """A sender ``rank``, given its receiver's notes: its segments named there may be written again."""
+        if notes:
+            _POOL.freed({n[1] for n in notes if type(n) is list and len(n) == 3 and n[0] == rank})
 
 
-def freed_pending() -> bool:
-    """Whether this process holds freed-segment reports for any sender."""
-    return bool(_FREED)
-
-
-def take_freed(pids: Collection[int]) -> list[tuple[int, str]]:
-    """Remove and return the freed-segment reports ``(pid, segment id)`` meant for the senders ``pids``
-    (processes of this pid namespace), to tell them."""
-    if not _FREED:  # the common case: nothing to look up in a list that may hold thousands of ranks
-        return []
-    wanted = set(pids)
-    found = [item for item in list(_FREED) if item[0] in wanted]
-    for item in found:
-        _FREED.discard(item)
-    return found
-
-
-def keep_freed(reports: Collection[tuple[int, str]]) -> None:
-    """Put back reports taken with :func:`take_freed` that could not be delivered."""
-    _FREED.update(reports)
-
-
-def segments_freed(idents: set[str]) -> None:
-    """This sender's pooled segments ``idents`` are no longer mapped by any receiver."""
-    _POOL.freed(idents)
+REPORTS = FreedReports()
+SharedMemoryTransport.reports = REPORTS
 
 
 _HOOKED: set[str] = set()  # the process hooks registered so far (nothing is registered at import)
@@ -827,4 +872,5 @@ def _hook(what: str) -> None:
 
 def _forked() -> None:
     _NOTICES.forked()
-    _POOL.forked()
+    for pool in list(_POOLS):
+        pool.forked()

@@ -21,7 +21,9 @@ import os
 import time
 from typing import Any, Literal
 
+from ..errors import PayloadError
 from ..wire import FLAG_CHECKSUM, EncodedPayload, read_prefix
+from .base import Carrier, Context
 from .files import LOCAL_FS, atomic_write, read_payload_file, unlink
 from .namespace import (
     FILE_SUFFIX,
@@ -44,7 +46,8 @@ ReadMode = Literal["auto", "read", "mmap"]
 
 
 class WorkspaceTransport:
-    """Moves payloads through files in a shared directory (see module doc).
+    """The workspace carrier: moves payloads through files in a shared directory (see module doc);
+    implements :class:`.base.Carrier` (kind ``"workspace"``).
 
     Args:
         workspace_path: a directory every participating rank reaches (an NFS mount...); created
@@ -65,7 +68,8 @@ class WorkspaceTransport:
         WorkspaceError: the workspace is missing (parent too), not a directory, not writable.
     """
 
-    name = "workspace"
+    kind = "workspace"
+    done_when_answered = False
 
     def __init__(
         self,
@@ -87,6 +91,15 @@ class WorkspaceTransport:
         self._fsync = fsync
         self._mmap = read_mode == "mmap" or (read_mode == "auto" and self._ns.fs_type in LOCAL_FS)
         self._temps: dict[tuple[str, int], set[str]] = {}
+
+    @classmethod
+    def receiving(cls, context: Context, rank: int, receipt: Any) -> Carrier:
+        """The round's workspace carrier (its ``workspace_path``): the one every rank of the job shares."""
+        if context.workspace is None:
+            raise PayloadError(
+                "a payload was published in the workspace, but this gather has no workspace_path"
+            )
+        return context.workspace()
 
     def _open(self) -> Namespace:
         """The namespace, joined again if this process left it meanwhile (``close``)."""

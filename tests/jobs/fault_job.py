@@ -54,14 +54,14 @@ import torch.distributed as dist
 import distribute_utils
 from distribute_utils import PeerLostError, get_tensors_parallel, sync, wire
 from distribute_utils._host import _start_time, process_alive
-from distribute_utils.transports import shm
+from distribute_utils.transports import carriers, shm
 
 RESULTS = os.environ.get("DU_RESULTS", ".")
 TIMEOUT = float(os.environ.get("DU_TIMEOUT", "5"))
 ELEMENTS = 96 * 1024  # 384 KiB of float32 per rank: above the inline and attached limits, so through /dev/shm
 # This job exercises named segments (a dead sender's pooled segment dies with it; the pool
 # has tests of its own in test_shm.py): no pooled segments here.
-shm._POOL.take = lambda nbytes: None  # type: ignore[method-assign]
+shm.SharedMemoryTransport.pooling = False
 
 
 def _die(note: dict[str, Any] | None = None) -> None:
@@ -249,19 +249,15 @@ def run_case(case: str, report: dict[str, Any]) -> None:
     elif case == "sender_dies_while_reader_reads":
         if rank == 0:
             victim_info = sync.companion(None).peers(TIMEOUT)[victim]
-            fetch = shm.SharedMemoryTransport.fetch
 
-            def fetch_after_death(
-                self: shm.SharedMemoryTransport, token: str, r: int, receipt: str = ""
-            ) -> Any:
-                if r == victim:
+            def fetch_after_death(point: str, r: int, carrier: Any, receipt: Any) -> None:
+                if point == "fetching" and r == victim:
                     deadline = time.monotonic() + 30
                     while process_alive(victim_info) and time.monotonic() < deadline:
                         time.sleep(0.01)
                     report["victim_dead_before_fetch"] = not process_alive(victim_info)
-                return fetch(self, token, r, receipt)
 
-            shm.SharedMemoryTransport.fetch = fetch_after_death  # type: ignore[method-assign]
+            carriers.inject(fetch_after_death)
         if rank == victim:  # dies once its claim is posted (store round) or delivered (direct round)
             sync.Call.wait_verdict = lambda *args, **kwargs: _die()  # type: ignore[method-assign]
             send = sync.Call.send_direct
@@ -282,14 +278,12 @@ def run_case(case: str, report: dict[str, Any]) -> None:
         _gather(report, ranks, timeout=TIMEOUT)
     elif case == "first_rank_dies_mid_read":
         if rank == 0:
-            fetch = shm.SharedMemoryTransport.fetch
 
-            def fetch_then_die(self: shm.SharedMemoryTransport, token: str, r: int, receipt: str = "") -> Any:
-                buf = fetch(self, token, r, receipt)
-                _die({"fetched": r})
-                return buf
+            def fetch_then_die(point: str, r: int, carrier: Any, buffer: Any) -> None:
+                if point == "fetched":
+                    _die({"fetched": r})
 
-            shm.SharedMemoryTransport.fetch = fetch_then_die  # type: ignore[method-assign]
+            carriers.inject(fetch_then_die)
         _gather(report, ranks, timeout=TIMEOUT)
     elif case == "workspace_rounds":
         if os.environ.get("DU_AWAIT_LIVE_NAMESPACE"):

@@ -1,0 +1,158 @@
+"""The carriers by kind: receipts tagged and dispatched, publishing, and the fault-injection point.
+
+The round (:mod:`distribute_utils.gather`) goes through this module only:
+
+- a sender: :func:`publish` (a :class:`.base.Carrier`, or a :class:`.base.Route` that picks one)
+  returns a :class:`Sent`; its :attr:`Sent.receipt` travels in the claim, :meth:`Sent.release` ends it;
+- the receiving side: :meth:`Receiving.fetch` / :meth:`Receiving.discard` find the carrier of a
+  receipt by its tag (:func:`carrier_of`) and make it from the round's :class:`.base.Context`;
+- :data:`reports`: what a receiver owes its senders in its verdict (the segment pool's freed
+  reports, :class:`.shm.FreedReports`); :func:`remove_left_by`: a dead sender's half-published leftovers.
+
+A receipt on the wire is ``[kind, data]``: ``kind`` names the carrier (:data:`KINDS`), ``data`` is
+what its ``publish`` returned, opaque to everybody else.
+
+Fault injection (tests): :func:`inject` sets one hook per process, called as
+``hook(point, rank, carrier, value)`` at
+
+- ``"published"``: a sender, its payload published (``value``: the carrier's receipt), before its
+  claim goes; an exception raised there fails the send as any later one would (what was published is
+  released first);
+- ``"fetching"``: the receiving side, before it fetches ``rank``'s payload (``value``: the receipt):
+  wait there for a sender to die, or die;
+- ``"fetched"``: after it fetched (``value``: the buffer); a hook that returns something other than
+  None replaces the buffer (a corrupt payload).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from ..errors import PayloadError
+from ..wire import EncodedPayload
+from .base import Carrier, Context, Route
+from .collective import CollectiveTransport
+from .cuda_ipc import CudaIpcTransport
+from .inline import AttachedCarrier, InlineCarrier
+from .shm import REPORTS, FreedReports, SharedMemoryTransport
+from .workspace import WorkspaceTransport
+
+__all__ = [
+    "KINDS",
+    "FaultHook",
+    "Receiving",
+    "Sent",
+    "carrier_of",
+    "inject",
+    "publish",
+    "remove_left_by",
+    "reports",
+]
+
+logger = logging.getLogger(__name__)
+
+KINDS: dict[str, type[Carrier]] = {
+    cls.kind: cls
+    for cls in (
+        InlineCarrier,
+        AttachedCarrier,
+        SharedMemoryTransport,
+        WorkspaceTransport,
+        CollectiveTransport,
+        CudaIpcTransport,
+    )
+}
+"""Every carrier, by the tag of its receipts."""
+
+reports: FreedReports = REPORTS
+"""A receiver's word to its senders, carried in claims and verdicts (see :class:`.shm.FreedReports`)."""
+
+FaultHook = Callable[[str, int, Carrier, Any], Any]
+_hook: FaultHook | None = None
+
+
+def inject(hook: FaultHook | None) -> FaultHook | None:
+    """Call ``hook`` at this process's carrier fault points (see module doc; None: no hook). Returns
+    the hook it replaces, to put back."""
+    global _hook
+    before, _hook = _hook, hook
+    return before
+
+
+class Sent(NamedTuple):
+    """A sender's publication, until it releases it."""
+
+    carrier: Carrier
+    token: str
+    data: Any  # what the carrier's publish returned
+    rank: int
+
+    @property
+    def receipt(self) -> list[Any]:
+        """What travels in the claim: the data tagged with its carrier's kind."""
+        return [self.carrier.kind, self.data]
+
+    def release(self, taken: bool, answered: bool = False) -> None:
+        """Remove what was published, once the receiver is done (``taken``) or gave up; ``answered``: a
+        verdict came, failed or not (enough for a carrier :attr:`~.base.Carrier.done_when_answered`)."""
+        done = taken or (answered and self.carrier.done_when_answered)
+        self.carrier.release(self.token, self.rank, self.data, taken=done)
+
+
+def publish(through: Carrier | Route, token: str, rank: int, payload: EncodedPayload) -> Sent:
+    """A sender: publish ``payload`` through a carrier (or the one a route picks); the fault point
+    ``"published"`` runs once it is out."""
+    if isinstance(through, Route):
+        return through.publish(token, rank, payload)
+    sent = Sent(through, token, through.publish(token, rank, payload), rank)
+    if _hook is not None:
+        try:
+            _hook("published", rank, through, sent.data)
+        except BaseException:
+            sent.release(taken=False)
+            raise
+    return sent
+
+
+def carrier_of(receipt: Any, rank: int) -> type[Carrier]:
+    """The carrier class that fetches ``receipt`` (posted by ``rank``); PayloadError for anything else."""
+    if type(receipt) is list and len(receipt) == 2 and type(receipt[0]) is str:
+        found = KINDS.get(receipt[0])
+        if found is not None:
+            return found
+    raise PayloadError(f"rank {rank} published its payload with an unknown receipt {receipt!r:.80}")
+
+
+class Receiving:
+    """The receiving side of one round (a first rank, or a leader collecting its host): fetches each
+    sender's payload from the carrier its receipt names, made from ``context``."""
+
+    def __init__(self, context: Context) -> None:
+        self.context = context
+
+    def _carrier(self, rank: int, receipt: Any) -> Carrier:
+        return carrier_of(receipt, rank).receiving(self.context, rank, receipt[1])
+
+    def fetch(self, token: str, rank: int, receipt: Any) -> Any:
+        """The buffer of ``rank``'s payload (fault points ``"fetching"`` and ``"fetched"``)."""
+        carrier = self._carrier(rank, receipt)
+        if _hook is not None:
+            _hook("fetching", rank, carrier, receipt[1])
+        buffer = carrier.fetch(token, rank, receipt[1])
+        if _hook is not None:
+            replaced = _hook("fetched", rank, carrier, buffer)
+            if replaced is not None:
+                buffer = replaced
+        return buffer
+
+    def discard(self, token: str, rank: int, receipt: Any) -> None:
+        """Remove what ``rank`` published and will not be fetched (a dead sender cannot)."""
+        self._carrier(rank, receipt).discard(token, rank, receipt[1])
+
+
+def remove_left_by(rank: int, pid: int) -> list[str]:
+    """Remove what sender ``rank`` (process ``pid``, dead before it claimed: its token was never told)
+    left half-published on this host; the paths removed."""
+    return SharedMemoryTransport.remove_left_by(rank, pid)
