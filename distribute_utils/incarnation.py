@@ -317,8 +317,10 @@ class PeerDirectory:
     """Where ranks run, posted once per rank and read only where needed (never all-to-all).
 
     Each rank posts its :class:`ProcessInfo` under ``info/<rank>`` and appends its rank to
-    the list of its shared-memory domain; a rank reads another's info when it first needs it
-    (cached), and the list of its own domain when the watchdog needs its local peers.
+    the list of its shared-memory domain (and of its direct domain, when it has one); a rank reads
+    another's info when it first needs it (cached), and the list of its own domain when the watchdog
+    needs its local peers. A sender reads O(1) keys per gather list, a first rank O(its list)
+    (:meth:`together`).
     """
 
     def __init__(self, store: dist.Store, prefix: str, rank: int, me: ProcessInfo) -> None:
@@ -330,6 +332,8 @@ class PeerDirectory:
         self._watch_client: dist.Store | None = None
         # Listed in its domain first: whoever has read a rank's info finds it there (see on_this_host).
         store.append(self._domain_key(me), f"{rank},".encode())  # type: ignore[attr-defined]  # torch's stub lacks Store.append
+        if me.direct_domain is not None:
+            store.append(self._direct_key(me), f"{rank},".encode())  # type: ignore[attr-defined]  # (as above)
         store.multi_set([self._key(rank)], [msgpack.packb(me.to_wire())])  # type: ignore[attr-defined]  # torch's stub lacks Store.multi_set
 
     def _key(self, rank: int) -> str:
@@ -337,6 +341,33 @@ class PeerDirectory:
 
     def _domain_key(self, info: ProcessInfo) -> str:
         return f"{self.prefix}/domain/{digest((info.shm_domain, info.pid_namespace))}"
+
+    def _direct_key(self, info: ProcessInfo) -> str:
+        return f"{self.prefix}/direct/{digest(info.direct_domain)}"
+
+    def together(self, ranks: Sequence[int], store: dist.Store, timeout: float, what: str) -> bool:
+        """Whether every rank of ``ranks`` (this one among them) runs in this process's direct domain
+        (:attr:`ProcessInfo.direct_domain`); the same answer on each of them, once every one has posted.
+
+        ``ranks[0]`` reads the info of every rank of the list (O(len(ranks)) keys). Any other rank reads
+        ``ranks[0]``'s info and the list of its own direct domain (two keys, O(ranks on this host) bytes),
+        and an info only for a rank of ``ranks`` that list lacks (a rank of another domain ends the look;
+        one of this domain not listed yet is read, then the look goes on): O(1) keys, never O(len(ranks)).
+        """
+        domain = self.me.direct_domain
+        if domain is None:
+            return False
+        if ranks[0] == self.rank:
+            return all(i.direct_domain == domain for i in self.infos(ranks, store, timeout, what))
+        if self.info(ranks[0], store, timeout, what).direct_domain != domain:
+            return False
+        listed = {int(r) for r in store.get(self._direct_key(self.me)).decode().split(",") if r}
+        return all(r in listed or self.info(r, store, timeout, what).direct_domain == domain for r in ranks)
+
+    def known(self) -> dict[int, ProcessInfo]:
+        """The infos this process has read (a copy; no store operation)."""
+        with self._lock:
+            return dict(self._infos)
 
     def info(self, rank: int, store: dist.Store, timeout: float, what: str) -> ProcessInfo:
         """Where ``rank`` runs (waits up to ``timeout`` for it to post; cached)."""
@@ -361,17 +392,6 @@ class PeerDirectory:
         """How many ranks have posted that they run in this process's domain (this one included; every
         rank whose info this process has read among them)."""
         return len({r for r in store.get(self._domain_key(self.me)).decode().split(",") if r})
-
-    def posted(self, ranks: Sequence[int], store: dist.Store) -> dict[int, ProcessInfo]:
-        """Infos of ``ranks`` without waiting: those not cached are read when all of them have posted
-        (one check), else left out for now."""
-        missing = [r for r in ranks if r not in self._infos]
-        if missing:
-            keys = [self._key(r) for r in missing]
-            if store.check(keys):
-                self._remember(missing, store.multi_get(keys))
-        infos = self._infos
-        return {r: infos[r] for r in ranks if r in infos}
 
     def _remember(self, ranks: Sequence[int], values: Sequence[bytes]) -> None:
         with self._lock:
@@ -405,6 +425,8 @@ class PeerDirectory:
                 info = self._infos.get(r)
                 if info is None and client.check([self._key(r)]):
                     info = ProcessInfo.from_wire(msgpack.unpackb(client.get(self._key(r))))
+                    with self._lock:  # (read once: a rank's info never changes within an incarnation)
+                        self._infos[r] = info
                 if info is not None and self.me.can_watch(info):
                     found[r] = info
         except Exception as exc:  # the store is gone: its waiters say so

@@ -154,10 +154,10 @@ class Watchdog:
 
     @staticmethod
     def _check(watch: Watch) -> None:
-        local = watch.source.local_peers()
-        for rank, key in watch.awaited.items():
-            info = local.get(rank)
-            if info is None or process_alive(info):
+        awaited = watch.awaited
+        for rank, info in watch.source.local_peers().items():  # (a few: not every rank it awaits)
+            key = awaited.get(rank)
+            if key is None or process_alive(info):
                 continue
             if watch.arrived_key is not None and watch.store.check([watch.arrived_key(rank)]):
                 continue  # it arrived, then exited: not what anybody waits for

@@ -325,17 +325,19 @@ class GroupSync:
 
     def direct(self, ranks: Sequence[int], timeout: float, what: str) -> bool:
         """Whether ``ranks`` (this rank among them) run on one host in one pid and network namespace,
-        so that a round among them can go through their mailboxes; the same answer on each of them."""
+        so that a round among them can go through their mailboxes; the same answer on each of them
+        (a sender reads O(1) keys for it, the first rank O(len(ranks)): see PeerDirectory.together)."""
         key = tuple(ranks)
         found = self._direct.get(key)
         if found is None:
             found = False
             if self.directory is not None:
-                infos = self.directory.infos(key, self.store, timeout, what)
-                domain = self.directory.me.direct_domain
-                found = domain is not None and all(i.direct_domain == domain for i in infos)
-                if found:
-                    self.infos.update(zip(key, infos))
+                found = self.directory.together(key, self.store, timeout, what)
+                if found:  # a sender talks to its first rank only; the first rank to every sender
+                    partners = key if self.rank == key[0] else key[:1]
+                    self.infos.update(
+                        (r, self.directory.info(r, self.store, timeout, what)) for r in partners
+                    )
                     if self._mailbox is not None and not self._polling_decided:
                         self._decide_polling(self._mailbox)
             self._direct.put(key, found)
