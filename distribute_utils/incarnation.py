@@ -49,6 +49,7 @@ __all__ = [
     "Incarnation",
     "Member",
     "PeerDirectory",
+    "ProcessInfo",
     "digest",
     "group_ranks",
     "incarnation",
@@ -61,6 +62,7 @@ __all__ = [
     "short",
     "store_gone",
     "store_lost",
+    "this_process",
     "wait_values",
 ]
 

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch.distributed as dist
 
@@ -60,14 +60,15 @@ class Watch:
     """One wait in progress: the keys a rank waits on, and whose death would fill them.
 
     ``awaited`` maps a rank to the key its death must fill (with :data:`TOMBSTONE` plus its
-    rank number); ``arrived_key`` (for barriers) tells whether the rank had arrived first.
+    rank number; only its ``get`` is used, for this host's ranks); ``arrived_key`` (for barriers) tells
+    whether the rank had arrived first.
     """
 
     def __init__(
         self,
         source: PeerDirectory,
         store: dist.Store,
-        awaited: dict[int, str],
+        awaited: Mapping[int, str],
         arrived_key: Callable[[int], str] | None,
     ) -> None:
         self.source, self.store, self.awaited, self.arrived_key = source, store, awaited, arrived_key
