@@ -25,8 +25,9 @@ One call (:class:`distribute_utils.sync.Call`), one hop each way:
    so every rank of that gather raises, and nobody waits for a rank that will not come.
 3. a sender releases what it published as soon as it has the verdict.
 
-Claims and verdicts travel one of two ways, decided alike by every participant from where the
-list's ranks run (:meth:`_Gather.decide`):
+Claims and verdicts travel through a channel (:mod:`distribute_utils.channel`), one of two, chosen
+alike by every participant from where the list's ranks run (:meth:`_Gather.decide`; a sender reads
+its first rank's info for it, the first rank its participants'):
 
 - **direct round** (every rank of the list on this host, in one pid and network namespace,
   transport ``auto`` or ``shm``): through the ranks' mailboxes (:mod:`distribute_utils.mailbox`),

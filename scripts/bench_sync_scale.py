@@ -18,7 +18,9 @@ Simulated topology: one ``/dev/shm`` (the round's plan is "one host"), eight ran
 (the watchdog's local peers, as eight ranks per host), no mailbox (the threads share a pid, so their
 network namespace is given as unknown): every round goes through the store.
 
-Per N, interleaved per repetition, timed from the release of all threads to the last one's return:
+Per N, interleaved per repetition, timed from the release of all threads to the last one's return
+(before each, the janitor's deletions of earlier calls' keys are let finish: one thread here deletes
+the keys of all N simulated ranks, where each rank of a job deletes its own few in its own process):
 
 - ``torch barrier``: torch's store-barrier pattern, the O(N) reference: ``add`` on a counter, the last
   rank sets a key the others ``wait`` on;
@@ -66,7 +68,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from distribute_utils import gather, sync
+from distribute_utils import gather, liveness, sync
 from distribute_utils.incarnation import PeerDirectory, this_process
 
 TP = 8  # ranks per pid namespace, and the tensor-parallel size of the tp x pp pattern
@@ -289,6 +291,9 @@ def run_kind(w: World, kind: str, timeout: float) -> tuple[float, list[Counts]]:
         body = lambda r: tiny_gather(w, r, timeout)  # noqa: E731
     else:
         body = lambda r: tp_pp(w, r, timeout)  # noqa: E731
+    # One thread of this process deletes every simulated rank's keys of earlier calls (in a job, each
+    # rank's own janitor deletes its few): done before the clock starts, not inside the next call.
+    liveness.JANITOR.drain(timeout)
     before = [s.counts.copy() for s in w.stores]
     seconds = run_threads(w.n, body)
     return seconds, [s.counts.minus(b) for s, b in zip(w.stores, before)]
