@@ -76,6 +76,8 @@ PROBE_TIMEOUT_S = 1.0  # a look whether a store's server still takes connections
 # loaded host does not time out (torch prints each timed-out attempt as an error with a C++ stack).
 CONNECT_ATTEMPT_S = 30.0
 _ROOT = "distribute_utils"
+_LOCAL_REFRESH_S = 0.5  # how soon a process looks again for the ranks of its host (see local_peers)
+_LOCAL_REFRESH_MAX_S = 8.0  # ... at the latest, once its list stopped changing
 
 
 def resolve_timeout(timeout: float | timedelta | None) -> float:
@@ -331,6 +333,7 @@ class PeerDirectory:
         self._infos: dict[int, ProcessInfo] = {rank: me}
         self._local: dict[int, ProcessInfo] = {}
         self._local_read = 0.0
+        self._local_every = _LOCAL_REFRESH_S  # (see local_peers)
         self._watch_client: dist.Store | None = None
         # Listed in its domain first: whoever has read a rank's info finds it there (see on_this_host).
         store.append(self._domain_key(me), f"{rank},".encode())  # type: ignore[attr-defined]  # torch's stub lacks Store.append
@@ -413,10 +416,11 @@ class PeerDirectory:
         return self._watch_client
 
     def local_peers(self) -> dict[int, ProcessInfo]:
-        """Ranks this process can watch by pid (read by the watchdog thread, refreshed ≤ 2/s; those
-        last read when the store does not answer)."""
+        """Ranks this process can watch by pid (read by the watchdog thread; those last read when the
+        store does not answer). Refreshed at most twice a second, and half as often after each refresh
+        that found the same ranks, down to once every :data:`_LOCAL_REFRESH_MAX_S`."""
         now = time.monotonic()
-        if now - self._local_read < 0.5:
+        if now - self._local_read < self._local_every:
             return self._local
         try:
             client = self.watch_client()
@@ -434,6 +438,10 @@ class PeerDirectory:
         except Exception as exc:  # the store is gone: its waiters say so
             logger.debug("could not read the ranks on this host: %s", exc)
             return self._local
+        # Ranks join their host's list when they start: while it is unchanged, look less often (every
+        # process of a job would otherwise ask the store twice a second during every long wait).
+        same = found.keys() == self._local.keys()
+        self._local_every = min(2 * self._local_every, _LOCAL_REFRESH_MAX_S) if same else _LOCAL_REFRESH_S
         self._local, self._local_read = found, now
         return found
 
