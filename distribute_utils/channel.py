@@ -169,14 +169,20 @@ class MailboxChannel:
 
     A sender's claim that its first rank did not take yet (not listening yet, its queue full) is sent
     again while the sender waits for its verdict. :meth:`give_up` tells the partners directly where it
-    can, and posts in the store what a :class:`StoreChannel` would hold (``store``, for this call).
+    can, and posts in the store what a :class:`StoreChannel` would hold (``store()`` makes that one,
+    for this call, only then).
     """
 
     path = "direct"
     hears_all = False
 
     def __init__(
-        self, call: Call, ranks: Sequence[int], timeout: float, store: StoreChannel, attach_max: int
+        self,
+        call: Call,
+        ranks: Sequence[int],
+        timeout: float,
+        store: Callable[[], StoreChannel],
+        attach_max: int,
     ) -> None:
         self.call, self.ranks, self.first, self.timeout = call, ranks, ranks[0], timeout
         self.store, self.attach_max = store, attach_max
@@ -238,4 +244,4 @@ class MailboxChannel:
                     self.call.send_direct(rank, _VERDICT, [verdict])
             elif not self.receiver and not self._delivered:
                 self.call.send_direct(self.first, _CLAIM, [_CLAIM_LENGTH.pack(len(claim)), claim])
-        self.store.give_up(claim, verdict)
+        self.store().give_up(claim, verdict)

@@ -453,8 +453,12 @@ class _Gather:
             self.seconds,
             receiver=self.me == self.first if receiver is None else receiver,
             marker=self.marker,
-            taken=lambda: _Claim("taken", None, self.digest, self.mode, None).pack(),
+            taken=self.taken,
         )
+
+    def taken(self) -> bytes:
+        """What replaces a claim whose inline payload the first rank has taken (a store round's)."""
+        return _Claim("taken", None, self.digest, self.mode, None).pack()
 
     def decide(self) -> None:
         """A participant: take the direct round (claims and verdicts through the ranks' mailboxes) when
@@ -463,7 +467,7 @@ class _Gather:
         transport are told by the records."""
         if self.transport in ("auto", "shm") and self.companion.direct(self.ranks, self.seconds, self.what):
             self._channel = MailboxChannel(
-                self.call, self.ranks, self.seconds, self.store_channel(), ATTACHED_MAX_BYTES
+                self.call, self.ranks, self.seconds, self.store_channel, ATTACHED_MAX_BYTES
             )
 
     def record(self, kind: str, error: tuple[Any, ...] | None = None) -> None:
