@@ -26,8 +26,9 @@ One call (:class:`distribute_utils.sync.Call`), one hop each way:
    waits for a rank that will not come.
 3. a sender releases what it published as soon as it has the verdict.
 
-Claims and verdicts travel one of two ways, decided alike by every participant from where the
-list's ranks run (:meth:`_Gather.decide`):
+Claims and verdicts travel through a channel (:mod:`distribute_utils.channel`), one of two, chosen
+alike by every participant from where the list's ranks run (:meth:`_Gather.decide`; a sender reads
+its first rank's info for it, the first rank its participants'):
 
 - **direct round** (every rank of the list on this host, in one pid and network namespace,
   transport ``auto`` or ``shm``): through the ranks' mailboxes (:mod:`distribute_utils.mailbox`),
@@ -54,7 +55,6 @@ import dataclasses
 import functools
 import logging
 import secrets
-import struct
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -69,6 +69,7 @@ import torch.distributed as dist
 from . import sync, wire
 from ._host import process_alive
 from .caches import Recent
+from .channel import Buffer, Channel, MailboxChannel, StoreChannel
 from .errors import (
     ArgumentError,
     DeviceUnavailableError,
@@ -91,6 +92,7 @@ __all__ = [
     "INLINE_MAX_BYTES",
     "TRANSPORTS",
     "gather_configs",
+    "gather_on",
     "gather_tensors",
     "gather_to_first",
     "get_configs_parallel",
@@ -101,9 +103,6 @@ logger = logging.getLogger(__name__)
 sync.on_new_incarnation(release_shared_memory)  # nothing kept warm past a process group
 
 TRANSPORTS = ("auto", "shm", "workspace", "collective")
-_SMALL_CLAIM_BYTES = 4096  # larger claims (inline payloads) are overwritten once taken, not kept
-_CLAIM, _VERDICT = 0, 1  # kinds of direct messages (distribute_utils.mailbox)
-_CLAIM_LENGTH = struct.Struct("<I")  # a direct claim message: its length, the claim, an attached payload
 ATTACHED_MAX_BYTES = 288 * 2**10
 """In a direct round, payloads up to this size travel in the claim's message (no file; copied once by
 the receiving process, not at all by the sender's); larger ones as :data:`INLINE_MAX_BYTES` says."""
@@ -128,10 +127,11 @@ class _List:
     show it, and the packed messages that come back call after call (:meth:`kept`). Made once per
     list and group (:func:`_checked`); nothing else of it changes."""
 
-    __slots__ = ("_kept", "digest", "first", "ranks", "shown", "what")
+    __slots__ = ("_kept", "digest", "first", "members", "ranks", "shown", "what")
 
     def __init__(self, ranks: list[int], digest: str) -> None:
         self.ranks, self.first, self.digest = ranks, ranks[0], digest
+        self.members = frozenset(ranks)
         self.shown = ranks if len(ranks) <= 64 else None  # (in messages: a long list is left out)
         self.what = f"gather to rank {self.first}"
         self._kept: Recent[tuple[Any, ...], bytes] = Recent(256)
@@ -141,8 +141,9 @@ class _List:
         return self._kept.make(key, make)
 
 
-def _checked(ranks: Sequence[int], companion: sync.GroupSync) -> _List:
-    """``ranks`` checked against the world and the members of ``companion``'s group (raises ValueError).
+def _checked(ranks: Sequence[int], companion: sync.GroupSync, world: int | None) -> _List:
+    """``ranks`` checked against the world (``world`` ranks; None: the default group's) and the members
+    of ``companion``'s group (raises ValueError).
 
     The same lists come back call after call: a list checked once is kept (by value, with its group's
     members: a list of members is in the world).
@@ -151,10 +152,10 @@ def _checked(ranks: Sequence[int], companion: sync.GroupSync) -> _List:
         key = (tuple(ranks), companion.ranks)
         found = _LISTS.get(key)
         if found is None:
-            checked = _check_ranks_now(ranks, companion.ranks, dist.get_world_size())
+            checked = _check_ranks_now(ranks, companion.ranks, world or dist.get_world_size())
             found = _LISTS.put(key, _List(checked, companion.digest(checked)))
         return found
-    checked = _check_ranks_now(ranks, companion.ranks, dist.get_world_size())
+    checked = _check_ranks_now(ranks, companion.ranks, world or dist.get_world_size())
     return _List(checked, companion.digest(checked))
 
 
@@ -398,8 +399,8 @@ class _Gather:
     received_on: str | None = None  # with device=None: where received config tensors go (see gather_to_first)
     cuda_wanted = False  # a sender: its first rank likely wants tensors on a GPU (see _wants_cuda)
     _ipc_to: torch.device | None = None  # the first rank: the GPU it decodes to, where CUDA IPC copies to
-    direct = False  # claims and verdicts through the ranks' mailboxes, not the store (see decide)
     pin_maps = False  # the first rank copies what it receives to a GPU (see receive)
+    _channel: Channel | None = None  # how claims and verdicts travel (see decide)
 
     # -- shared helpers ------------------------------------------------------------------------
     @property
@@ -443,18 +444,43 @@ class _Gather:
             ("success",), lambda: _Verdict(True, self.shown, self.digest, None, []).pack()
         )
 
+    @property
+    def channel(self) -> Channel:
+        """How this rank's claims and verdicts travel: the store unless :meth:`decide` chose the mailboxes."""
+        if self._channel is None:
+            self._channel = self.store_channel()
+        return self._channel
+
+    def store_channel(self, receiver: bool | None = None) -> StoreChannel:
+        """Claims and verdicts through the store (``receiver``: whether this rank receives, by default
+        whether it is its list's first rank)."""
+        return StoreChannel(
+            self.call,
+            self.first,
+            self.seconds,
+            receiver=self.me == self.first if receiver is None else receiver,
+            marker=self.marker,
+            taken=self.taken,
+        )
+
+    def taken(self) -> bytes:
+        """What replaces a claim whose inline payload the first rank has taken (a store round's)."""
+        return _Claim("taken", None, self.digest, self.mode, None).pack()
+
     def decide(self) -> None:
-        """A participant: take the direct round when every rank of the list runs on this host, in this
-        pid and network namespace, and the transport is this host's. Every participant decides alike
-        (from the same facts); ranks that asked for another transport are told by the records."""
-        if self.transport in ("auto", "shm"):
-            self.direct = self.companion.direct(self.ranks, self.seconds, self.what)
+        """A participant: take the direct round (claims and verdicts through the ranks' mailboxes) when
+        every rank of the list runs on this host, in this pid and network namespace, and the transport is
+        this host's. Every participant decides alike (from the same facts); ranks that asked for another
+        transport are told by the records."""
+        if self.transport in ("auto", "shm") and self.companion.direct(self.ranks, self.seconds, self.what):
+            self._channel = MailboxChannel(
+                self.call, self.ranks, self.seconds, self.store_channel, ATTACHED_MAX_BYTES
+            )
 
     def record(self, kind: str, error: tuple[Any, ...] | None = None) -> None:
         """Post this rank's part in this call (and its error), read by partners of a direct round past
         the grace (a claim without its body, and the round it takes)."""
-        path = "direct" if self.direct else "store"
-        self.call.record([kind, self.shown, self.digest, self.mode, error, path])
+        self.call.record([kind, self.shown, self.digest, self.mode, error, self.channel.path])
 
     def judge_sender(self, rank: int, entry: list[Any] | str | None) -> bool:
         """The first rank of a direct round, on a sender whose claim has not come: is it in this
@@ -652,17 +678,18 @@ class _Gather:
     # -- the roles ---------------------------------------------------------------------------------
     def check_in(self, error: tuple[Any, ...] | None) -> None:
         """A rank its own list does not name: post a claim and a marker, and its record."""
-        self.call.post({"c": self.claim("none", error).pack(), "v": self.marker()})
+        self._channel = self.store_channel(receiver=False)
+        self._channel.post_claim(self.claim("none", error).pack())
         self.record("none", error)
 
     def send(self, value: Any, error: tuple[Any, ...] | None) -> None:
         """A participant that does not receive: publish, claim, wait for the verdict, release."""
         try:
             if error is None:
-                plan = None if self.direct else self.my_plan()
+                plan = self.my_plan()
                 if plan is None:
                     payload = self.encode(value, False, True)  # a GPU's tensors go from there
-                    if self.direct and payload.nbytes <= ATTACHED_MAX_BYTES:
+                    if payload.nbytes <= self.channel.attach_max:
                         body = self.attach(payload)
                     else:
                         body = self.publish_here(payload)
@@ -682,21 +709,12 @@ class _Gather:
                 claim = self.claim("send", error).pack()
         except BaseException as exc:  # the first rank hears it at once instead of waiting for a claim
             self.take_back_notes()
-            failed = self.claim("send", _error_of(exc)).pack()
-            if self.direct:
-                with contextlib.suppress(OSError):  # else the first rank hears it from its record
-                    self.call.send_direct(self.first, _CLAIM, [_CLAIM_LENGTH.pack(len(failed)), failed])
             with contextlib.suppress(PeerLostError):  # (a store that is gone: this error says more)
-                self.call.post({"c": failed, "v": self.marker()})
+                self.channel.give_up(self.claim("send", _error_of(exc)).pack())
             self.record("send", _error_of(exc))
             self.release(taken=False)
             raise
-        if self.direct:
-            verdict = self.claim_directly(claim, error)
-        else:
-            self.call.post({"c": claim, "v": self.marker()})
-            self.record("send", error)
-            verdict = self.claim_in_store(error)
+        verdict = self.claim_and_wait(claim, error)
         # A failed gather may never have read this payload: then nobody will report its segment free.
         succeeded = verdict.receiver and verdict.digest == self.digest and verdict.error is None
         self.release(taken=succeeded, answered=verdict.receiver and verdict.digest == self.digest)
@@ -708,68 +726,42 @@ class _Gather:
         if verdict.error is not None:
             _raise_from(verdict.error, f"the first rank ({self.first}) failed: ")
 
-    def claim_directly(self, claim: bytes, error: tuple[Any, ...] | None) -> _Verdict:
-        """A sender of a direct round: send the claim to the first rank's mailbox, wait for its verdict
-        there. On any failure the store gets what the store round would hold (its claim and marker)."""
-        call = self.call
-        delivered = False
-        message: list[bytes | memoryview] = [_CLAIM_LENGTH.pack(len(claim)), claim]
-        if self._attached is not None:
-            message += self._attached.buffers()
+    def claim_and_wait(self, claim: bytes, error: tuple[Any, ...] | None) -> _Verdict:
+        """A sender: post its claim (with its payload when it is attached), send a deferred collective
+        payload once the first rank says "go", and wait for the verdict. On any failure its partners are
+        told what the channel can tell them (its failed claim) and what it published is released."""
+        channel = self.channel
         try:
-            delivered = call.send_direct(self.first, _CLAIM, message, sync.GRACE_S)
+            channel.post_claim(claim, self._attached.buffers() if self._attached is not None else ())
             self.record("send", error)
             if error is not None:
                 _raise_from(error, "")
-
-            def undelivered() -> bool:  # the first rank did not listen yet, or its queue was full
-                nonlocal delivered
-                delivered = delivered or call.send_direct(self.first, _CLAIM, message, sync.RETRY_S)
-                return not delivered
-
-            found: list[bytearray] = []
-            call.receive_direct(
-                _VERDICT,
-                [self.first],
-                self.seconds,
-                self.what,
-                self.judge_first,
-                lambda _, data: found.append(data),
-                None if delivered else undelivered,
-                second_chance=True,
-            )
-            if found[0] == self.success():
+            if self._deferred is not None:
+                self.send_deferred()
+            found = channel.await_verdict(self.what, self.judge_first)
+            if found == self.success():
                 return _Verdict(True, self.shown, self.digest)
-            return _Verdict.unpack(found[0])
+            return _Verdict.unpack(found)
         except BaseException as exc:
-            if not delivered:  # the first rank never had the notes in this claim
+            if not channel.delivered:  # the first rank never had the notes in this claim
                 self.take_back_notes()
             error = error or _error_of(exc)
             self.record("send", error)
             with contextlib.suppress(PeerLostError):  # (a store that is gone: this error says more)
-                call.post({"c": self.claim("send", error).pack(), "v": self.marker()})
+                channel.give_up(self.claim("send", error).pack())
             self.release(taken=False)
             raise
 
-    def claim_in_store(self, error: tuple[Any, ...] | None) -> _Verdict:
-        """A sender of a store round, its claim posted: wait for the verdict (or the "go" to send first)."""
-        if error is not None:
-            _raise_from(error, "")
-        try:
-            if self._deferred is not None:
-                device, payload = self._deferred
-                self._deferred = None
-                go = msgpack.unpackb(self.call.wait_shared("go", self.first, 2 * self.seconds, self.what))
-                if go is not None:  # the first rank failed: its verdict will carry no notes
-                    self.take_back_notes()
-                    _raise_from(go, f"the first rank ({self.first}) failed: ")
-                assert self._sent is not None
-                self.collective(device).publish(self._sent[1], self.me, payload)
-            verdict = self.call.wait_verdict(self.first, self.seconds, self.what)
-            return _Verdict.unpack(verdict)
-        except BaseException:
-            self.release(taken=False)
-            raise
+    def send_deferred(self) -> None:
+        """A collective sender, its claim posted: send its payload once the first rank says "go"."""
+        assert self._deferred is not None and self._sent is not None
+        device, payload = self._deferred
+        self._deferred = None
+        go = msgpack.unpackb(self.call.wait_shared("go", self.first, 2 * self.seconds, self.what))
+        if go is not None:  # the first rank failed: its verdict will carry no notes
+            self.take_back_notes()
+            _raise_from(go, f"the first rank ({self.first}) failed: ")
+        self.collective(device).publish(self._sent[1], self.me, payload)
 
     def forward(self, plan: _Plan, value: Any) -> list[Any]:
         """A remote host's leader: collect its host's payloads and send one bundle across."""
@@ -802,12 +794,14 @@ class _Gather:
         self, own: Any, device: str | torch.device | None, error: tuple[Any, ...] | None
     ) -> list[Any]:
         """The first rank: read its senders' claims, fetch and decode, post the verdict."""
-        if not self.direct:
-            self.call.post({"c": self.claim("first", error).pack()})
+        if error is None:
+            own_claim = self.listed.kept(("first", self.mode), lambda: self.claim("first").pack())
+        else:
+            own_claim = self.claim("first", error).pack()
+        self.channel.post_claim(own_claim)
         self.record("first")  # in a direct round, before waiting: a sender past the grace looks for it
         claims: dict[int, _Claim] = {}
-        found: dict[int, Any] = {}  # each rank's value (in a direct round, as its claim comes)
-        bulky: list[int] = []
+        found: dict[int, Any] = {}  # each rank's value (on one host, as its claim comes)
         taken: set[int] = set()  # whose payloads were fetched: nothing of theirs is left to discard
         plan: _Plan | None = None
         try:
@@ -822,17 +816,10 @@ class _Gather:
             # What needs no claim is done before they come: after the last one, only its own part is left.
             found[self.first] = mine()
             notes = self.notes_for(self.ranks[1:])
-            if self.direct:
-                self.claims_directly(direct, claims, decode_to, found)
-            else:
-                values = self.call.wait_for("c", direct, self.seconds, self.what)
-                claims.update((r, _Claim.unpack(v)) for r, v in zip(direct, values))
-                bulky = [r for r, v in zip(direct, values) if len(v) > _SMALL_CLAIM_BYTES]
-                for rank in direct:
-                    self.check_claim(rank, claims[rank])
+            self.take_claims(direct, claims, decode_to, found if plan.cross is None else None)
             self.tell_go(None, claims)
             for rank in direct:
-                if rank in found:  # a direct round's: decoded as its claim came
+                if rank in found:  # decoded as its claim came
                     continue
                 value = self.decode(self.fetch(rank, claims[rank].body), rank, decode_to)
                 taken.add(rank)
@@ -844,14 +831,8 @@ class _Gather:
         except BaseException as exc:
             self.tell_go(_error_of(exc), claims)
             failed = _Verdict(True, self.shown, self.digest, _error_of(exc)).pack()
-            if self.direct:  # its senders hear it at once (or from its record); the store has it too
-                self.record("first", _error_of(exc))
-                with contextlib.suppress(OSError):
-                    for rank in self.ranks[1:]:
-                        self.call.send_direct(rank, _VERDICT, [failed])
-                self.call.post({"c": self.claim("first", _error_of(exc)).pack(), "v": failed})
-            else:
-                self.call.post({"v": failed})
+            self.record("first", _error_of(exc))  # (in a direct round, a sender past the grace reads it)
+            self.channel.give_up(self.claim("first", _error_of(exc)).pack(), failed)
             self.take_back_notes()
             for rank, claim in claims.items():
                 if rank not in taken and rank not in found:  # (found: fetched as its claim came)
@@ -862,13 +843,7 @@ class _Gather:
         # A sender may have received from this rank in an earlier gather (other roles, other numbers).
         carriers.reports.heed(self.me, notes)
         verdict = _Verdict(True, self.shown, self.digest, None, notes).pack() if notes else self.success()
-        if self.direct:
-            for rank in direct:  # each waits in its mailbox, so there is room; one that left is not told
-                if not self.call.send_direct(rank, _VERDICT, [verdict], sync.GRACE_S):
-                    logger.warning("%s: rank %d no longer listens for its verdict", self.what, rank)
-        else:
-            overwrite = _Claim("taken", None, self.digest, self.mode, None).pack() if bulky else b""
-            self.call.post({"v": verdict}, ("c", bulky, overwrite))
+        self.channel.post_verdict(verdict, direct, self.what)
         return [found[r] for r in self.ranks]
 
     def placement(
@@ -883,43 +858,49 @@ class _Gather:
             return None, lambda: _place_own(own, _CPU, self.root)
         return (self.received_on or wire.SOURCE_DEVICE), lambda: _place_own(own, None, self.root)
 
-    def claims_directly(
+    def take_claims(
         self,
         senders: list[int],
         claims: dict[int, _Claim],
         decode_to: torch.device | str | None,
-        found: dict[int, Any],
+        found: dict[int, Any] | None,
     ) -> None:
-        """The first rank of a direct round: its senders' claims, from its mailbox, each checked as it
-        comes (into ``claims``, so that a failure can discard what came), its payload fetched and decoded
-        at once (into ``found``): when the last claim comes, only its payload is left to read."""
+        """The first rank: its senders' claims from the channel, each checked as it comes (into ``claims``,
+        so that a failure can discard what came). With ``found`` (every payload on this host: inline,
+        attached or in a segment), each payload is fetched and decoded at once too (into ``found``): when
+        the last claim comes, only its payload is left to read."""
 
-        def arrived(rank: int, data: bytearray) -> None:
-            message = memoryview(data)
+        def take(rank: int, data: Buffer, attached: memoryview | None) -> None:
             try:
-                (length,) = _CLAIM_LENGTH.unpack_from(message)
-                claim = claims[rank] = _Claim.unpack(
-                    message[_CLAIM_LENGTH.size : _CLAIM_LENGTH.size + length]
-                )
-            except (struct.error, ValueError, TypeError) as exc:
+                claim = claims[rank] = _Claim.unpack(data)
+            except (ValueError, TypeError) as exc:
                 raise PayloadError(f"rank {rank} sent a malformed claim: {exc}") from None
-            self._attached_in[rank] = message[_CLAIM_LENGTH.size + length :]
+            if attached is not None:
+                self._attached_in[rank] = attached
             self.check_claim(rank, claim)
-            found[rank] = self.decode(self.fetch(rank, claim.body), rank, decode_to)
+            if found is not None:
+                found[rank] = self.decode(self.fetch(rank, claim.body), rank, decode_to)
 
-        self.call.receive_direct(_CLAIM, senders, self.seconds, self.what, self.judge_sender, arrived)
+        self.channel.claims(senders, self.what, self.judge_sender, take)
 
     def notes_for(self, ranks: Sequence[int]) -> list[Any]:
         """The carriers' word (this rank's: :data:`carriers.reports`) for the other processes of ``ranks`` in its pid namespace.
         Its reports name processes; their rank numbers are looked up in the current incarnation (a number
-        may have been another process's when the report was made). Ranks that have not posted where they
-        run yet are left for a later gather."""
+        may have been another process's when the report was made): from the infos this rank has read
+        (a first rank's participants), else from this host's ranks (a leader's members, refreshed at most
+        twice a second); none is read for the whole list. Ranks not found yet are left for a later gather."""
         directory = self.companion.directory
         if directory is None or not carriers.reports.pending():
             return []
-        found = directory.posted(ranks, self.companion.store)
-        pids = {i.pid: r for r, i in found.items() if r != self.me and directory.me.can_watch(i)}
+        wanted = self.listed.members if ranks is self.ranks else set(ranks)
+        me, watch = self.me, directory.me.can_watch
+        # The infos read already (no store operation); past them, this host's (a leader's members).
+        found = {r: i for r, i in directory.known().items() if r in wanted}
+        pids = {i.pid: r for r, i in found.items() if r != me and watch(i)}
         self._notes_taken = carriers.reports.take(pids)
+        if carriers.reports.pending():
+            local = {r: i for r, i in directory.local_peers().items() if r in wanted and r not in found}
+            self._notes_taken += carriers.reports.take({i.pid: r for r, i in local.items() if watch(i)})
         return self._notes_taken
 
     def take_back_notes(self) -> None:
@@ -940,7 +921,10 @@ class _Gather:
             for c in claims.values()
         )
         # A failed direct round cannot tell who waits: a sender that asked for the collective may.
-        if waiting or (error is not None and (self.direct or "collective" in (self.transport, self._cross))):
+        if waiting or (
+            error is not None
+            and (not self.channel.hears_all or "collective" in (self.transport, self._cross))
+        ):
             self.call.post_shared("go", msgpack.packb(list(error) if error else None))
             self._go_posted = True
 
@@ -1124,17 +1108,49 @@ def gather_to_first(
     Every rank of ``group`` must enter it (see ``docs/api.md``, "The contract: ``group`` synchronises,
     ``ranks`` routes"); the gather runs when it is entered.
     """
+    return gather_on(
+        sync.companion(group, _resolved(timeout)[0]),  # (a bad timeout: gather_on raises it on every rank)
+        value,
+        ranks,
+        group=group,
+        transport=transport,
+        workspace_path=workspace_path,
+        timeout=timeout,
+        device=device,
+        root=root,
+        received_on=received_on,
+    )
+
+
+def gather_on(
+    companion: sync.GroupSync,
+    value: Any,
+    ranks: Sequence[int],
+    *,
+    world_size: int | None = None,
+    group: dist.ProcessGroup | Sequence[int] | None = None,
+    transport: str = "auto",
+    workspace_path: str | PathLike[str] | None = None,
+    timeout: float | timedelta | None = None,
+    device: str | torch.device | None = None,
+    root: str = "config",
+    received_on: str | None = None,
+) -> list[Any]:
+    """One gather call over ``companion``'s ranks, run now: the round under :func:`gather_to_first`, for a
+    caller that holds its companion (a :class:`~distribute_utils.sync.GroupSync` made with a peer
+    directory). Returns the list on ``ranks[0]``, ``[]`` elsewhere.
+
+    This is the seam ``scripts/bench_sync_scale.py`` drives the real round through: simulated ranks
+    (threads, each with its own companion on one ``TCPStore``) without a process group. ``world_size``
+    bounds the ranks (None: the default group's); ``group`` matters only to the collective transport.
+    Every rank of ``companion.ranks`` must call it, in the same order as its other operations.
+    """
     # A local mistake is posted in this rank's claim: its gather partners raise it too, none waits.
-    error: tuple[Any, ...] | None = None
-    try:
-        seconds = sync.resolve_timeout(timeout)
-    except ValueError as exc:
-        seconds, error = sync.DEFAULT_TIMEOUT_S, _error_of(exc)
-    companion = sync.companion(group, seconds)
+    seconds, error = _resolved(timeout)
     with companion.exclusive("a gather"):
         call = companion.new_call(seconds)
         try:
-            listed = _checked(ranks, companion)
+            listed = _checked(ranks, companion, world_size)
         except ValueError as exc:
             # No list to route by: check in, so that nobody waits for this rank, and raise.
             _Gather(
@@ -1191,6 +1207,14 @@ def gather_to_first(
             this.send(value, error)
             result = []
     return result
+
+
+def _resolved(timeout: float | timedelta | None) -> tuple[float, tuple[Any, ...] | None]:
+    """Seconds to wait, and the error of a bad ``timeout`` (then the default is waited)."""
+    try:
+        return sync.resolve_timeout(timeout), None
+    except ValueError as exc:
+        return sync.DEFAULT_TIMEOUT_S, _error_of(exc)
 
 
 def _check_device(device: str | torch.device | None) -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "Incarnation",
     "Member",
     "PeerDirectory",
+    "ProcessInfo",
     "digest",
     "group_ranks",
     "incarnation",
@@ -61,6 +62,7 @@ __all__ = [
     "short",
     "store_gone",
     "store_lost",
+    "this_process",
     "wait_values",
 ]
 
@@ -74,6 +76,8 @@ PROBE_TIMEOUT_S = 1.0  # a look whether a store's server still takes connections
 # loaded host does not time out (torch prints each timed-out attempt as an error with a C++ stack).
 CONNECT_ATTEMPT_S = 30.0
 _ROOT = "distribute_utils"
+_LOCAL_REFRESH_S = 0.5  # how soon a process looks again for the ranks of its host (see local_peers)
+_LOCAL_REFRESH_MAX_S = 8.0  # ... at the latest, once its list stopped changing
 
 
 def resolve_timeout(timeout: float | timedelta | None) -> float:
@@ -317,8 +321,10 @@ class PeerDirectory:
     """Where ranks run, posted once per rank and read only where needed (never all-to-all).
 
     Each rank posts its :class:`ProcessInfo` under ``info/<rank>`` and appends its rank to
-    the list of its shared-memory domain; a rank reads another's info when it first needs it
-    (cached), and the list of its own domain when the watchdog needs its local peers.
+    the list of its shared-memory domain (and of its direct domain, when it has one); a rank reads
+    another's info when it first needs it (cached), and the list of its own domain when the watchdog
+    needs its local peers. A sender reads O(1) keys per gather list, a first rank O(its list)
+    (:meth:`together`).
     """
 
     def __init__(self, store: dist.Store, prefix: str, rank: int, me: ProcessInfo) -> None:
@@ -327,9 +333,12 @@ class PeerDirectory:
         self._infos: dict[int, ProcessInfo] = {rank: me}
         self._local: dict[int, ProcessInfo] = {}
         self._local_read = 0.0
+        self._local_every = _LOCAL_REFRESH_S  # (see local_peers)
         self._watch_client: dist.Store | None = None
         # Listed in its domain first: whoever has read a rank's info finds it there (see on_this_host).
         store.append(self._domain_key(me), f"{rank},".encode())  # type: ignore[attr-defined]  # torch's stub lacks Store.append
+        if me.direct_domain is not None:
+            store.append(self._direct_key(me), f"{rank},".encode())  # type: ignore[attr-defined]  # (as above)
         store.multi_set([self._key(rank)], [msgpack.packb(me.to_wire())])  # type: ignore[attr-defined]  # torch's stub lacks Store.multi_set
 
     def _key(self, rank: int) -> str:
@@ -337,6 +346,33 @@ class PeerDirectory:
 
     def _domain_key(self, info: ProcessInfo) -> str:
         return f"{self.prefix}/domain/{digest((info.shm_domain, info.pid_namespace))}"
+
+    def _direct_key(self, info: ProcessInfo) -> str:
+        return f"{self.prefix}/direct/{digest(info.direct_domain)}"
+
+    def together(self, ranks: Sequence[int], store: dist.Store, timeout: float, what: str) -> bool:
+        """Whether every rank of ``ranks`` (this one among them) runs in this process's direct domain
+        (:attr:`ProcessInfo.direct_domain`); the same answer on each of them, once every one has posted.
+
+        ``ranks[0]`` reads the info of every rank of the list (O(len(ranks)) keys). Any other rank reads
+        ``ranks[0]``'s info and the list of its own direct domain (two keys, O(ranks on this host) bytes),
+        and an info only for a rank of ``ranks`` that list lacks (a rank of another domain ends the look;
+        one of this domain not listed yet is read, then the look goes on): O(1) keys, never O(len(ranks)).
+        """
+        domain = self.me.direct_domain
+        if domain is None:
+            return False
+        if ranks[0] == self.rank:
+            return all(i.direct_domain == domain for i in self.infos(ranks, store, timeout, what))
+        if self.info(ranks[0], store, timeout, what).direct_domain != domain:
+            return False
+        listed = {int(r) for r in store.get(self._direct_key(self.me)).decode().split(",") if r}
+        return all(r in listed or self.info(r, store, timeout, what).direct_domain == domain for r in ranks)
+
+    def known(self) -> dict[int, ProcessInfo]:
+        """The infos this process has read (a copy; no store operation)."""
+        with self._lock:
+            return dict(self._infos)
 
     def info(self, rank: int, store: dist.Store, timeout: float, what: str) -> ProcessInfo:
         """Where ``rank`` runs (waits up to ``timeout`` for it to post; cached)."""
@@ -362,17 +398,6 @@ class PeerDirectory:
         rank whose info this process has read among them)."""
         return len({r for r in store.get(self._domain_key(self.me)).decode().split(",") if r})
 
-    def posted(self, ranks: Sequence[int], store: dist.Store) -> dict[int, ProcessInfo]:
-        """Infos of ``ranks`` without waiting: those not cached are read when all of them have posted
-        (one check), else left out for now."""
-        missing = [r for r in ranks if r not in self._infos]
-        if missing:
-            keys = [self._key(r) for r in missing]
-            if store.check(keys):
-                self._remember(missing, store.multi_get(keys))
-        infos = self._infos
-        return {r: infos[r] for r in ranks if r in infos}
-
     def _remember(self, ranks: Sequence[int], values: Sequence[bytes]) -> None:
         with self._lock:
             for r, v in zip(ranks, values):
@@ -391,10 +416,11 @@ class PeerDirectory:
         return self._watch_client
 
     def local_peers(self) -> dict[int, ProcessInfo]:
-        """Ranks this process can watch by pid (read by the watchdog thread, refreshed ≤ 2/s; those
-        last read when the store does not answer)."""
+        """Ranks this process can watch by pid (read by the watchdog thread; those last read when the
+        store does not answer). Refreshed at most twice a second, and half as often after each refresh
+        that found the same ranks, down to once every :data:`_LOCAL_REFRESH_MAX_S`."""
         now = time.monotonic()
-        if now - self._local_read < 0.5:
+        if now - self._local_read < self._local_every:
             return self._local
         try:
             client = self.watch_client()
@@ -405,11 +431,17 @@ class PeerDirectory:
                 info = self._infos.get(r)
                 if info is None and client.check([self._key(r)]):
                     info = ProcessInfo.from_wire(msgpack.unpackb(client.get(self._key(r))))
+                    with self._lock:  # (read once: a rank's info never changes within an incarnation)
+                        self._infos[r] = info
                 if info is not None and self.me.can_watch(info):
                     found[r] = info
         except Exception as exc:  # the store is gone: its waiters say so
             logger.debug("could not read the ranks on this host: %s", exc)
             return self._local
+        # Ranks join their host's list when they start: while it is unchanged, look less often (every
+        # process of a job would otherwise ask the store twice a second during every long wait).
+        same = found.keys() == self._local.keys()
+        self._local_every = min(2 * self._local_every, _LOCAL_REFRESH_MAX_S) if same else _LOCAL_REFRESH_S
         self._local, self._local_read = found, now
         return found
 

@@ -25,11 +25,11 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch.distributed as dist
 
-from ._host import process_alive
+from ._host import ProcessInfo, process_alive
 from .errors import PeerLostError
 from .incarnation import PROBE_TIMEOUT_S, PeerDirectory, new_client, refusal, store_gone, wait_values
 
@@ -60,14 +60,15 @@ class Watch:
     """One wait in progress: the keys a rank waits on, and whose death would fill them.
 
     ``awaited`` maps a rank to the key its death must fill (with :data:`TOMBSTONE` plus its
-    rank number); ``arrived_key`` (for barriers) tells whether the rank had arrived first.
+    rank number; only its ``get`` is used, for this host's ranks); ``arrived_key`` (for barriers) tells
+    whether the rank had arrived first.
     """
 
     def __init__(
         self,
         source: PeerDirectory,
         store: dist.Store,
-        awaited: dict[int, str],
+        awaited: Mapping[int, str],
         arrived_key: Callable[[int], str] | None,
     ) -> None:
         self.source, self.store, self.awaited, self.arrived_key = source, store, awaited, arrived_key
@@ -141,9 +142,10 @@ class Watchdog:
             # Most waits end within a millisecond: look only at those that outlast the grace.
             now = time.monotonic()
             due = [w for w in watches if now - w.since >= GRACE_S]
+            alive: dict[ProcessInfo, bool] = {}  # each process looked at once per round of checks
             for watch in due:
                 try:
-                    self._check(watch)
+                    self._check(watch, alive)
                 except Exception:  # the store may be gone: the waiter will say so
                     logger.debug("watchdog check failed", exc_info=True)
             if due:
@@ -153,11 +155,16 @@ class Watchdog:
                 time.sleep(max(0.0, GRACE_S - (now - oldest)))
 
     @staticmethod
-    def _check(watch: Watch) -> None:
-        local = watch.source.local_peers()
-        for rank, key in watch.awaited.items():
-            info = local.get(rank)
-            if info is None or process_alive(info):
+    def _check(watch: Watch, alive: dict[ProcessInfo, bool]) -> None:
+        awaited = watch.awaited
+        for rank, info in watch.source.local_peers().items():  # (a few: not every rank it awaits)
+            key = awaited.get(rank)
+            if key is None:
+                continue
+            found = alive.get(info)
+            if found is None:
+                found = alive[info] = process_alive(info)
+            if found:
                 continue
             if watch.arrived_key is not None and watch.store.check([watch.arrived_key(rank)]):
                 continue  # it arrived, then exited: not what anybody waits for
@@ -178,7 +185,9 @@ class Janitor:
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[weakref.ref[dist.Store], list[str]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[weakref.ref[dist.Store], list[str]] | threading.Event | None] = (
+            queue.SimpleQueue()
+        )
         self._clients: weakref.WeakKeyDictionary[dist.Store, dist.Store] = weakref.WeakKeyDictionary()
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -192,6 +201,16 @@ class Janitor:
             self._thread.start()
         self._queue.put((weakref.ref(store), keys))
 
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until the deletions queued so far are done (whether each
+        succeeded or not); False when they were not. For benchmarks that time calls one after another
+        (``scripts/bench_sync_scale.py``), so that one call's deletions do not land in the next."""
+        if self._thread is None or not self._thread.is_alive():
+            return True
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
+
     def stop(self) -> None:
         """Finish the pending deletions and end the thread (at exit)."""
         self._stopped = True
@@ -204,6 +223,9 @@ class Janitor:
             item = self._queue.get()
             if item is None:
                 return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
             self._delete(*item)
 
     def _delete(self, store_ref: weakref.ref[dist.Store], keys: list[str]) -> None:

@@ -41,7 +41,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, cast
 
@@ -287,6 +287,7 @@ class GroupSync:
         generation: tuple[int, Callable[[int], int | None]] | None = None,
     ) -> None:
         self.ranks = ranks
+        self.members = frozenset(ranks)
         self.rank = rank
         self.store = store
         self.namespace = namespace
@@ -325,17 +326,19 @@ class GroupSync:
 
     def direct(self, ranks: Sequence[int], timeout: float, what: str) -> bool:
         """Whether ``ranks`` (this rank among them) run on one host in one pid and network namespace,
-        so that a round among them can go through their mailboxes; the same answer on each of them."""
+        so that a round among them can go through their mailboxes; the same answer on each of them
+        (a sender reads O(1) keys for it, the first rank O(len(ranks)): see PeerDirectory.together)."""
         key = tuple(ranks)
         found = self._direct.get(key)
         if found is None:
             found = False
             if self.directory is not None:
-                infos = self.directory.infos(key, self.store, timeout, what)
-                domain = self.directory.me.direct_domain
-                found = domain is not None and all(i.direct_domain == domain for i in infos)
-                if found:
-                    self.infos.update(zip(key, infos))
+                found = self.directory.together(key, self.store, timeout, what)
+                if found:  # a sender talks to its first rank only; the first rank to every sender
+                    partners = key if self.rank == key[0] else key[:1]
+                    self.infos.update(
+                        (r, self.directory.info(r, self.store, timeout, what)) for r in partners
+                    )
                     if self._mailbox is not None and not self._polling_decided:
                         self._decide_polling(self._mailbox)
             self._direct.put(key, found)
@@ -429,13 +432,12 @@ class GroupSync:
             raise store_lost(what, exc, self.store) from None
         self.own_keys.append(call.key("in", self.rank))
         if arrived < n:
-            others = [r for r in self.ranks if r != self.rank]
             watch = None
             if self.directory is not None:  # (without one, dead peers are found at the timeout)
                 watch = Watch(
                     self.directory,
                     self.directory.watch_client(timeout),
-                    dict.fromkeys(others, go),
+                    _Every(self.members, self.rank, go),  # (not a dict of N ranks: O(1) per rank)
                     lambda r: call.key("in", r),
                 )
             try:
@@ -443,7 +445,7 @@ class GroupSync:
             except PeerLostError as exc:
                 if not exc.missing:  # the store itself is gone: nobody can be named from it
                     raise
-                missing = [r for r in others if not self.has(call.key("in", r))]
+                missing = [r for r in self.ranks if r != self.rank and not self.has(call.key("in", r))]
                 if not missing:
                     raise
                 generation, lookup = self.generation if self.generation is not None else (None, None)
@@ -516,6 +518,24 @@ class GroupSync:
     def exclusive(self, what: str) -> _Exclusive:
         """Hold the group for one operation; a second thread on the same group is refused."""
         return _Exclusive(self, what)
+
+
+class _Every(Mapping[int, str]):
+    """The key every rank of ``members`` but ``me`` awaits (a barrier's watch), without a dict of them."""
+
+    def __init__(self, members: frozenset[int], me: int, key: str) -> None:
+        self.members, self.me, self.key = members, me, key
+
+    def __getitem__(self, rank: int) -> str:
+        if rank == self.me or rank not in self.members:
+            raise KeyError(rank)
+        return self.key
+
+    def __iter__(self) -> Iterator[int]:
+        return (r for r in self.members if r != self.me)
+
+    def __len__(self) -> int:
+        return len(self.members) - 1
 
 
 class _Exclusive:

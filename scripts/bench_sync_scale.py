@@ -1,26 +1,44 @@
-"""How synchronisation scales with the number of ranks: ours vs torch's store barrier.
+"""How the real barrier and gather round scale with the number of ranks, every store key counted.
 
-N simulated ranks are N threads, each with its own client of one real ``TCPStore``. They
-run the library's own code (:class:`distribute_utils.sync.GroupSync`):
+N simulated ranks are N threads of this process on one real ``TCPStore``. Each has its own client of
+it (as a real rank has: a client blocks in a wait, so it cannot be shared), its own peer directory
+(:class:`distribute_utils.incarnation.PeerDirectory`) and its own companion of the world
+(:class:`distribute_utils.sync.GroupSync`), built through their public constructors, and runs the
+library's own round: :func:`distribute_utils.gather.gather_on`, the sender and first-rank roles of
+every gather, through the claim/verdict channel's store implementation
+(:class:`distribute_utils.channel.StoreChannel`). Nothing of the round is re-implemented here.
 
-- ``barrier``: our barrier (arrival key, counter, one go key);
-- ``gather``: one gather call's agreement as the gather module makes it: every sender posts
-  its claim and marker and waits for the first rank's verdict; the first reads its N-1
-  participants' claims and posts the verdict (no payload: this measures the protocol);
+Every store client a simulated rank uses is wrapped in :class:`CountingStore`, this script's proxy
+(the ``store`` argument of those constructors is the seam): it counts every key of every operation
+(a ``multi_get`` of N keys counts N) and the bytes of key names and values both ways. The clients the
+library clones for its background threads (the watchdog, the janitor) are one shared client, counted
+apart ("background").
 
-side by side with torch's store-barrier pattern (``add`` on a counter, the last rank sets a
-key the others wait on). Store operations are counted per rank.
+Simulated topology: one ``/dev/shm`` (the round's plan is "one host"), eight ranks per pid namespace
+(the watchdog's local peers, as eight ranks per host), no mailbox (the threads share a pid, so their
+network namespace is given as unknown): every round goes through the store.
+
+Per N, interleaved per repetition, timed from the release of all threads to the last one's return
+(before each, the janitor's deletions of earlier calls' keys are let finish: one thread here deletes
+the keys of all N simulated ranks, where each rank of a job deletes its own few in its own process):
+
+- ``torch barrier``: torch's store-barrier pattern, the O(N) reference: ``add`` on a counter, the last
+  rank sets a key the others ``wait`` on;
+- ``our barrier``: :meth:`GroupSync.barrier` (an arrival key, the counter, the key waited on);
+- ``tiny gather``: ``{"a": 1}`` of every rank to rank 0 over the world;
+- ``tp x pp``: ModelOpt's export pattern with TP 8: every rank gathers a small layer config to the
+  first rank of its pipeline list over the world (N/8 lists of N/8 ranks at once), then the first
+  pipeline stage merges its 8 TP shards on a group of its own.
+
+The first call of each kind is timed and counted apart from the steady state (median over
+``--repeats``). Keys and bytes are reported for the first rank (rank 0) and the busiest other rank.
+Targets (met/missed printed): a sender's keys per round O(1) (the same at every N), the first rank's
+O(its list), our barrier within 2x torch's at every N, a growth exponent of time vs N (least squares
+over N >= 256) of at most 1.2.
 
     python scripts/bench_sync_scale.py                     # N = 64, 256, 1024, 4096
     python scripts/bench_sync_scale.py --ranks 64 256 --repeats 5
-    python scripts/bench_sync_scale.py --real 2 4 8 16     # real processes instead
-
-``--real``: real rank processes (gloo) on this machine: the median of our barrier, of a tiny
-gather (``{"a": 1}`` to rank 0 through ``get_configs_parallel``) and of ``dist.barrier``
-(gloo), 300 repetitions each, interleaved.
-
-Prints one row per N (medians in ms), the ratios, and the growth exponent between the
-smallest and largest N (1.0 is linear).
+    python scripts/bench_sync_scale.py --real 2 4 8 16     # real processes instead (medians on rank 0)
 """
 
 from __future__ import annotations
@@ -30,52 +48,188 @@ import os
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # one "hostname" warning per connection otherwise
 
 import argparse
+import dataclasses
 import datetime
+import json
 import math
 import resource
 import statistics
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import itertools
+from distribute_utils import gather, liveness, sync
+from distribute_utils.incarnation import PeerDirectory, this_process
 
-from distribute_utils import sync
-from distribute_utils.gather import _Claim, _Verdict
+TP = 8  # ranks per pid namespace, and the tensor-parallel size of the tp x pp pattern
+KINDS = ("torch_barrier", "our_barrier", "tiny_gather", "tp_pp")
+TARGET_RATIO = 2.0
+TARGET_EXPONENT = 1.2
 
-_OPS = ("set", "get", "add", "multi_set", "multi_get", "check", "compare_set", "wait", "append", "delete_key")
+
+class Counts:
+    """Store work through one client: keys read and written, bytes sent and received. (Plain classes
+    here, no dataclasses: the tests load this script as a module that is not in ``sys.modules``.)"""
+
+    __slots__ = ("read", "received", "sent", "written")
+
+    def __init__(self, read: int = 0, written: int = 0, sent: int = 0, received: int = 0) -> None:
+        self.read, self.written, self.sent, self.received = read, written, sent, received
+
+    def copy(self) -> Counts:
+        return Counts(self.read, self.written, self.sent, self.received)
+
+    @property
+    def keys(self) -> int:
+        return self.read + self.written
+
+    @property
+    def bytes(self) -> int:
+        return self.sent + self.received
+
+    def minus(self, other: Counts) -> Counts:
+        return Counts(
+            self.read - other.read,
+            self.written - other.written,
+            self.sent - other.sent,
+            self.received - other.received,
+        )
+
+
+def _size(value: Any) -> int:
+    return len(value.encode() if isinstance(value, str) else value)
 
 
 class CountingStore:
-    """A store client that counts the operations made through it (a real ``TCPStore`` inside)."""
+    """A store client that counts the keys and bytes of every operation made through it (a real store
+    inside). ``clone()`` gives ``background``: the one client the library's threads share here."""
 
-    def __init__(self, inner: dist.Store) -> None:
-        self._inner = inner
-        self.count = 0
+    def __init__(self, inner: dist.Store, background: CountingStore | None = None) -> None:
+        self.inner = inner
+        self.counts = Counts()
+        self.background = background
+        self.lock = threading.Lock()  # (the background proxy is shared between threads)
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if name in _OPS:
-
-            def counted(*args: Any, **kwargs: Any) -> Any:
-                self.count += 1
-                return attr(*args, **kwargs)
-
-            return counted
-        return attr
+    def _count(self, read: int = 0, written: int = 0, sent: int = 0, received: int = 0) -> None:
+        with self.lock:
+            c = self.counts
+            c.read, c.written, c.sent, c.received = (
+                c.read + read,
+                c.written + written,
+                c.sent + sent,
+                c.received + received,
+            )
 
     def clone(self) -> CountingStore:
-        return CountingStore(self._inner.clone())
+        return self.background if self.background is not None else self
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.inner.set_timeout(timeout)
+
+    def set(self, key: str, value: bytes) -> None:
+        self._count(written=1, sent=_size(key) + _size(value))
+        self.inner.set(key, value)  # type: ignore[arg-type]  # torch's stub: set takes bytes too
+
+    def get(self, key: str) -> bytes:
+        value = self.inner.get(key)
+        self._count(read=1, sent=_size(key), received=len(value))
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        self._count(written=1, sent=_size(key) + 8, received=8)
+        return self.inner.add(key, amount)
+
+    def append(self, key: str, value: bytes) -> None:
+        self._count(written=1, sent=_size(key) + _size(value))
+        self.inner.append(key, value)  # type: ignore[attr-defined]
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        value = self.inner.compare_set(key, expected, desired)  # type: ignore[arg-type]
+        self._count(written=1, sent=_size(key) + _size(expected) + _size(desired), received=len(value))
+        return value
+
+    def multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        self._count(written=len(keys), sent=sum(map(_size, keys)) + sum(map(_size, values)))
+        self.inner.multi_set(keys, values)  # type: ignore[attr-defined]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        values = self.inner.multi_get(keys)  # type: ignore[attr-defined]
+        self._count(read=len(keys), sent=sum(map(_size, keys)), received=sum(map(len, values)))
+        return values
+
+    def check(self, keys: list[str]) -> bool:
+        self._count(read=len(keys), sent=sum(map(_size, keys)), received=1)
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], *timeout: datetime.timedelta) -> None:
+        self._count(read=len(keys), sent=sum(map(_size, keys)))
+        self.inner.wait(keys, *timeout)
+
+    def delete_key(self, key: str) -> bool:
+        self._count(written=1, sent=_size(key), received=1)
+        return self.inner.delete_key(key)
 
 
-def _run_threads(n: int, body: Callable[[int], None]) -> float:
+class World:
+    """N simulated ranks: their counting clients, companions of the world and of the TP group."""
+
+    def __init__(
+        self,
+        n: int,
+        stores: list[CountingStore],
+        world: list[sync.GroupSync],
+        tp: dict[int, sync.GroupSync],
+        background: CountingStore,
+    ) -> None:
+        self.n, self.stores, self.world, self.tp, self.background = n, stores, world, tp, background
+        self.torch_calls = 0
+
+
+def connect(port: int, count: int, workers: int = 128) -> list[dist.TCPStore]:
+    """``count`` new clients of the store at ``port``, made in parallel (a connection stalls 5 s now and
+    then on this machine: the server's reverse lookup, see docs/performance.md)."""
+    if count == 0:
+        return []
+
+    def one(_: int) -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", port, 1, is_master=False, use_libuv=True)
+
+    with ThreadPoolExecutor(min(workers, count)) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def make_world(master: dist.Store, n: int) -> World:
+    """``n`` simulated ranks, each with a peer directory and companions: on ``master``'s server, each
+    through a client of its own, when it is a ``TCPStore``; else all on ``master`` (a ``HashStore``: the
+    same keys, no connections to make, for counting)."""
+    real = connect(master.port, n + 1) if isinstance(master, dist.TCPStore) else [master] * (n + 1)
+    background = CountingStore(real[n])
+    stores = [CountingStore(real[r], background) for r in range(n)]
+    me = this_process()
+    prefix = f"bench/{n}/{time.monotonic_ns()}"
+    ranks = tuple(range(n))
+    world, tp = [], {}
+    for r in range(n):
+        info = dataclasses.replace(me, pid_namespace=10**9 + r // TP, net_namespace=-1)
+        store = cast(dist.Store, stores[r])  # (a proxy with the Store methods the library calls)
+        directory = PeerDirectory(store, prefix, r, info)
+        world.append(sync.GroupSync(ranks, r, store, f"{prefix}/world", directory))
+        if r < min(TP, n):
+            tp[r] = sync.GroupSync(tuple(range(min(TP, n))), r, store, f"{prefix}/tp", directory)
+    return World(n, stores, world, tp, background)
+
+
+def run_threads(n: int, body: Callable[[int], None]) -> float:
     """Run ``body(rank)`` on ``n`` threads released at once; seconds until the last returns."""
     start = threading.Barrier(n + 1)
     errors: list[BaseException] = []
@@ -100,25 +254,7 @@ def _run_threads(n: int, body: Callable[[int], None]) -> float:
     return elapsed
 
 
-def _gather_agreement(group: sync.GroupSync, timeout: float) -> None:
-    """One gather call's store traffic, as :mod:`distribute_utils.gather` makes it."""
-    call = group.new_call(timeout)
-    ranks = list(group.ranks)
-    digest = sync._digest(ranks)
-    first = ranks[0]
-    if group.rank == first:
-        call.post({"c": _Claim("first", None, digest, "auto:False", None).pack()})
-        claims = [_Claim.unpack(v) for v in call.wait_for("c", ranks[1:], timeout, "gather")]
-        assert all(c.digest == digest for c in claims)
-        call.post({"v": _Verdict(True, None, digest).pack()})
-    else:
-        claim = _Claim("send", None, digest, "auto:False", None, ["inline", b"x" * 64]).pack()
-        call.post({"c": claim, "v": _Verdict(False, None, digest).pack()})
-        verdict = _Verdict.unpack(call.wait_verdict(first, timeout, "gather"))
-        assert verdict.receiver and verdict.digest == digest
-
-
-def _torch_barrier(store: Any, n: int, tag: str, timeout: float) -> None:
+def torch_barrier(store: CountingStore, n: int, tag: str, timeout: float) -> None:
     """torch's store-based barrier: one counter, and one key the last rank sets."""
     if store.add(f"{tag}/count", 1) == n:
         store.set(f"{tag}/go", b"1")
@@ -126,41 +262,165 @@ def _torch_barrier(store: Any, n: int, tag: str, timeout: float) -> None:
         store.wait([f"{tag}/go"], datetime.timedelta(seconds=timeout))
 
 
-def run_scale(ns: list[int], repeats: int = 5, timeout: float = 120.0) -> dict[int, dict[str, float]]:
-    """Measure every N in ``ns``; returns per N the medians (s) and store operations per rank."""
+def tiny_gather(w: World, rank: int, timeout: float) -> None:
+    got = gather.gather_on(w.world[rank], {"a": 1}, list(range(w.n)), world_size=w.n, timeout=timeout)
+    assert (rank == 0) == bool(got) and all(c == {"a": 1} for c in got)
+
+
+def tp_pp(w: World, rank: int, timeout: float) -> None:
+    """ModelOpt's pattern: the pipeline merge over the world, then the TP merge on the first stage."""
+    tp = min(TP, w.n)
+    layer = {"rank": rank, "w": torch.full((16,), float(rank))}
+    pipeline = list(range(rank % tp, w.n, tp))
+    merged = gather.gather_on(w.world[rank], layer, pipeline, world_size=w.n, timeout=timeout)
+    assert [c["rank"] for c in merged] == (pipeline if rank == pipeline[0] else [])
+    if rank < tp:
+        shards = gather.gather_on(w.tp[rank], layer["w"], list(range(tp)), world_size=w.n, timeout=timeout)
+        assert len(shards) == (tp if rank == 0 else 0)
+
+
+def run_kind(w: World, kind: str, timeout: float) -> tuple[float, list[Counts]]:
+    """One call of ``kind`` on every simulated rank: seconds, and each rank's store work in it."""
+    if kind == "torch_barrier":
+        w.torch_calls += 1
+        tag = f"torch/{w.n}/{time.monotonic_ns()}/{w.torch_calls}"
+        body: Callable[[int], None] = lambda r: torch_barrier(w.stores[r], w.n, tag, timeout)  # noqa: E731
+    elif kind == "our_barrier":
+        body = lambda r: w.world[r].barrier(timeout)  # noqa: E731
+    elif kind == "tiny_gather":
+        body = lambda r: tiny_gather(w, r, timeout)  # noqa: E731
+    else:
+        body = lambda r: tp_pp(w, r, timeout)  # noqa: E731
+    # One thread of this process deletes every simulated rank's keys of earlier calls (in a job, each
+    # rank's own janitor deletes its few): done before the clock starts, not inside the next call.
+    liveness.JANITOR.drain(timeout)
+    before = [s.counts.copy() for s in w.stores]
+    seconds = run_threads(w.n, body)
+    return seconds, [s.counts.minus(b) for s, b in zip(w.stores, before)]
+
+
+def summary(counts: list[Counts]) -> dict[str, int]:
+    """The first rank's keys and bytes, and the busiest other rank's (by keys)."""
+    busiest = max(counts[1:], key=lambda c: (c.keys, c.bytes)) if len(counts) > 1 else Counts()
+    return {
+        "first_keys": counts[0].keys,
+        "first_bytes": counts[0].bytes,
+        "other_keys": busiest.keys,
+        "other_bytes": busiest.bytes,
+    }
+
+
+def run_scale(
+    ns: list[int],
+    repeats: int = 3,
+    timeout: float = 300.0,
+    kinds: tuple[str, ...] = KINDS,
+    store: str = "tcp",
+) -> dict[int, dict[str, Any]]:
+    """Measure every N in ``ns``: per kind, the first call's and the steady state's seconds (median over
+    ``repeats``) and store work (the first rank's and the busiest other rank's). ``store``: "tcp" (a real
+    ``TCPStore``, a client per rank) or "hash" (an in-process ``HashStore``: keys counted alike, fast)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = 3 * max(ns) + 256
     if soft < needed:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(needed, soft)), hard))
-    master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, use_libuv=True)
-    report: dict[int, dict[str, float]] = {}
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, needed), hard))
+    threading.stack_size(512 * 1024)
+    master: dist.Store
+    if store == "tcp":
+        master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, use_libuv=True)
+    else:
+        master = dist.HashStore()
+    report: dict[int, dict[str, Any]] = {}
     for n in ns:
-        clients = [
-            CountingStore(dist.TCPStore("127.0.0.1", master.port, 1, is_master=False, use_libuv=True))
-            for _ in range(n)
-        ]
-        ranks = tuple(range(n))
-        groups = [sync.GroupSync(ranks, r, clients[r], f"bench/{n}") for r in range(n)]
-        times: dict[str, list[float]] = {"ours_barrier": [], "ours_gather": [], "torch_barrier": []}
-        ops: dict[str, list[float]] = {"ours_barrier": [], "ours_gather": [], "torch_barrier": []}
-        for i in range(repeats):  # interleaved, so that load changes hit every method alike
-            bodies: list[tuple[str, Callable[[int], None]]] = [
-                (
-                    "torch_barrier",
-                    lambda r, c=clients, n=n, i=i: _torch_barrier(c[r], n, f"torch/{n}/{i}", timeout),
-                ),
-                ("ours_barrier", lambda r, g=groups: g[r].barrier(timeout)),
-                ("ours_gather", lambda r, g=groups: _gather_agreement(g[r], timeout)),
-            ]
-            for name, body in bodies:
-                before = sum(c.count for c in clients)
-                times[name].append(_run_threads(n, body))
-                ops[name].append((sum(c.count for c in clients) - before) / n)
-        row = {name: statistics.median(v) for name, v in times.items()}
-        row.update({f"{name}_ops": max(v) * n for name, v in ops.items()})
+        w = make_world(master, n)
+        row: dict[str, Any] = {}
+        for kind in kinds:
+            seconds, counts = run_kind(w, kind, timeout)
+            row[f"{kind}/first"] = {"seconds": seconds, **summary(counts)}
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        last: dict[str, list[Counts]] = {}
+        for _ in range(repeats):  # interleaved, so that load changes hit every kind alike
+            for kind in kinds:
+                seconds, last[kind] = run_kind(w, kind, timeout)
+                times[kind].append(seconds)
+        for kind in kinds:
+            row[f"{kind}/steady"] = {"seconds": statistics.median(times[kind]), **summary(last[kind])}
+        row["background_keys_per_rank"] = w.background.counts.keys / n
         report[n] = row
-        del clients, groups
+        print(f"N={n} done ({time.strftime('%H:%M:%S')}, load {os.getloadavg()[0]:.1f})", file=sys.stderr)
     return report
+
+
+def growth(report: dict[int, dict[str, Any]], key: str) -> float | None:
+    """Least-squares slope of log(seconds) against log(N) over N >= 256 (all N when fewer than two)."""
+    ns = sorted(n for n in report if n >= 256)
+    if len(ns) < 2:
+        ns = sorted(report)
+    if len(ns) < 2:
+        return None
+    xs = [math.log(n) for n in ns]
+    ys = [math.log(report[n][key]["seconds"]) for n in ns]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def verdicts(report: dict[int, dict[str, Any]]) -> list[tuple[str, bool, str]]:
+    """Each target: its name, whether it is met, and the figures it was judged on."""
+    ns = sorted(report)
+    out = []
+    for kind in ("tiny_gather", "tp_pp"):
+        if f"{kind}/first" not in report[ns[0]]:
+            continue
+        for phase in ("first", "steady"):
+            sender = [report[n][f"{kind}/{phase}"]["other_keys"] for n in ns]
+            if kind == "tiny_gather":
+                out.append((f"{kind} {phase}: a sender's keys O(1)", max(sender) <= min(sender), str(sender)))
+            first = [report[n][f"{kind}/{phase}"]["first_keys"] / n for n in ns]
+            out.append(
+                (
+                    f"{kind} {phase}: the first rank's keys O(list) (keys/N)",
+                    first[-1] <= 1.1 * first[0],
+                    ", ".join(f"{f:.2f}" for f in first),
+                )
+            )
+    if "our_barrier/steady" in report[ns[0]]:
+        ratios = [
+            report[n]["our_barrier/steady"]["seconds"] / report[n]["torch_barrier/steady"]["seconds"]
+            for n in ns
+        ]
+        out.append(
+            (
+                f"our barrier within {TARGET_RATIO:g}x torch's at every N",
+                max(ratios) <= TARGET_RATIO,
+                ", ".join(f"{r:.2f}" for r in ratios),
+            )
+        )
+    for kind in ("torch_barrier", "our_barrier", "tiny_gather", "tp_pp"):
+        if f"{kind}/steady" not in report[ns[0]]:
+            continue
+        slope = growth(report, f"{kind}/steady")
+        if slope is not None:
+            ok = slope <= TARGET_EXPONENT or kind == "torch_barrier"  # (the reference: shown, not judged)
+            out.append((f"{kind} growth exponent <= {TARGET_EXPONENT:g}", ok, f"{slope:.2f}"))
+    return out
+
+
+def print_report(report: dict[int, dict[str, Any]]) -> None:
+    print(
+        f"{'N':>5} {'kind':>13} {'phase':>6} {'ms':>9} {'rank 0 keys':>11} {'bytes':>9} {'other keys':>10} {'bytes':>7}"
+    )
+    for n, row in report.items():
+        for name, cell in row.items():
+            if not isinstance(cell, dict):
+                continue
+            kind, phase = name.split("/")
+            print(
+                f"{n:>5} {kind:>13} {phase:>6} {cell['seconds'] * 1e3:>9.1f} {cell['first_keys']:>11} "
+                f"{cell['first_bytes']:>9} {cell['other_keys']:>10} {cell['other_bytes']:>7}"
+            )
+        print(f"{n:>5} background (watchdog, janitor) keys per rank: {row['background_keys_per_rank']:.1f}")
+    for name, ok, figures in verdicts(report):
+        print(f"{'met   ' if ok else 'MISSED'} {name}: {figures}")
 
 
 def _real_rank(repeats: int) -> dict[str, float]:
@@ -202,7 +462,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--store", choices=["tcp", "hash"], default="tcp", help="hash: in-process, counts only"
+    )
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--json", help="also write the report here")
     parser.add_argument("--real", type=int, nargs="*", help="world sizes of real rank processes")
     args = parser.parse_args(argv)
     if args.real:
@@ -214,23 +479,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['gloo_barrier'] * 1e3:>13.3f}"
             )
         return 0
-    report = run_scale(args.ranks, args.repeats)
-    print(
-        f"{'N':>6} {'torch barrier':>14} {'our barrier':>12} {'ratio':>6} {'our gather':>11} {'ops/rank b,g':>13}"
-    )
-    for n, row in report.items():
-        print(
-            f"{n:>6} {row['torch_barrier'] * 1e3:>11.1f} ms {row['ours_barrier'] * 1e3:>9.1f} ms "
-            f"{row['ours_barrier'] / row['torch_barrier']:>6.2f} {row['ours_gather'] * 1e3:>8.1f} ms "
-            f"{row['ours_barrier_ops'] / n:>6.1f},{row['ours_gather_ops'] / n:>5.1f}"
-        )
-    ns = sorted(report)
-    for lo, hi in itertools.pairwise(ns):
-        exponents = {
-            name: math.log(report[hi][name] / report[lo][name]) / math.log(hi / lo)
-            for name in ("torch_barrier", "ours_barrier", "ours_gather")
-        }
-        print(f"growth exponent {lo}->{hi}: " + ", ".join(f"{k} {v:.2f}" for k, v in exponents.items()))
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    print(f"commit {commit or '?'}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
+    report = run_scale(args.ranks, args.repeats, kinds=tuple(args.kinds), store=args.store)
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"commit": commit, "report": report}, indent=1))
     return 0
 
 

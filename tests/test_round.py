@@ -522,13 +522,22 @@ def test_store_host_gone_is_a_peer_lost_error() -> None:
     assert "rendezvous store" in str(failure[0]) or "did not arrive" in str(failure[0])
 
 
-def test_sync_is_linear_in_store_operations() -> None:
-    """Smoke run of the scale benchmark at a small N (not timed: counts operations)."""
+def test_store_keys_per_round_a_sender_constant_the_first_rank_linear() -> None:
+    """The real round on simulated ranks (scripts/bench_sync_scale.py: threads, each with its own peer
+    directory and companion, running gather.gather_on through the store channel; an in-process store,
+    every key of every operation counted per rank) at N = 8 and 64. A sender's keys per round are the
+    same at every N, its first call included (it reads its first rank's info, not every rank's); the
+    first rank's grow by one or two per participant (their claims; on the first call their infos)."""
     bench = load_script("bench_sync_scale")
-    report = bench.run_scale([8, 32], repeats=2)
-    for n, row in report.items():
-        assert row["ours_barrier_ops"] <= 4 * n, row
-        assert row["ours_gather_ops"] <= 4 * n, row
+    report = bench.run_scale([8, 64], repeats=1, kinds=("our_barrier", "tiny_gather"), store="hash")
+    for phase in ("first", "steady"):
+        small, large = (report[n][f"tiny_gather/{phase}"] for n in (8, 64))
+        assert small["other_keys"] == large["other_keys"] <= 4, (phase, small, large)
+        slope = (large["first_keys"] - small["first_keys"]) / (64 - 8)
+        assert 1 <= slope <= 2 and large["first_keys"] <= 2 * 64 + 2, (phase, small, large)
+        for n in (8, 64):
+            barrier = report[n][f"our_barrier/{phase}"]
+            assert barrier["first_keys"] <= 4 and barrier["other_keys"] <= 4, (n, phase, barrier)
 
 
 def test_the_janitor_never_connects_to_a_store_that_is_gone_or_dropped() -> None:

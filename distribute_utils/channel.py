@@ -1,0 +1,247 @@
+"""How one gather call's claims and verdicts travel: the store, or this host's mailboxes.
+
+A gather call (:mod:`distribute_utils.gather`) is one hop each way: every sender posts one *claim*
+(what it sends and where its payload is), the first rank reads its own participants' claims and posts
+one *verdict*, which each sender awaits. A :class:`Channel` carries those bytes; the round builds them,
+reads them and never asks which channel it has. Two implementations:
+
+- :class:`StoreChannel`: keys of the call in the group's namespace of the job's store (a sender's
+  claim ``c/<rank>`` and a marker ``v/<rank>``, the first rank's claim ``c/<first>`` and verdict
+  ``v/<first>``); it works between any ranks.
+- :class:`MailboxChannel`: datagrams between the processes of one host
+  (:mod:`distribute_utils.mailbox`), nothing in the store while all goes well; a sender's payload may
+  travel inside its claim message (``attached``). A rank that gives up also posts what a store round
+  would hold, so that a partner that went through the store hears it there.
+
+Call order, on each rank of one gather, from the thread that runs the call:
+
+- a **sender**: :meth:`~Channel.post_claim` once, then :meth:`~Channel.await_verdict` once; when
+  anything fails (before, between or in them), :meth:`~Channel.give_up` with its failed claim.
+- the **first rank**: :meth:`~Channel.post_claim` with its own claim, :meth:`~Channel.claims` once,
+  then :meth:`~Channel.post_verdict`; when anything fails, :meth:`~Channel.give_up` with its failed
+  claim and verdict instead of posting the verdict.
+
+Every wait is bounded by the channel's ``timeout`` and names the ranks that did not come
+(:class:`~distribute_utils.errors.PeerLostError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from .errors import PayloadError
+from .liveness import GRACE_S
+from .sync import RETRY_S, Call
+
+__all__ = ["Buffer", "Channel", "Judge", "MailboxChannel", "StoreChannel", "Take"]
+
+logger = logging.getLogger(__name__)
+
+Buffer = bytes | bytearray | memoryview
+Judge = Callable[[int, "list[Any] | str | None"], bool]
+"""Reads a partner's answer to "what do you do in this call" (see :meth:`Call.receive_direct`)."""
+Take = Callable[[int, Buffer, "memoryview | None"], None]
+"""Takes one sender's claim as it comes: ``(rank, claim, attached payload or None)``; may raise."""
+
+SMALL_CLAIM_BYTES = 4096  # larger claims (inline payloads) are overwritten once taken, not kept
+_CLAIM, _VERDICT = 0, 1  # kinds of direct messages (distribute_utils.mailbox)
+_CLAIM_LENGTH = struct.Struct("<I")  # a direct claim message: its length, the claim, an attached payload
+
+
+class Channel(Protocol):
+    """Carries one gather call's claims and verdicts (see the module doc for the call order)."""
+
+    path: str
+    """How this rank's record names the round it takes ("store" or "direct"; read by partners)."""
+    attach_max: int
+    """Payload bytes that may travel inside a sender's claim message (0: none)."""
+    hears_all: bool
+    """Whether :meth:`claims` can hear every participant, also one that took the other channel."""
+
+    @property
+    def delivered(self) -> bool:
+        """Whether this rank's claim has reached its first rank's side (its notes went with it)."""
+        ...
+
+    def post_claim(self, claim: bytes, attached: Sequence[Buffer] = ()) -> None:
+        """Post this rank's claim (a sender's with its ``attached`` payload, at most :attr:`attach_max`
+        bytes). Every participant, once, first."""
+        ...
+
+    def claims(self, senders: Sequence[int], what: str, judge: Judge, take: Take) -> None:
+        """The first rank: hand each of ``senders``' claims to ``take`` as it comes (``judge`` reads a
+        late partner's answer where the channel can ask). Raises what ``take`` raised, or
+        :class:`~distribute_utils.errors.PeerLostError` naming the senders that did not come."""
+        ...
+
+    def post_verdict(self, verdict: bytes, senders: Sequence[int], what: str) -> None:
+        """The first rank, all claims taken: post ``verdict`` to ``senders``."""
+        ...
+
+    def await_verdict(self, what: str, judge: Judge) -> Buffer:
+        """A sender, its claim posted: its first rank's verdict (or the marker of a rank that does not
+        receive, when it named one as its first rank)."""
+        ...
+
+    def give_up(self, claim: bytes, verdict: bytes | None = None) -> None:
+        """This rank failed: post ``claim`` (carrying the error) and, the first rank, ``verdict``,
+        wherever a partner may look for them. Raises PeerLostError when the store is gone."""
+        ...
+
+
+class StoreChannel:
+    """Claims and verdicts as keys of ``call`` in the job's store.
+
+    ``marker`` is what a rank that does not receive posts under its own verdict key (a rank that wrongly
+    waits on it hears why at once); ``taken()`` what replaces claims larger than
+    :data:`SMALL_CLAIM_BYTES` once the verdict is posted (their inline payloads are not kept).
+    :meth:`claims` hands every claim over, also after ``take`` raised, then raises the first error: a
+    failing round can then discard what each sender published.
+    """
+
+    path = "store"
+    attach_max = 0
+    hears_all = True
+
+    def __init__(
+        self,
+        call: Call,
+        first: int,
+        timeout: float,
+        *,
+        receiver: bool,
+        marker: Callable[[], bytes],
+        taken: Callable[[], bytes],
+    ) -> None:
+        self.call, self.first, self.timeout, self.receiver = call, first, timeout, receiver
+        self.marker, self.taken = marker, taken
+        self._posted = False
+        self._bulky: list[int] = []
+
+    @property
+    def delivered(self) -> bool:
+        return self._posted
+
+    def post_claim(self, claim: bytes, attached: Sequence[Buffer] = ()) -> None:
+        assert not attached, "the store carries no payload inside a claim (attach_max is 0)"
+        self.call.post({"c": claim} if self.receiver else {"c": claim, "v": self.marker()})
+        self._posted = True
+
+    def claims(self, senders: Sequence[int], what: str, judge: Judge, take: Take) -> None:
+        values = self.call.wait_for("c", senders, self.timeout, what)
+        self._bulky = [r for r, v in zip(senders, values) if len(v) > SMALL_CLAIM_BYTES]
+        error: Exception | None = None
+        for rank, value in zip(senders, values):
+            try:
+                take(rank, value, None)
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def post_verdict(self, verdict: bytes, senders: Sequence[int], what: str) -> None:
+        bulky = self._bulky
+        self.call.post({"v": verdict}, ("c", bulky, self.taken() if bulky else b""))
+
+    def await_verdict(self, what: str, judge: Judge) -> Buffer:
+        return self.call.wait_verdict(self.first, self.timeout, what)
+
+    def give_up(self, claim: bytes, verdict: bytes | None = None) -> None:
+        values: dict[str, bytes] = {}
+        if not self._posted:
+            values["c"] = claim
+        if verdict is not None:
+            values["v"] = verdict
+        elif not self._posted and not self.receiver:
+            values["v"] = self.marker()
+        if values:
+            self.call.post(values)
+            self._posted = True
+
+
+class MailboxChannel:
+    """Claims and verdicts as datagrams between the mailboxes of ``ranks`` (all on this host, in one pid
+    and network namespace: see :meth:`~distribute_utils.sync.GroupSync.direct`).
+
+    A sender's claim that its first rank did not take yet (not listening yet, its queue full) is sent
+    again while the sender waits for its verdict. :meth:`give_up` tells the partners directly where it
+    can, and posts in the store what a :class:`StoreChannel` would hold (``store()`` makes that one,
+    for this call, only then).
+    """
+
+    path = "direct"
+    hears_all = False
+
+    def __init__(
+        self,
+        call: Call,
+        ranks: Sequence[int],
+        timeout: float,
+        store: Callable[[], StoreChannel],
+        attach_max: int,
+    ) -> None:
+        self.call, self.ranks, self.first, self.timeout = call, ranks, ranks[0], timeout
+        self.store, self.attach_max = store, attach_max
+        self.receiver = call.sync.rank == self.first
+        self._delivered = False
+        self._message: list[Buffer] = []
+
+    @property
+    def delivered(self) -> bool:
+        return self._delivered
+
+    def post_claim(self, claim: bytes, attached: Sequence[Buffer] = ()) -> None:
+        if self.receiver:
+            return  # its claim is its record: a sender past the grace asks for it
+        self._message = [_CLAIM_LENGTH.pack(len(claim)), claim, *attached]
+        self._delivered = self.call.send_direct(self.first, _CLAIM, self._message, GRACE_S)
+
+    def claims(self, senders: Sequence[int], what: str, judge: Judge, take: Take) -> None:
+        def arrived(rank: int, data: bytearray) -> None:
+            message = memoryview(data)
+            try:
+                (length,) = _CLAIM_LENGTH.unpack_from(message)
+            except struct.error as exc:
+                raise PayloadError(f"rank {rank} sent a malformed claim: {exc}") from None
+            end = _CLAIM_LENGTH.size + length
+            take(rank, message[_CLAIM_LENGTH.size : end], message[end:])
+
+        self.call.receive_direct(_CLAIM, senders, self.timeout, what, judge, arrived)
+
+    def post_verdict(self, verdict: bytes, senders: Sequence[int], what: str) -> None:
+        for rank in senders:  # each waits in its mailbox, so there is room; one that left is not told
+            if not self.call.send_direct(rank, _VERDICT, [verdict], GRACE_S):
+                logger.warning("%s: rank %d no longer listens for its verdict", what, rank)
+
+    def await_verdict(self, what: str, judge: Judge) -> Buffer:
+        call = self.call
+
+        def undelivered() -> bool:  # the first rank did not listen yet, or its queue was full
+            self._delivered = self._delivered or call.send_direct(self.first, _CLAIM, self._message, RETRY_S)
+            return not self._delivered
+
+        found: list[bytearray] = []
+        call.receive_direct(
+            _VERDICT,
+            [self.first],
+            self.timeout,
+            what,
+            judge,
+            lambda _, data: found.append(data),
+            None if self._delivered else undelivered,
+            second_chance=True,
+        )
+        return found[0]
+
+    def give_up(self, claim: bytes, verdict: bytes | None = None) -> None:
+        with contextlib.suppress(OSError):  # else they hear it from its record, or from the store
+            if self.receiver and verdict is not None:
+                for rank in self.ranks[1:]:
+                    self.call.send_direct(rank, _VERDICT, [verdict])
+            elif not self.receiver and not self._delivered:
+                self.call.send_direct(self.first, _CLAIM, [_CLAIM_LENGTH.pack(len(claim)), claim])
+        self.store().give_up(claim, verdict)
