@@ -136,9 +136,27 @@ def store_lost(what: str, exc: BaseException, store: dist.Store) -> PeerLostErro
     """The error of an operation on ``store`` that failed with ``exc``: when its server no longer takes
     connections, the store is gone for good (see :func:`store_gone`)."""
     refused = refusal(store)
+    # A server killed this instant may still accept while its process exits (its connections can close
+    # before its listener does): when the peer closed ours, look again for a moment before saying "lost".
+    for _ in range(_CLOSED_PROBES if refused is None and _closed_by_peer(exc) else 0):
+        time.sleep(0.1)
+        refused = refusal(store)
+        if refused is not None:
+            break
     if isinstance(refused, ConnectionRefusedError):
         return store_gone(what, store, refused)
     return _lost_contact(what, store, exc)
+
+
+_CLOSED_PROBES = 10  # (one second at most, only after the store's server closed a connection)
+
+
+def _closed_by_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` says the other end closed the connection (torch's store errors carry only text)."""
+    if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+        return True
+    text = str(exc)
+    return any(word in text for word in ("Broken pipe", "Connection reset", "connection was closed"))
 
 
 def _lost_contact(what: str, store: dist.Store, exc: BaseException) -> PeerLostError:
