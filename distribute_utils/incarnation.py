@@ -384,7 +384,11 @@ class PeerDirectory:
             return all(i.direct_domain == domain for i in self.infos(ranks, store, timeout, what))
         if self.info(ranks[0], store, timeout, what).direct_domain != domain:
             return False
-        listed = {int(r) for r in store.get(self._direct_key(self.me)).decode().split(",") if r}
+        try:
+            raw = store.get(self._direct_key(self.me))
+        except Exception as exc:
+            raise store_lost(what, exc, store) from None
+        listed = {int(r) for r in raw.decode().split(",") if r}
         return all(r in listed or self.info(r, store, timeout, what).direct_domain == domain for r in ranks)
 
     def known(self) -> dict[int, ProcessInfo]:

@@ -142,15 +142,10 @@ _PLAIN_RAISES_ALLOWED = {
     # Re-raise of a failed write with the tensor named: OSError(errno, ...) builds the errno's own subclass
     # (PermissionError, ...) and keeps the errno, as the OSError it replaces had them.
     ("consolidate/job.py", "write_item", "OSError"),
-}
-# Plain raises in files other helpers were editing when this test was written (issue 33): convert them
-# and delete their rows; a row whose raise is gone fails the test as stale.
-_PLAIN_RAISES_PENDING = {
+    # fallocate(2) failed: OSError(errno, strerror) is the errno's own subclass, as the libc call's would be.
     ("transports/files.py", "reserve_space", "OSError"),
-    ("transports/namespace.py", "check_token", "ValueError"),
-    ("transports/nfs_workspace.py", "NFSWorkspace._require", "ValueError"),
-    ("transports/workspace.py", "WorkspaceTransport.__init__", "ValueError"),
-    ("transports/workspace.py", "WorkspaceTransport.publish", "ValueError"),
+    # The Mapping protocol: __getitem__ of a missing key raises KeyError itself.
+    ("sync.py", "_Every.__getitem__", "KeyError"),
 }
 _PLAIN = ("ValueError", "TypeError", "RuntimeError", "OSError", "TimeoutError", "KeyError", "IndexError")
 
@@ -179,7 +174,7 @@ def _plain_raises() -> set[tuple[str, str, str]]:
 def test_no_plain_builtin_is_raised_on_purpose() -> None:
     """Every error raised on purpose is a ``DistributeError`` (and the built-in it resembles)."""
     found = _plain_raises()
-    allowed = _PLAIN_RAISES_ALLOWED | _PLAIN_RAISES_PENDING
+    allowed = _PLAIN_RAISES_ALLOWED
     plain = sorted(found - allowed)
     assert not plain, f"raise an errors.py class (derived from the same built-in) instead: {plain}"
     stale = sorted(allowed - found)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .. import interrupts
 from .._host import ProcessInfo, process_alive, this_process
-from ..errors import DistributeError, WorkspaceError
+from ..errors import ArgumentError, DistributeError, WorkspaceError
 from .files import atomic_write, filesystem_type, unlink, write_error
 
 __all__ = [
@@ -76,7 +76,7 @@ _TOKEN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 # -- small helpers -------------------------------------------------------------------------------
 def check_token(token: str, what: str) -> str:
     if not isinstance(token, str) or not _TOKEN_RE.fullmatch(token):
-        raise ValueError(
+        raise ArgumentError(
             f"{what} {token!r:.80} is not usable in a file name: expected 1-128 characters "
             "from [A-Za-z0-9_-], not starting with '_' or '-'"
         )

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 import torch
 import torch.distributed as dist
 
-from ..errors import PayloadError
+from ..errors import ArgumentError, PayloadError
 from ..wire import decode, encode
 from .files import LOCAL_FS, atomic_write, read_payload_file, unlink
 from .namespace import FILE_SUFFIX, close_namespace, job_token, on_namespace_close, open_namespace, sweep_once
@@ -186,7 +186,7 @@ class NFSWorkspace:
 
     def _require(self) -> _RankState:
         if self._state is None:
-            raise ValueError("NFSWorkspace is not initialized: pass a workspace_path")
+            raise ArgumentError("NFSWorkspace is not initialized: pass a workspace_path")
         if self._ns.closed or self._ns.pid != os.getpid():  # rejoin after close()
             self._ns = open_namespace(self._ns.workspace, self._ns.token, self._timeout)
         return self._state

@@ -21,7 +21,7 @@ import os
 import time
 from typing import Any, Literal
 
-from ..errors import PayloadError
+from ..errors import ArgumentError, PayloadError
 from ..wire import FLAG_CHECKSUM, EncodedPayload, read_prefix
 from .base import Carrier, Context
 from .files import LOCAL_FS, atomic_write, read_payload_file, unlink
@@ -83,7 +83,7 @@ class WorkspaceTransport:
         lock: bool = True,
     ) -> None:
         if read_mode not in ("auto", "read", "mmap"):
-            raise ValueError(f"read_mode must be 'auto', 'read' or 'mmap'; got {read_mode!r}")
+            raise ArgumentError(f"read_mode must be 'auto', 'read' or 'mmap'; got {read_mode!r}")
         self._ns = open_namespace(workspace_path, job_token, timeout, lock)
         if sweep_stale:
             sweep_once(self._ns.workspace, timeout)
@@ -125,7 +125,7 @@ class WorkspaceTransport:
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> None:
         """Write ``payload`` to its file (atomically); the receipt is None: names follow from the token."""
         if not read_prefix(payload.head).flags & FLAG_CHECKSUM:
-            raise ValueError(
+            raise ArgumentError(
                 "the workspace transport needs payloads encoded with checksum=True "
                 "(a network filesystem may serve stale or partial bytes)"
             )
