@@ -1380,8 +1380,9 @@ def test_decode_from_a_separate_data_tensor_builds_views_of_it() -> None:
     with pytest.raises(TypeError, match="decode_split takes a flat, contiguous uint8 tensor"):
         wire.decode_split(head, data.view(torch.int8))
     summed = wire.encode(tree, checksum=True)
+    summed_data = torch.frombuffer(bytearray(summed.to_bytes()), dtype=torch.uint8)
     with pytest.raises(PayloadError, match="cannot carry a checksum"):
-        wire.decode_split(bytes(summed.head), torch.frombuffer(summed.to_bytes(), dtype=torch.uint8))
+        wire.decode_split(bytes(summed.head), summed_data)
 
 
 def test_decode_accepts_a_cpu_uint8_tensor_zero_copy() -> None:
