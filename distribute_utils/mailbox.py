@@ -7,7 +7,7 @@ store and leaves a key to delete later (``docs/performance.md``, "The round with
 
 - A :class:`Mailbox` is one process's socket for one group, bound to an abstract address made of
   the process's pid and start time and the group's namespace: nothing on disk, gone with the
-  socket. A sender knows the address from the peer's :class:`~distribute_utils._host.ProcessInfo`.
+  socket. A sender knows the address from the peer's :class:`~distribute_utils.processes.ProcessInfo`.
 - A message is taken only when the kernel says (``SCM_CREDENTIALS``) that it comes from this user
   and from the process the named rank runs as; anything else is dropped.
 - A message is ``(call number, sender's rank, kind)`` and bytes. Messages of a later call are kept
@@ -48,9 +48,9 @@ from typing import Any
 
 import msgpack
 
-from ._host import ProcessInfo
 from .caches import Recent
 from .errors import MailboxError
+from .processes import ProcessInfo
 
 __all__ = [
     "ANCILLARY_SIZE",

@@ -166,7 +166,7 @@ def test_without_a_notice_socket_the_report_waits_for_a_verdict() -> None:
 
 
 def test_a_notice_from_another_process_than_the_receiver_is_ignored() -> None:
-    from distribute_utils._host import this_process
+    from distribute_utils.processes import this_process
 
     pool = shm.SegmentPool()
     seg = pool.take(2**20)
@@ -482,7 +482,7 @@ def test_a_segment_whose_receiver_died_is_given_back() -> None:
     import subprocess
     import sys
 
-    from distribute_utils._host import this_process
+    from distribute_utils.processes import this_process
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -507,6 +507,6 @@ def test_a_segment_whose_receiver_died_is_given_back() -> None:
 
 
 def _start(pid: int) -> int:
-    from distribute_utils._host import _start_time
+    from distribute_utils.processes import pid_start_time
 
-    return _start_time(pid)
+    return pid_start_time(pid)

@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import interrupts
-from .._host import SHM_DIR, ProcessInfo, process_alive
 from ..errors import PayloadError, PeerLostError, SpaceError
 from ..mailbox import ANCILLARY_SIZE, sender_pid
+from ..processes import SHM_DIR, ProcessInfo, process_alive
 from ..wire import EncodedPayload, stated_length
 from .base import Context
 from .files import reserve_space, unlink
