@@ -67,7 +67,6 @@ import torch
 import torch.distributed as dist
 
 from . import sync, wire
-from ._host import process_alive
 from .caches import Recent
 from .channel import Buffer, Channel, MailboxChannel, StoreChannel
 from .errors import (
@@ -80,6 +79,7 @@ from .errors import (
     UnsupportedTypeError,
 )
 from .mesh import ProcessGroupMesh
+from .processes import process_alive
 from .transports import CollectiveTransport, carriers
 from .transports.base import Carrier, Context, Route
 from .transports.collective import message_device

@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO, cast
 
-from ._host import SHM_DIR, pid_alive, process_alive, this_process
 from .errors import DistributeError
+from .processes import SHM_DIR, pid_alive, process_alive, this_process
 from .temporaries import RECORD_DIR, find_abandoned, remove_abandoned
 
 __all__ = [

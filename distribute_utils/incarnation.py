@@ -37,9 +37,9 @@ from typing import Any, Protocol
 import msgpack
 import torch.distributed as dist
 
-from ._host import ProcessInfo, this_process
 from .errors import ArgumentError, ForkedProcessError, NotInitializedError, PeerLostError
 from .mailbox import answer_inquiries
+from .processes import ProcessInfo, this_process
 
 __all__ = [
     "CONNECT_ATTEMPT_S",

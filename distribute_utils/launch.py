@@ -29,8 +29,8 @@ from typing import Any
 import torch.distributed as dist
 
 from . import interrupts
-from ._host import ProcessInfo, process_alive, this_process
 from .errors import ArgumentError, LaunchError
+from .processes import ProcessInfo, process_alive, this_process
 from .temporaries import remove_abandoned_by
 from .transports.shm import remove_segments_of
 

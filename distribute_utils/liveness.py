@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch.distributed as dist
 
-from ._host import ProcessInfo, process_alive
 from .errors import PeerLostError
 from .incarnation import PROBE_TIMEOUT_S, PeerDirectory, new_client, refusal, store_gone, wait_values
+from .processes import ProcessInfo, process_alive
 
 __all__ = [
     "GRACE_S",

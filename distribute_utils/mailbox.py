@@ -7,7 +7,7 @@ store and leaves a key to delete later (``docs/performance.md``, "The round with
 
 - A :class:`Mailbox` is one process's socket for one group, bound to an abstract address made of
   the process's pid and start time and the group's namespace: nothing on disk, gone with the
-  socket. A sender knows the address from the peer's :class:`~distribute_utils._host.ProcessInfo`.
+  socket. A sender knows the address from the peer's :class:`~distribute_utils.processes.ProcessInfo`.
 - A message is taken only when the kernel says (``SCM_CREDENTIALS``) that it comes from this user
   and from the process the named rank runs as; anything else is dropped.
 - A message is ``(call number, sender's rank, kind)`` and bytes. Messages of a later call are kept
@@ -19,6 +19,13 @@ store and leaves a key to delete later (``docs/performance.md``, "The round with
 - A waiter that waits long can :meth:`~Mailbox.inquire` what a peer does in its call: each process
   answers from a thread of its own (:func:`answer_inquiries`), from what it remembers of its latest
   calls, even while it is busy elsewhere. Nothing is sent or stored for that while all goes well.
+
+Fault injection (tests): :func:`inject` sets one hook per process, called as ``hook(point, what)`` at
+
+- ``"listen"``: before this process binds a socket to listen (``what``: what for, as in the error:
+  ``"inquiries"``, ``"direct messages of group <namespace>"``); an ``OSError`` raised there fails it
+  as the kernel's refusal would (:class:`MailboxError` "cannot listen for ...", so the process takes
+  no part in direct rounds).
 
 Call order: one thread at a time per mailbox (a group's calls are; see :mod:`distribute_utils.sync`).
 :meth:`Mailbox.send` and :meth:`Mailbox.receive` never wait longer than they are told to.
@@ -41,18 +48,20 @@ from typing import Any
 
 import msgpack
 
-from ._host import ProcessInfo
 from .caches import Recent
 from .errors import MailboxError
+from .processes import ProcessInfo
 
 __all__ = [
     "ANCILLARY_SIZE",
     "ANSWER",
     "MAX_MESSAGE_BYTES",
     "POLL_S",
+    "FaultHook",
     "Mailbox",
     "MailboxError",
     "answer_inquiries",
+    "inject",
     "sender_pid",
 ]
 
@@ -91,9 +100,23 @@ def _address(process: ProcessInfo, namespace: str) -> bytes:
     return f"\0{__package__}/{process.pid_namespace}-{process.pid}-{process.start_time}/{digest}".encode()
 
 
+FaultHook = Callable[[str, str], None]
+_hook: FaultHook | None = None
+
+
+def inject(hook: FaultHook | None) -> FaultHook | None:
+    """Call ``hook`` at this process's mailbox fault points (see module doc; None: no hook). Returns
+    the hook it replaces, to put back."""
+    global _hook
+    before, _hook = _hook, hook
+    return before
+
+
 def _socket(address: bytes, what: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
+        if _hook is not None:
+            _hook("listen", what)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_MESSAGE_BYTES)
         room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 1024  # (the kernel's own part)

@@ -48,7 +48,6 @@ from typing import Any, cast
 import msgpack
 import torch.distributed as dist
 
-from ._host import ProcessInfo, process_alive
 from .caches import Recent
 from .errors import ArgumentError, ConcurrentUseError, NotInitializedError, PeerLostError
 from .incarnation import (
@@ -69,6 +68,7 @@ from .incarnation import (
 )
 from .liveness import GRACE_S, JANITOR, TOMBSTONE, WATCH_INTERVAL_S, Watch, exited, wait_watched
 from .mailbox import ANSWER, Mailbox, MailboxError
+from .processes import ProcessInfo, process_alive
 
 __all__ = [
     "COLLECT_EVERY",

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import interrupts
-from ._host import SHM_DIR, ProcessInfo, process_alive, this_process
 from .errors import ArgumentError
+from .processes import SHM_DIR, ProcessInfo, process_alive, this_process
 
 __all__ = [
     "RECORD_DIR",

@@ -31,9 +31,10 @@ import os
 import reprlib
 import struct
 import sys
+import types
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
@@ -46,6 +47,7 @@ from .errors import ArgumentError, DeviceUnavailableError, PayloadError, SpaceEr
 __all__ = [
     "ALIGN",
     "DEFAULT_MAX_HEADER_BYTES",
+    "DTYPE_BY_NAME",
     "EXT_BIGINT",
     "EXT_DATACLASS",
     "EXT_TENSOR",
@@ -64,7 +66,9 @@ __all__ = [
     "PayloadPrefix",
     "as_uint8",
     "decode",
+    "decode_split",
     "encode",
+    "head_known",
     "nesting_error",
     "pwrite_all",
     "read_prefix",
@@ -160,9 +164,11 @@ def _dtype_table() -> dict[str, torch.dtype]:
     return dict(sorted(table.items()))
 
 
-_DTYPES: dict[str, torch.dtype] = _dtype_table()
-_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
-SUPPORTED_DTYPES: tuple[str, ...] = tuple(_DTYPES)
+DTYPE_BY_NAME: Mapping[str, torch.dtype] = types.MappingProxyType(_dtype_table())
+"""The dtype each name of :data:`SUPPORTED_DTYPES` stands for (what :func:`decode` reads a tensor entry's
+dtype name as; tests check it against torch's)."""
+_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}
+SUPPORTED_DTYPES: tuple[str, ...] = tuple(DTYPE_BY_NAME)
 """Names of the dtypes a payload may carry (``str(dtype)`` without the ``torch.`` prefix)."""
 
 # Same-itemsize dtypes with copy kernels everywhere: sub-byte shells (int4, uint3, ...) and
@@ -980,16 +986,55 @@ def decode(
         DeviceUnavailableError: with :data:`SOURCE_DEVICE`, a tensor's device does not exist in
             this process (named with the tensor's path), raised before any tensor is built.
     """
-    data: torch.Tensor | None = None
     if isinstance(buf, torch.Tensor):
-        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-            raise UnsupportedTypeError("decode takes a flat, contiguous uint8 tensor")
-        if buf.device.type == "cpu":
-            buf = tensor_buffer(buf)
-        else:  # device memory: read the header on the host, build tensors as device views
-            data = buf
+        _check_flat_bytes(buf, "decode")
+        if buf.device.type != "cpu":  # device memory: read its head on the host, tensors are views of it
             head_len = read_prefix(bytes(tensor_buffer(buf[:PREFIX_SIZE].cpu()))).header_len
-            buf = bytes(tensor_buffer(buf[: PREFIX_SIZE + head_len].cpu()))
+            head = bytes(tensor_buffer(buf[: PREFIX_SIZE + head_len].cpu()))
+            return _decode_checked(head, device, verify, max_header_bytes, buf, root)
+        buf = tensor_buffer(buf)
+    return _decode_checked(buf, device, verify, max_header_bytes, None, root)
+
+
+def decode_split(
+    head: Any,
+    data: torch.Tensor,
+    *,
+    device: str | torch.device | None = None,
+    verify: bool = True,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    root: str = "config",
+) -> object:
+    """Decode a payload held in two parts: ``head``, a bytes-like host copy of its first bytes through
+    the end of its header, and ``data``, the whole payload as a flat uint8 tensor on any device.
+
+    What :func:`decode` does for a tensor in device memory (after copying its head to the host); a
+    caller that holds the head on the host already (and tests, with ``data`` on the CPU) call it
+    directly. Tensors are views of ``data`` (copies when ``device`` names another device); a payload
+    carrying a checksum is refused (its bytes are not on the host to check). Arguments and errors as
+    :func:`decode`'s.
+    """
+    _check_flat_bytes(data, "decode_split")
+    return _decode_checked(head, device, verify, max_header_bytes, data, root)
+
+
+def _check_flat_bytes(buf: torch.Tensor, caller: str) -> None:
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+        raise UnsupportedTypeError(
+            f"{caller} takes a flat, contiguous uint8 tensor, got dtype {buf.dtype} and shape {tuple(buf.shape)}"
+        )
+
+
+def _decode_checked(
+    buf: Any,
+    device: str | torch.device | None,
+    verify: bool,
+    max_header_bytes: int,
+    data: torch.Tensor | None,
+    root: str,
+) -> object:
+    """:func:`_decode` of ``buf`` (host bytes: the whole payload, or its head when ``data`` holds it),
+    its errors raised afresh once the views of ``buf`` are let go."""
     mv = _bytes_view(buf)
     try:
         return _decode(mv, device, verify, max_header_bytes, data, root)
@@ -1143,6 +1188,14 @@ def _head_key(mv: memoryview, max_header_bytes: int) -> bytes | None:
 
 # Checked heads (prefix and header): their bytes -> what they say.
 _HEADS: Recent[Any, Any] = Recent(_RECENT_MAX)
+
+
+def head_known(buf: Any, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> bool:
+    """Whether :func:`decode` takes the head (prefix and header) of the payload in ``buf`` as checked
+    before, and skips those checks (never the length, device and checksum ones); for tests and
+    diagnostics."""
+    key = _head_key(_bytes_view(buf), max_header_bytes)
+    return key is not None and key in _HEADS
 
 
 _MSGPACK_DEPTH = 1024  # msgpack's unpacker nests at most this many containers
@@ -1382,10 +1435,10 @@ def _read_table(raw: memoryview, header_end: int, total_len: int, version: int) 
                 f"tensor {i}: bad device {_shown(where, 60)}; expected a device as str(tensor.device) "
                 "writes it ('cpu', 'cuda:1', 'meta')"
             )
-        dtype = _DTYPES.get(name) if type(name) is str else None
+        dtype = DTYPE_BY_NAME.get(name) if type(name) is str else None
         if dtype is None:
             raise PayloadError(
-                f"tensor {i}: unknown dtype {_shown(name, 60)}; expected one of {', '.join(_DTYPES)}"
+                f"tensor {i}: unknown dtype {_shown(name, 60)}; expected one of {', '.join(DTYPE_BY_NAME)}"
             )
         if (
             type(shape) is not list

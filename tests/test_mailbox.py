@@ -11,8 +11,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from distribute_utils._host import ProcessInfo, this_process
 from distribute_utils.mailbox import ANSWER, MAX_MESSAGE_BYTES, Mailbox, MailboxError, answer_inquiries
+from distribute_utils.processes import ProcessInfo, this_process
 
 NS = f"test-mailbox/{os.getpid()}"
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import gc
 import logging
 import os
@@ -621,10 +622,11 @@ def _one_rank_cannot_listen() -> dict[str, Any]:
     rank = dist.get_rank()
     if rank == 2:
 
-        def refuse(address: bytes, what: str) -> Any:
-            raise mailbox.MailboxError(f"cannot listen for {what}: refused by the test")
+        def refuse(point: str, what: str) -> None:
+            if point == "listen":
+                raise PermissionError(errno.EACCES, "refused by the test")
 
-        mailbox._socket = refuse  # type: ignore[assignment]
+        mailbox.inject(refuse)
     out: dict[str, Any] = {}
     for name, ranks in (("all", [0, 1, 2, 3]), ("pair", [0, 1])):
         barrier(timeout=30)

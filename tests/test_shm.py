@@ -166,7 +166,7 @@ def test_without_a_notice_socket_the_report_waits_for_a_verdict() -> None:
 
 
 def test_a_notice_from_another_process_than_the_receiver_is_ignored() -> None:
-    from distribute_utils._host import this_process
+    from distribute_utils.processes import this_process
 
     pool = shm.SegmentPool()
     seg = pool.take(2**20)
@@ -227,13 +227,13 @@ def test_the_first_rank_keeps_a_small_segments_map_and_sees_the_senders_new_byte
 def test_maps_of_large_segments_are_not_kept_and_kept_ones_are_bounded() -> None:
     _empty_pools()
     transport = shm.SharedMemoryTransport(pool=True)
-    big = torch.zeros(shm._KeptMaps.MAX_BYTES // 4 + 64)  # just over 4 MiB
+    big = torch.zeros(shm.KeptMaps.MAX_BYTES // 4 + 64)  # just over 4 MiB
     receipt = transport.publish("00000000000000e0", 1, wire.encode(big))
     assert receipt.startswith("p:")
     wire.decode(transport.fetch("00000000000000e0", 1, receipt))
     assert shm.kept_maps() == (0, 0), "a segment over 4 MiB is unmapped once its views are gone"
-    kept = shm._KeptMaps()
-    maps = [shm._Map(mmap_of(2**20), 0, 2**20) for _ in range(kept.MAX_TOTAL_BYTES // 2**20 + 3)]
+    kept = shm.KeptMaps()
+    maps = [shm.SegmentMap(mmap_of(2**20), 0, 2**20) for _ in range(kept.MAX_TOTAL_BYTES // 2**20 + 3)]
     for i, item in enumerate(maps):  # one segment each of many senders
         kept.keep((i, "s"), item, kept.epoch)
     assert kept.held() == (64, 64 * 2**20), "least recently kept given up first"
@@ -482,7 +482,7 @@ def test_a_segment_whose_receiver_died_is_given_back() -> None:
     import subprocess
     import sys
 
-    from distribute_utils._host import this_process
+    from distribute_utils.processes import this_process
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -507,6 +507,6 @@ def test_a_segment_whose_receiver_died_is_given_back() -> None:
 
 
 def _start(pid: int) -> int:
-    from distribute_utils._host import _start_time
+    from distribute_utils.processes import pid_start_time
 
-    return _start_time(pid)
+    return pid_start_time(pid)

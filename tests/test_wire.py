@@ -263,8 +263,8 @@ def test_read_prefix_needs_only_32_bytes() -> None:
 
 
 def test_dtype_whitelist_is_every_non_quantized_dtype() -> None:
-    assert {wire._DTYPES[n] for n in wire.SUPPORTED_DTYPES} == set(DTYPES)
-    assert all(isinstance(d, torch.dtype) for d in wire._DTYPES.values())
+    assert {wire.DTYPE_BY_NAME[n] for n in wire.SUPPORTED_DTYPES} == set(DTYPES)
+    assert all(isinstance(d, torch.dtype) for d in wire.DTYPE_BY_NAME.values())
     for name in ("float8_e4m3fn", "float8_e5m2", "bfloat16", "complex128", "uint64", "bool", "int4"):
         if hasattr(torch, name):
             assert name in wire.SUPPORTED_DTYPES
@@ -1368,7 +1368,7 @@ def test_decode_from_a_separate_data_tensor_builds_views_of_it() -> None:
     payload = wire.encode(tree)
     data = torch.frombuffer(bytearray(payload.to_bytes()), dtype=torch.uint8)
     head = bytes(payload.head)
-    out = wire._decode(memoryview(head), None, True, wire.DEFAULT_MAX_HEADER_BYTES, data)
+    out = wire.decode_split(head, data)
     for key, value in tree.items():
         assert out[key].dtype == value.dtype and out[key].shape == value.shape
         assert torch.equal(
@@ -1376,7 +1376,13 @@ def test_decode_from_a_separate_data_tensor_builds_views_of_it() -> None:
         )
     assert out["w"].untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
     with pytest.raises(PayloadError, match="truncated"):
-        wire._decode(memoryview(head), None, True, wire.DEFAULT_MAX_HEADER_BYTES, data[:-1])
+        wire.decode_split(head, data[:-1])
+    with pytest.raises(TypeError, match="decode_split takes a flat, contiguous uint8 tensor"):
+        wire.decode_split(head, data.view(torch.int8))
+    summed = wire.encode(tree, checksum=True)
+    summed_data = torch.frombuffer(bytearray(summed.to_bytes()), dtype=torch.uint8)
+    with pytest.raises(PayloadError, match="cannot carry a checksum"):
+        wire.decode_split(bytes(summed.head), summed_data)
 
 
 def test_decode_accepts_a_cpu_uint8_tensor_zero_copy() -> None:
@@ -1421,7 +1427,7 @@ def test_a_known_head_still_has_its_length_checksum_and_limit_checked() -> None:
     first time."""
     payload = encode({"w": torch.arange(64, dtype=torch.float32)}, root="config").to_bytes()
     assert torch.equal(decode(bytearray(payload))["w"], torch.arange(64, dtype=torch.float32))
-    assert wire._head_key(memoryview(payload), wire.DEFAULT_MAX_HEADER_BYTES) in wire._HEADS
+    assert wire.head_known(payload)
     with pytest.raises(PayloadError, match="truncated: payload says"):
         decode(bytearray(payload[:-4]))
     header_len = wire.read_prefix(payload).header_len

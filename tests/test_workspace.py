@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 import distribute_utils
 from distribute_utils import PayloadError, wire
-from distribute_utils._host import _start_time, this_process
 from distribute_utils.errors import WorkspaceError
+from distribute_utils.processes import pid_start_time, this_process
 from distribute_utils.transports import files as wsfiles
 from distribute_utils.transports import namespace as wsns
 from distribute_utils.transports.namespace import job_token, sweep_stale_namespaces
@@ -580,7 +580,7 @@ def _record(pid: int, start_time: int, boot_id: str | None = None) -> dict:
 
 def test_sweep_removes_dead_local_jobs_and_keeps_live_ones(tmp_path: Path) -> None:
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-    child_start = _start_time(child.pid)
+    child_start = pid_start_time(child.pid)
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
     try:
         dead_pid = int(finished.stdout)

@@ -60,8 +60,8 @@ from typing import Any
 
 import torch
 
-from .._host import ProcessInfo, pid_alive, process_alive
 from ..errors import PayloadError, PeerLostError, TransportUnavailableError
+from ..processes import ProcessInfo, pid_alive, process_alive
 from ..wire import ALIGN, EncodedPayload
 from .base import Context
 from .cuda_driver import HANDLE_SIZE, CudaError, Driver, IpcHandle

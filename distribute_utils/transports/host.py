@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from .._host import ProcessInfo
 from ..errors import SpaceError, TransportUnavailableError
+from ..processes import ProcessInfo
 from ..wire import EncodedPayload
 from . import carriers
 from .base import Carrier, Route

@@ -31,8 +31,8 @@ import filelock
 import torch.distributed as dist
 
 from .. import interrupts
-from .._host import ProcessInfo, process_alive, this_process
 from ..errors import ArgumentError, DistributeError, WorkspaceError
+from ..processes import ProcessInfo, process_alive, this_process
 from .files import atomic_write, filesystem_type, unlink, write_error
 
 __all__ = [

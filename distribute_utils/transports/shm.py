@@ -14,7 +14,7 @@ Segment ``/dev/shm/du_<token>_<rank>_<pid>``: ``token`` is unguessable and fresh
 - ``fetch`` maps the segment copy-on-write, unlinks its name at once and returns the map:
   decoded tensors are views of it, valid for as long as they live. A pooled segment is mapped
   shared instead (nobody else reads it until its receiver lets it go), and a small one's map is
-  kept for its next payload (see :class:`_KeptMaps`). A first rank that copies what it receives to
+  kept for its next payload (see :class:`KeptMaps`). A first rank that copies what it receives to
   a GPU (``pin=True``) registers its map of a pooled segment once and keeps it, whatever its size.
 - ``release`` unlinks the sender's segment if the first rank never took it.
 
@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import interrupts
-from .._host import SHM_DIR, ProcessInfo, process_alive
 from ..errors import PayloadError, PeerLostError, SpaceError
 from ..mailbox import ANCILLARY_SIZE, sender_pid
+from ..processes import SHM_DIR, ProcessInfo, process_alive
 from ..wire import EncodedPayload, stated_length
 from .base import Context
 from .files import reserve_space, unlink
@@ -54,6 +54,8 @@ __all__ = [
     "REPORTS",
     "SEGMENT_PREFIX",
     "FreedReports",
+    "KeptMaps",
+    "SegmentMap",
     "SegmentPool",
     "SharedMemoryTransport",
     "kept_maps",
@@ -168,7 +170,7 @@ class SharedMemoryTransport:
 
         A pooled segment returns to its sender's pool once the returned buffer (and so every
         tensor viewing it) is gone; the map itself may be kept for the segment's next payload
-        (:class:`_KeptMaps`). Anything that is not a regular file of this user, readable by
+        (:class:`KeptMaps`). Anything that is not a regular file of this user, readable by
         nobody else, is refused: another local user can at worst make a gather fail.
         """
         kind, pid, ident, fd_text, inode, nbytes, notice = _parse_receipt(receipt, rank)
@@ -257,7 +259,7 @@ def _map_named(path: str, rank: int, nbytes: int) -> mmap.mmap:
         unlink(path)
 
 
-def _map_pooled(path: str, rank: int, inode: int, nbytes: int) -> _Map:
+def _map_pooled(path: str, rank: int, inode: int, nbytes: int) -> SegmentMap:
     """Map a pooled segment whole, shared and writable, through its sender's ``/proc/<pid>/fd``: the
     receiver's tensors may be written into, and nothing reads the segment until they are gone (the
     sender only overwrites it, from its start, once they are)."""
@@ -275,7 +277,7 @@ def _map_pooled(path: str, rank: int, inode: int, nbytes: int) -> _Map:
         mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    return _Map(mapping, inode, info.st_size, path)
+    return SegmentMap(mapping, inode, info.st_size, path)
 
 
 def _check_owned(info: os.stat_result, path: str, rank: int) -> None:
@@ -378,7 +380,7 @@ class SegmentPool:
     which carries it to the sender in the verdict of the next gather they share, relayed by the first
     rank when a host's leader let the segment go); only then is it written again. A
     segment is pooled only while ``/dev/shm`` keeps at least four times its size free, and never
-    resized once sent: its receiver may keep its map (:class:`_KeptMaps`).
+    resized once sent: its receiver may keep its map (:class:`KeptMaps`).
     """
 
     LIMIT = 2
@@ -628,8 +630,10 @@ _View = ctypes.Array[ctypes.c_ubyte]  # what a pooled payload is fetched as: a v
 
 
 @dataclass(eq=False)
-class _Map:
-    """A receiver's shared map of a whole pooled segment (a sent segment never changes size)."""
+class SegmentMap:
+    """A receiver's shared map of a whole pooled segment (a sent segment never changes size).
+
+    Made by this module's fetch; public so that :class:`KeptMaps` can be driven on its own (tests)."""
 
     mapping: mmap.mmap
     inode: int
@@ -665,8 +669,9 @@ class _Map:
         return view
 
 
-class _KeptMaps:
-    """The first rank's maps of its senders' pooled segments, kept between rounds.
+class KeptMaps:
+    """The first rank's maps of its senders' pooled segments, kept between rounds (one per process, used by
+    this module's fetch; public, with its bounds, so that tests and tuning can read and drive it).
 
     Mapping a pooled segment (open through ``/proc``, check, map, later unmap) costs about 50 µs
     per payload cold, a sixth of the first rank's call at 1 MiB. A map whose views are gone is kept
@@ -675,7 +680,7 @@ class _KeptMaps:
     Only segments of at most :attr:`MAX_BYTES`, at most :attr:`PER_SENDER` per sender process and
     :attr:`MAX_TOTAL_BYTES` in all, least recently used given up first: a kept map holds its
     segment's pages (and a descriptor: ``mmap`` dups it) even after the sender has let the segment
-    go; a map registered with CUDA (:meth:`_Map.pin`) is kept whatever its size and counts in neither
+    go; a map registered with CUDA (:meth:`SegmentMap.pin`) is kept whatever its size and counts in neither
     bound, since registering again costs as much as a copy (its pages are its sender's pooled segment's,
     unless the sender let that go: see below). A sender holds at most :attr:`SegmentPool.LIMIT`
     segments at once, so a map beyond that is
@@ -689,12 +694,12 @@ class _KeptMaps:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._maps: collections.OrderedDict[tuple[int, str], _Map] = collections.OrderedDict()
+        self._maps: collections.OrderedDict[tuple[int, str], SegmentMap] = collections.OrderedDict()
         self._senders: dict[int, list[str]] = {}  # each sender's kept segment ids, least recent first
         self._bytes = 0
         self.epoch = 0  # maps lent before the last release are not kept
 
-    def _pop(self, key: tuple[int, str]) -> _Map | None:
+    def _pop(self, key: tuple[int, str]) -> SegmentMap | None:
         """Forget the kept map ``key`` (with the lock held); returns it."""
         kept = self._maps.pop(key, None)
         if kept is not None:
@@ -705,7 +710,7 @@ class _KeptMaps:
                 del self._senders[key[0]]
         return kept
 
-    def take(self, pid: int, ident: str, inode: int, nbytes: int) -> _Map | None:
+    def take(self, pid: int, ident: str, inode: int, nbytes: int) -> SegmentMap | None:
         """The kept map of segment ``ident`` of process ``pid``, if it holds ``nbytes``. None for a
         segment new to it: its sender's other kept maps are then looked up and dropped if it let
         their segment go (it may have, to make this one). Registered ones are looked up every time (a
@@ -723,7 +728,7 @@ class _KeptMaps:
             return None
         return kept
 
-    def _drop_let_go(self, pid: int, maps: list[tuple[str, _Map]]) -> None:
+    def _drop_let_go(self, pid: int, maps: list[tuple[str, SegmentMap]]) -> None:
         gone = []
         for ident, kept in maps:
             try:
@@ -738,7 +743,7 @@ class _KeptMaps:
                     if self._maps.get((pid, ident)) is kept:
                         self._pop((pid, ident))  # unmapped once unreferenced
 
-    def keep(self, key: tuple[int, str], kept: _Map, epoch: int) -> None:
+    def keep(self, key: tuple[int, str], kept: SegmentMap, epoch: int) -> None:
         """Keep ``kept`` for the next payload of segment ``key`` (called as its last view goes, from
         any thread: never waits for the lock, and gives the map up when it is taken)."""
         if (
@@ -775,12 +780,12 @@ class _KeptMaps:
             return len(self._maps), self._bytes
 
 
-def _counted(kept: _Map) -> int:
-    """What a kept map counts towards :attr:`_KeptMaps.MAX_TOTAL_BYTES`: nothing when registered."""
+def _counted(kept: SegmentMap) -> int:
+    """What a kept map counts towards :attr:`KeptMaps.MAX_TOTAL_BYTES`: nothing when registered."""
     return 0 if kept.pinned is not None else kept.size
 
 
-_KEPT = _KeptMaps()
+_KEPT = KeptMaps()
 # This process's views of pooled segments, until they are gone (by id: a view is unhashable).
 _LENT: dict[int, weakref.ref[_View]] = {}
 
@@ -790,7 +795,7 @@ def release_shared_memory() -> int:
 
     Free pooled segments are closed at once (the kernel frees their pages); segments a
     receiver still maps go as soon as it reports them freed. The maps of other ranks' segments
-    this process keeps as a first rank are unmapped (:class:`_KeptMaps`). Called when the
+    this process keeps as a first rank are unmapped (:class:`KeptMaps`). Called when the
     default process group is destroyed or replaced; call it yourself, on every rank, after a
     large gather when the job goes on without more. Returns the bytes given back now.
     """
@@ -800,7 +805,7 @@ def release_shared_memory() -> int:
 
 def kept_maps() -> tuple[int, int]:
     """``(maps, bytes)`` of other ranks' pooled segments this process keeps mapped as a first rank,
-    between rounds (:class:`_KeptMaps`)."""
+    between rounds (:class:`KeptMaps`)."""
     return _KEPT.held()
 
 

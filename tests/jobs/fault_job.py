@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 import distribute_utils
 from distribute_utils import PeerLostError, get_tensors_parallel, sync, wire
-from distribute_utils._host import _start_time, process_alive
+from distribute_utils.processes import pid_start_time, process_alive
 from distribute_utils.transports import carriers, shm
 
 RESULTS = os.environ.get("DU_RESULTS", ".")
@@ -147,7 +147,7 @@ def _await_live_namespace(workspace: str, timeout: float = 60.0) -> str:
                             owner = json.load(f)
                     except (OSError, ValueError):
                         continue
-                    if _start_time(int(owner["pid"])) == int(owner["start_time"]):
+                    if pid_start_time(int(owner["pid"])) == int(owner["start_time"]):
                         return name
         time.sleep(0.01)
     raise TimeoutError(f"no other job opened a namespace in {workspace} within {timeout:g} s")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SHM_DIR", "ProcessInfo", "pid_alive", "process_alive", "this_process"]
+__all__ = ["SHM_DIR", "ProcessInfo", "pid_alive", "pid_start_time", "process_alive", "this_process"]
 
 SHM_DIR = "/dev/shm"
 
@@ -85,8 +85,9 @@ def _proc_stat(pid: int) -> list[str] | None:
     return stat.rsplit(")", 1)[-1].split() if stat else None
 
 
-def _start_time(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot, or -1 when it does not exist."""
+def pid_start_time(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot, or -1 when it does not exist (with the pid, what
+    tells a process from a later one that reuses its pid: :class:`ProcessInfo`, records ``clean`` reads)."""
     fields = _proc_stat(pid)
     return int(fields[19]) if fields else -1
 
@@ -118,7 +119,7 @@ def this_process() -> ProcessInfo:
     boot_id = _read("/proc/sys/kernel/random/boot_id", default=f"no-boot-id:{hostname}")
     pid = os.getpid()
     return ProcessInfo(
-        hostname, boot_id, _shm_device(), _namespace("pid"), pid, _start_time(pid), _namespace("net")
+        hostname, boot_id, _shm_device(), _namespace("pid"), pid, pid_start_time(pid), _namespace("net")
     )
 
 
