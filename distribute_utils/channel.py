@@ -1,6 +1,6 @@
 """How one gather call's claims and verdicts travel: the store, or this host's mailboxes.
 
-A gather call (:mod:`distribute_utils.gather`) is one hop each way: every sender posts one *claim*
+A gather call (:mod:`distribute_utils.roles`) is one hop each way: every sender posts one *claim*
 (what it sends and where its payload is), the first rank reads its own participants' claims and posts
 one *verdict*, which each sender awaits. A :class:`Channel` carries those bytes; the round builds them,
 reads them and never asks which channel it has. Two implementations:

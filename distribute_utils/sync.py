@@ -299,7 +299,7 @@ class GroupSync:
         self.own_keys: list[str] = []
         self._busy = threading.Lock()
         self._digests: Recent[tuple[int, ...], str] = Recent(4096)
-        # The gather layer's routes over this group, kept for the incarnation (see gather._Gather.plan).
+        # The gather layer's routes over this group, kept for the incarnation (see roles.FirstRank.plan).
         self.routes: Recent[Any, Any] = Recent(256)
         self.records: list[list[Any]] = []  # this rank's latest entries (see Call.record)
         self.infos: dict[int, ProcessInfo] = {}  # ranks of direct rounds (see direct())

@@ -685,7 +685,7 @@ def test_segments_private_with_fresh_unguessable_names(ranks4: RankPool, row: Ro
     assert sorted(values) != values or len({b - a for a, b in itertools.pairwise(values)}) > 1, (
         "not a counter"
     )
-    source = (ROOT / "distribute_utils" / "gather.py").read_text()
+    source = (ROOT / "distribute_utils" / "roles" / "sender.py").read_text()
     assert "secrets.token_hex(8)" in source, "tokens come from the secrets module"
     row.leaked, row.detail = False, f"{rounds * 3} segments, all 0600, {rounds * 3} distinct 64-bit tokens"
     row.passed = True

@@ -1,6 +1,6 @@
 """The carrier protocol: how the payload of one sender travels to the first rank of a gather round.
 
-A carrier only moves bytes. The gather module (:mod:`distribute_utils.gather`) owns the round: it
+A carrier only moves bytes. The round (:mod:`distribute_utils.roles`) owns the rest: it
 checks agreement, plans the route, signals through the CPU companion of the group
 (:mod:`distribute_utils.sync`) and decodes what arrives. As torch DCP's storage layer hands its
 planner opaque ``storage_data``, a carrier hands the round an opaque *receipt*: a msgpack-able value

@@ -1,6 +1,6 @@
 """The carriers by kind: receipts tagged and dispatched, publishing, and the fault-injection point.
 
-The round (:mod:`distribute_utils.gather`) goes through this module only:
+The round (:mod:`distribute_utils.roles`) goes through this module only:
 
 - a sender: :func:`publish` (a :class:`.base.Carrier`, or a :class:`.base.Route` that picks one)
   returns a :class:`Sent`; its :attr:`Sent.receipt` travels in the claim, :meth:`Sent.release` ends it;

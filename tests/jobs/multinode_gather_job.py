@@ -35,7 +35,7 @@ def sample(rank: int, round_: int) -> torch.Tensor:
 
 
 class Routes(logging.Handler):
-    """Collects the route each gather took (logged by distribute_utils.gather at debug level)."""
+    """Collects the route each gather took (logged by distribute_utils.roles at debug level)."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -56,7 +56,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     routes = Routes()
-    logger = logging.getLogger("distribute_utils.gather")
+    logger = logging.getLogger("distribute_utils.roles")
     logger.addHandler(routes)
     logger.setLevel(logging.DEBUG)
     workspace = None if args.mode == "collective" else os.environ.get("DU_WORKSPACE")
