@@ -50,6 +50,7 @@ import msgpack
 
 from .caches import Recent
 from .errors import MailboxError
+from .fault_points import FaultPoint
 from .processes import ProcessInfo
 
 __all__ = [
@@ -101,22 +102,20 @@ def _address(process: ProcessInfo, namespace: str) -> bytes:
 
 
 FaultHook = Callable[[str, str], None]
-_hook: FaultHook | None = None
+_FAULTS: FaultPoint[FaultHook] = FaultPoint()
 
 
 def inject(hook: FaultHook | None) -> FaultHook | None:
     """Call ``hook`` at this process's mailbox fault points (see module doc; None: no hook). Returns
     the hook it replaces, to put back."""
-    global _hook
-    before, _hook = _hook, hook
-    return before
+    return _FAULTS.inject(hook)
 
 
 def _socket(address: bytes, what: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
-        if _hook is not None:
-            _hook("listen", what)
+        if _FAULTS.hook is not None:
+            _FAULTS.hook("listen", what)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_MESSAGE_BYTES)
         room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 1024  # (the kernel's own part)

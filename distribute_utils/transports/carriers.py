@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..errors import PayloadError
+from ..fault_points import FaultPoint
 from ..wire import EncodedPayload
 from .base import Carrier, Context, Route
 from .collective import CollectiveTransport
@@ -70,15 +71,13 @@ reports: FreedReports = REPORTS
 """A receiver's word to its senders, carried in claims and verdicts (see :class:`.shm.FreedReports`)."""
 
 FaultHook = Callable[[str, int, Carrier, Any], Any]
-_hook: FaultHook | None = None
+_FAULTS: FaultPoint[FaultHook] = FaultPoint()
 
 
 def inject(hook: FaultHook | None) -> FaultHook | None:
     """Call ``hook`` at this process's carrier fault points (see module doc; None: no hook). Returns
     the hook it replaces, to put back."""
-    global _hook
-    before, _hook = _hook, hook
-    return before
+    return _FAULTS.inject(hook)
 
 
 class Sent(NamedTuple):
@@ -107,9 +106,9 @@ def publish(through: Carrier | Route, token: str, rank: int, payload: EncodedPay
     if isinstance(through, Route):
         return through.publish(token, rank, payload)
     sent = Sent(through, token, through.publish(token, rank, payload), rank)
-    if _hook is not None:
+    if _FAULTS.hook is not None:
         try:
-            _hook("published", rank, through, sent.data)
+            _FAULTS.hook("published", rank, through, sent.data)
         except BaseException:
             sent.release(taken=False)
             raise
@@ -138,11 +137,11 @@ class Receiving:
     def fetch(self, token: str, rank: int, receipt: Any) -> Any:
         """The buffer of ``rank``'s payload (fault points ``"fetching"`` and ``"fetched"``)."""
         carrier = self._carrier(rank, receipt)
-        if _hook is not None:
-            _hook("fetching", rank, carrier, receipt[1])
+        if _FAULTS.hook is not None:
+            _FAULTS.hook("fetching", rank, carrier, receipt[1])
         buffer = carrier.fetch(token, rank, receipt[1])
-        if _hook is not None:
-            replaced = _hook("fetched", rank, carrier, buffer)
+        if _FAULTS.hook is not None:
+            replaced = _FAULTS.hook("fetched", rank, carrier, buffer)
             if replaced is not None:
                 buffer = replaced
         return buffer
