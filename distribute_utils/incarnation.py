@@ -155,8 +155,8 @@ def _closed_by_peer(exc: BaseException) -> bool:
     """Whether ``exc`` says the other end closed the connection (torch's store errors carry only text)."""
     if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
         return True
-    text = str(exc)
-    return any(word in text for word in ("Broken pipe", "Connection reset", "connection was closed"))
+    text = str(exc).lower()  # e.g. torch's "Failed to recv, got 0 bytes. Connection was likely closed."
+    return any(words in text for words in ("broken pipe", "connection reset", "connection was likely closed"))
 
 
 def _lost_contact(what: str, store: dist.Store, exc: BaseException) -> PeerLostError:

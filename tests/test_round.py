@@ -842,3 +842,26 @@ def test_a_companion_without_a_directory_waits_without_the_watchdog(caplog: pyte
     assert failed.value.missing == (1,)
     failures = [r.getMessage() for r in caplog.records if "watchdog check failed" in r.getMessage()]
     assert not failures, f"the watchdog was given a watch it cannot check ({len(failures)} failed checks)"
+
+
+def test_a_direct_domain_read_from_a_store_that_is_gone_names_the_store() -> None:
+    """A sender decides a direct round from its first rank's info (cached) and its domain's list (a store
+    read): when the store's server is gone by then, that read fails as every store call does, with a
+    PeerLostError naming the store, never a raw network error (seen when rank 0, hosting the store, died)."""
+    from distribute_utils.incarnation import PeerDirectory, this_process
+
+    me = this_process()
+    if me.direct_domain is None:
+        pytest.skip("this process has no direct domain (no network namespace to listen in)")
+    master = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    first = PeerDirectory(master, "t", 0, me)
+    client = dist.TCPStore(
+        "127.0.0.1", master.port, 2, is_master=False, timeout=datetime.timedelta(seconds=10)
+    )
+    sender = PeerDirectory(client, "t", 1, me)
+    assert sender.info(0, client, 10, "test").direct_domain == me.direct_domain  # cached from here on
+    del first, master
+    gc.collect()
+    with pytest.raises(PeerLostError, match="rendezvous store") as caught:
+        sender.together([0, 1], client, 10, "deciding the round")
+    assert "deciding the round" in str(caught.value)

@@ -44,6 +44,7 @@ CUDA IPC, :mod:`.cuda_ipc`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -110,11 +111,11 @@ Transport = Carrier
 """The former name of :class:`Carrier`."""
 
 
-class Route:
+class Route(ABC):
     """A sender's choice among carriers for each payload (e.g. inline when small, else a segment, else
     the workspace). Subclasses implement :meth:`publish`; :func:`.carriers.publish` calls it."""
 
+    @abstractmethod
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> Sent:
         """Publish ``payload`` through the carrier this route picks for it (each through
         :func:`.carriers.publish`)."""
-        raise NotImplementedError
