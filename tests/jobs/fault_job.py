@@ -22,7 +22,10 @@ Cases (the victim is the last rank unless the name says "first rank"):
 - ``sender_dies_while_reader_reads``: the victim dies right after posting its claim; the first
   rank fetches its payload only after it has died.
 - ``first_rank_dies_before_gather`` / ``first_rank_dies_mid_read``: rank 0 dies before
-  entering, or after fetching the first payload it reads (the first claim to come).
+  entering, or after fetching the first payload it reads (the first claim to come); when it hosts
+  the store (``DU_STORE_ON_RANK0``), once it has fetched every sender's payload, before its verdict
+  (dying at the first let a slow sender still be in the setup barrier, on the store that goes with
+  rank 0: a failure of the test's own setup, not of the gather).
 - ``first_rank_dies_while_idle``: rank 0 dies before any rank used the library (with
   ``DU_STORE_ON_RANK0``: its store goes with it); the others then enter a gather.
 - ``workspace_sender_dies_mid_publish``: as ``sender_dies_mid_publish`` through the workspace
@@ -278,10 +281,16 @@ def run_case(case: str, report: dict[str, Any]) -> None:
         _gather(report, ranks, timeout=TIMEOUT)
     elif case == "first_rank_dies_mid_read":
         if rank == 0:
+            fetched: list[int] = []
+            # Hosting the store, it dies once every sender's payload is fetched: every sender is then in
+            # the gather, past the setup barrier whose store goes with this process.
+            wanted = len(ranks) - 1 if "DU_STORE_ON_RANK0" in os.environ else 1
 
             def fetch_then_die(point: str, r: int, carrier: Any, buffer: Any) -> None:
                 if point == "fetched":
-                    _die({"fetched": r})
+                    fetched.append(r)
+                    if len(fetched) == wanted:
+                        _die({"fetched": fetched[0] if wanted == 1 else fetched})
 
             carriers.inject(fetch_then_die)
         _gather(report, ranks, timeout=TIMEOUT)
