@@ -275,7 +275,7 @@ def test_a_sender_copies_into_its_own_map_of_a_pooled_segment(monkeypatch: pytes
     def no_pwrite(*args: Any) -> None:
         raise AssertionError("a pooled payload was written with pwrite")
 
-    monkeypatch.setattr(wire, "pwrite_all", no_pwrite)
+    monkeypatch.setattr(wire.payload, "pwrite_all", no_pwrite)  # where write_to_fd looks it up
     receipt = transport.publish("00000000000000c1", 1, wire.encode(big))
     assert receipt.split(":")[2] == seg.ident, "the same warm segment"
     assert seg.mapped is not None and len(seg.mapped) == seg.size

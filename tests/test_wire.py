@@ -580,7 +580,7 @@ def test_write_into_and_to_bytes_agree() -> None:
 
 def test_write_into_copies_large_buffers_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor larger than the copy chunk arrives whole, each piece in its place."""
-    monkeypatch.setattr(wire, "_COPY_CHUNK", 1000)
+    monkeypatch.setattr(wire.payload, "COPY_CHUNK", 1000)
     obj = {"big": torch.arange(2501, dtype=torch.int16), "small": torch.arange(3, dtype=torch.int64)}
     p = encode(obj)
     buf = bytearray(b"\xff" * p.nbytes)
@@ -615,8 +615,8 @@ def test_write_to_fd_splits_and_handles_short_writes(monkeypatch: pytest.MonkeyP
         calls.append((len(bufs), sum(memoryview(b).nbytes for b in bufs)))
         return real(fd, [memoryview(bufs[0])[:13]], offset)  # at most 13 bytes per call
 
-    monkeypatch.setattr(wire, "_MAX_WRITE", 100)
-    monkeypatch.setattr(wire, "_IOV_MAX", 2)
+    monkeypatch.setattr(wire.payload, "MAX_WRITE", 100)
+    monkeypatch.setattr(wire.payload, "IOV_MAX", 2)
     monkeypatch.setattr(os, "pwritev", short_pwritev)
     with tempfile.TemporaryFile() as f:
         p.write_to_fd(f.fileno())
