@@ -1,7 +1,8 @@
 """The ``distribute-utils`` command line: ``demo``, ``consolidate``, ``doctor``, ``clean``.
 
-``main(argv) -> int`` parses, configures logging and dispatches. Exit codes: 0 ok, 1 failure
-(a one-line cause on stderr), 2 usage error.
+``main(argv) -> int`` parses (:func:`build_parser`), configures logging, handles interrupts and
+dispatches to the command's implementation in :mod:`.commands`. Exit codes: 0 ok, 1 failure (a
+one-line cause on stderr), 2 usage error.
 """
 
 from __future__ import annotations
@@ -13,64 +14,21 @@ import functools
 import json
 import logging
 import os
-import re
 import sys
 import textwrap
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from . import __version__, interrupts
-from .errors import LaunchError, one_line
-
-if TYPE_CHECKING:
-    from .consolidate.formats import Checkpoint
-    from .consolidate.layouts import MergePlanEntry
-    from .consolidate.tp_pp import ConsolidationReport
-    from .outputs import OutputTarget
+from .commands import UsageError, cmd_clean, cmd_consolidate, cmd_demo, cmd_doctor, fail
+from .errors import LaunchError
 
 __all__ = ["main"]
 
 logger = logging.getLogger("distribute_utils.cli")
 
 
-# -- demo ------------------------------------------------------------------------------------------
-def _cmd_demo(args: argparse.Namespace) -> int:
-    if args.tp < 1 or args.pp < 1 or args.tp * args.pp != args.nproc:
-        raise _UsageError(
-            f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp}, but --nproc is {args.nproc}"
-        )
-    if not args.size_mb > 0:
-        raise _UsageError(f"--size-mb must be positive, got {args.size_mb}")
-    if args.keep is not None:
-        from .demo import check_keep
-
-        try:
-            check_keep(args.keep, args.tp, args.pp, args.overwrite)
-        except ValueError as exc:
-            raise _UsageError(f"--keep: {exc}") from None
-    from .demo import demo_header, format_demo, run_demo
-
-    print(demo_header(args.nproc, args.tp, args.pp), flush=True)  # at once: the rest takes seconds
-
-    def say(line: str) -> None:
-        if not args.quiet:
-            print(line, file=sys.stderr, flush=True)
-
-    result = run_demo(
-        args.nproc, args.tp, args.pp, size_mb=args.size_mb, keep=args.keep, overwrite=args.overwrite, say=say
-    )
-    print(format_demo(result, header=False))
-    return 0
-
-
-# -- consolidate -----------------------------------------------------------------------------------
-_CHECKPOINT_MARKERS = re.compile(
-    r"mp_rank_\d{2}(_\d{3}){0,2}|iter_\d{7}|release|latest_checkpointed_iteration\.txt|\.metadata"
-)
-
-
+# -- argument types --------------------------------------------------------------------------------
 def _size_arg(text: str) -> int:
     from .consolidate.writers import parse_size
 
@@ -90,217 +48,7 @@ def _seconds_arg(text: str) -> float:
     return value
 
 
-def _open_input(path: str, names: str | None = None) -> Checkpoint:
-    """Opens INPUT; what is not a checkpoint at all is a usage error, a broken checkpoint a failure."""
-    from .consolidate.formats import open_checkpoint
-    from .consolidate.layouts import MESH_FILE, LayoutError
-
-    root = Path(path)
-    if not root.exists():
-        raise _UsageError(f"input '{root}' does not exist")
-    if not root.is_dir():
-        raise _UsageError(f"input '{root}' is not a directory: give the checkpoint directory")
-    try:
-        return open_checkpoint(root, names=names)
-    except LayoutError:
-        recognised = (root / MESH_FILE).exists() or any(
-            _CHECKPOINT_MARKERS.fullmatch(p.name) for p in root.iterdir()
-        )
-        if not recognised:
-            raise _UsageError(
-                f"input '{root}' is not a checkpoint: expected mesh.json (distribute_utils layout), "
-                ".metadata (torch.distributed.checkpoint, Megatron/NeMo torch_dist) or "
-                "mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt directories (Megatron-LM legacy)"
-            ) from None
-        raise
-
-
-def _consolidate_options(args: argparse.Namespace) -> dict[str, Any]:
-    from .consolidate.rules import RuleSyntaxError
-    from .consolidate.tp_pp import resolve_rules
-
-    try:
-        resolve_rules(args.rules, args.quant_format)
-    except (OSError, RuleSyntaxError) as exc:
-        raise _UsageError(f"--rules: {one_line(exc)}") from None
-    return {
-        "format": args.format,
-        "rules": args.rules,
-        "quant_format": args.quant_format,
-        "max_shard_size": args.max_shard_size,
-        "workspace_path": args.workspace,
-        "timeout": args.timeout,
-        "progress": not args.quiet,
-        "swiglu": args.swiglu,
-        "names": args.megatron_names,
-    }
-
-
-def _prepare_output(args: argparse.Namespace, plan: list[MergePlanEntry] | None) -> OutputTarget:
-    """Checks OUTPUT against the exact files this run writes (``plan`` decides them with
-    ``--max-shard-size``); what is in the way is a usage error naming the files."""
-    from .consolidate.writers import output_paths
-    from .outputs import prepare_output
-
-    specs = None if plan is None else [e.spec for e in plan]
-    try:
-        files, scheme = output_paths(args.format, args.output, specs, args.max_shard_size)
-        target = prepare_output(args.output, args.overwrite, files, scheme)
-    except ValueError as exc:
-        raise _UsageError(str(exc)) from None
-    args.target = target
-    return target
-
-
-def _plan(args: argparse.Namespace) -> tuple[Checkpoint, list[MergePlanEntry]]:
-    """INPUT opened and planned with the command's options (metadata only)."""
-    from .consolidate.tp_pp import plan_checkpoint
-
-    return plan_checkpoint(
-        args.input, args.rules, quant_format=args.quant_format, swiglu=args.swiglu, names=args.megatron_names
-    )
-
-
-def _plan_if_needed(args: argparse.Namespace, needed: bool) -> list[MergePlanEntry] | None:
-    """The merge plan, when the output's file names (``--max-shard-size``) or a fail-fast check need it."""
-    return _plan(args)[1] if needed or args.max_shard_size is not None else None
-
-
-def _print_consolidation(report: ConsolidationReport, args: argparse.Namespace) -> None:
-    """The report, with the whole command's wall time (``wall_s``) beside the work's (``seconds``), and
-    the files of the same names that the run replaced (``--overwrite``)."""
-    wall = time.perf_counter() - args.started
-    if args.target is not None:
-        report.replaced = [os.fspath(p) for p in args.target.replaced]
-    if args.json:
-        print(json.dumps({**report.to_dict(), "wall_s": wall}, indent=2))
-    else:
-        print(report.summary(wall))
-
-
-def _consolidate_as_torchrun_rank(
-    args: argparse.Namespace, options: dict[str, Any], layout: Checkpoint
-) -> int:
-    """This process is one rank of a torchrun job: join it and consolidate.
-
-    Every rank fails together (the library agrees on the outcome), so only rank 0 prints the cause;
-    another rank prints only when it lost its peers.
-    """
-    from .consolidate.tp_pp import consolidate_checkpoint
-    from .errors import PeerLostError
-
-    needed = layout.tp * layout.stages
-    world = int(os.environ["WORLD_SIZE"])
-    if world not in (needed, 1) or (args.nproc is not None and args.nproc != world):
-        raise _UsageError(
-            f"'{args.input}' is {layout.describe_grid()}: start {needed} ranks "
-            f"(torchrun --nproc-per-node {needed}), not {world}"
-        )
-    import torch.distributed as dist
-
-    target = None
-    if os.environ["RANK"] == "0":  # the writer: its output folder is checked (and made) on its host
-        target = _prepare_output(args, _plan_if_needed(args, False))
-    undo = interrupts.on_interrupt(target.abandon if target is not None else lambda: None)
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    try:
-        report = consolidate_checkpoint(args.input, args.output, **options)
-    except (OSError, ValueError, RuntimeError) as exc:
-        undo.cancel()
-        if target is not None:
-            target.abandon()
-        if rank == 0 or isinstance(exc, PeerLostError):
-            print(f"distribute-utils consolidate: error (rank {rank}): {one_line(exc)}", file=sys.stderr)
-        logger.debug("failure", exc_info=True)
-        return 1
-    finally:
-        if created:
-            dist.destroy_process_group()
-    undo.cancel()
-    if report.rank == 0:
-        _print_consolidation(report, args)
-    return 0
-
-
-def _print_plan(args: argparse.Namespace) -> int:
-    """``--dry-run``: the rule, shape and dtype of every output tensor, and the output size; writes nothing."""
-    layout, plan = _plan(args)
-    total = sum(e.spec.nbytes for e in plan)
-    if args.json:
-        rows = [
-            {"name": e.name, "rule": str(e.rule), "shape": list(e.spec.shape), "dtype": str(e.spec.dtype)}
-            for e in plan
-        ]
-        print(
-            json.dumps(
-                {"input": args.input, "layout": layout.kind, "tensors": rows, "bytes": total}, indent=2
-            )
-        )
-        return 0
-    width = max((len(e.name) for e in plan), default=4)
-    print(f"{'tensor':<{width}}  {'rule':<12} {'dtype':<10} shape")
-    for e in plan:
-        dtype = str(e.spec.dtype).removeprefix("torch.")
-        print(f"{e.name:<{width}}  {e.rule!s:<12} {dtype:<10} {list(e.spec.shape)}")
-    print(
-        f"{len(plan)} tensors, {total / 2**20:.1f} MiB, from {layout.describe_grid()} ({layout.kind}); nothing written"
-    )
-    return 0
-
-
-def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from .consolidate.tp_pp import consolidate_local
-    from .launch import under_torchrun
-
-    options = _consolidate_options(args)
-    layout = _open_input(args.input, args.megatron_names)
-    if args.dry_run:
-        return _print_plan(args)
-    needed = layout.tp * layout.stages
-    if under_torchrun():
-        return _consolidate_as_torchrun_rank(args, options, layout)
-    nproc = 1 if args.nproc is None else args.nproc
-    if nproc not in (needed, 1):
-        raise _UsageError(
-            f"--nproc {nproc} does not fit '{args.input}': {layout.describe_grid()} "
-            f"needs {needed} ranks (or 1 to consolidate in this process)"
-        )
-    target = _prepare_output(args, _plan_if_needed(args, nproc > 1))  # nproc > 1: fail before spawning
-    undo = interrupts.on_interrupt(target.abandon)
-    try:
-        if nproc > 1 and not args.quiet:
-            print(f"starting {nproc} local ranks ...", file=sys.stderr)
-        report = consolidate_local(args.input, args.output, nproc=nproc, **options)
-    except (LaunchError, OSError, ValueError, RuntimeError) as exc:
-        undo.cancel()
-        target.abandon()
-        _fail(args, exc)
-        return 1
-    undo.cancel()  # (an Interrupted leaves it to interrupts.end)
-    _print_consolidation(report, args)
-    return 0
-
-
-def _fail(args: argparse.Namespace, exc: BaseException, code: int = 1) -> None:
-    """The one-line error on stderr; with ``--json`` also ``{"error", "kind", "exit_code"}`` on stdout."""
-    interrupts.settle()  # an interrupt being handled says why instead
-    message = one_line(exc)
-    if code == 1:
-        print(f"distribute-utils {args.command}: error: {message}", file=sys.stderr)
-        logger.debug("failure", exc_info=True)
-    if getattr(args, "json", False):
-        kind = "UsageError" if isinstance(exc, _UsageError) else type(exc).__name__
-        print(json.dumps({"error": message, "kind": kind, "exit_code": code}))
-
-
 # -- plumbing --------------------------------------------------------------------------------------
-class _UsageError(Exception):
-    """Arguments that parse but do not make sense together (exit code 2)."""
-
-
 _CONSOLIDATE_EPILOG = """\
 input layouts (detected):
   own                mesh.json + one file per rank (safetensors or torch.save), see docs/consolidation.md
@@ -382,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --keep: replace the files of DIR/checkpoint and DIR/consolidated that the demo writes "
         "(nothing else is removed)",
     )
-    demo.set_defaults(handler=_cmd_demo)
+    demo.set_defaults(handler=cmd_demo)
 
     cons = sub.add_parser(
         "consolidate",
@@ -494,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print each output tensor's merge rule, dtype and shape, and the output size; write nothing",
     )
     cons.add_argument("--json", action="store_true", help="print the report (or the error) as JSON")
-    cons.set_defaults(handler=_cmd_consolidate)
+    cons.set_defaults(handler=cmd_consolidate)
 
     doctor = sub.add_parser(
         "doctor",
@@ -507,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--workspace", metavar="DIR", help="the shared workspace directory to check")
     doctor.add_argument("--json", action="store_true", help="print the findings as one JSON object")
-    doctor.set_defaults(handler=_cmd_doctor)
+    doctor.set_defaults(handler=cmd_doctor)
 
     clean = sub.add_parser(
         "clean",
@@ -521,20 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     clean.add_argument("--workspace", metavar="DIR", help="also sweep this shared workspace directory")
     clean.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     clean.add_argument("--json", action="store_true", help="print what was removed as one JSON object")
-    clean.set_defaults(handler=_cmd_clean)
+    clean.set_defaults(handler=cmd_clean)
     return parser
-
-
-def _cmd_doctor(args: argparse.Namespace) -> int:
-    from .hygiene import doctor
-
-    return doctor(args.workspace, sys.stdout, as_json=args.json)
-
-
-def _cmd_clean(args: argparse.Namespace) -> int:
-    from .hygiene import clean
-
-    return clean(args.workspace, args.dry_run, sys.stdout, as_json=args.json)
 
 
 def _configure_logging(verbose: int, quiet: bool) -> None:
@@ -583,12 +319,12 @@ def _main(argv: Sequence[str] | None) -> int:
         return int(args.handler(args))
     except interrupts.Interrupted as exc:  # a rank was interrupted: the command is too
         interrupts.end(exc.signum)
-    except _UsageError as exc:
-        _fail(args, exc, code=2)
+    except UsageError as exc:
+        fail(args, exc, code=2)
         subparser = _subparsers_of(parser).get(args.command, parser)
         subparser.error(str(exc))  # the subcommand's usage; exits with code 2
     except (LaunchError, OSError, ValueError, RuntimeError) as exc:
-        _fail(args, exc)
+        fail(args, exc)
         return 1
     finally:
         interrupts.settle()
