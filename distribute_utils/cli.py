@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from . import __version__, interrupts
-from .commands import UsageError, cmd_clean, cmd_consolidate, cmd_demo, cmd_doctor, fail
-from .errors import LaunchError
+from .commands import cmd_clean, cmd_consolidate, cmd_demo, cmd_doctor, fail
+from .errors import LaunchError, UsageError
 
 __all__ = ["main"]
 

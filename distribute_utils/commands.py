@@ -1,7 +1,7 @@
 """What each ``distribute-utils`` command does, once :mod:`.cli` has parsed its arguments: ``demo``,
 ``consolidate`` (one process, local ranks, or one rank under torchrun; ``--dry-run``), ``doctor`` and
 ``clean`` (over :mod:`.hygiene`). Each ``cmd_*`` takes the parsed arguments and returns the exit code;
-:class:`UsageError` (exit code 2) and :func:`fail` (the one-line error) are shared with :mod:`.cli`.
+:class:`~.errors.UsageError` (exit code 2) and :func:`fail` (the one-line error) are shared with :mod:`.cli`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import interrupts
-from .errors import LaunchError, one_line
+from .errors import LaunchError, UsageError, one_line
 
 if TYPE_CHECKING:
     from .consolidate.formats import Checkpoint
@@ -25,13 +25,9 @@ if TYPE_CHECKING:
     from .consolidate.tp_pp import ConsolidationReport
     from .outputs import OutputTarget
 
-__all__ = ["UsageError", "cmd_clean", "cmd_consolidate", "cmd_demo", "cmd_doctor", "fail"]
+__all__ = ["cmd_clean", "cmd_consolidate", "cmd_demo", "cmd_doctor", "fail"]
 
 logger = logging.getLogger("distribute_utils.cli")  # (the command line's one logger, as before the split)
-
-
-class UsageError(Exception):
-    """Arguments that parse but do not make sense together (exit code 2)."""
 
 
 # -- demo ------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ __all__ = [
     "UnknownNameError",
     "UnsafeCheckpointError",
     "UnsupportedTypeError",
+    "UsageError",
     "WorkspaceError",
     "one_line",
     "plural_list",
@@ -161,6 +162,11 @@ class MailboxError(DistributeError, OSError):
 
 class OutputError(DistributeError, ValueError):
     """The output path cannot be used as asked (missing parent, not a directory, files in the way)."""
+
+
+class UsageError(DistributeError, ValueError):
+    """``distribute-utils`` arguments that parse but do not make sense together: raised by
+    :mod:`.commands`, caught by :mod:`.cli`, which prints the subcommand's usage and exits with code 2."""
 
 
 # -- consolidation ---------------------------------------------------------------------------------
