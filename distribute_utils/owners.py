@@ -64,7 +64,7 @@ class Owner:
     def __init__(self, what: str) -> None:
         self.what = what
         self.closed = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a kind's __init__ may own another kind of the same owner)
         self._items: dict[type[Any], Any] = {}
 
     def own(self, kind: type[T]) -> T:
@@ -162,7 +162,7 @@ def after_fork(hook: Callable[[], None]) -> None:
 def _forked() -> None:
     global _GROUP, _GROUP_LOCK
     _GROUP, _GROUP_LOCK = None, threading.Lock()  # the parent's group is not this process's to use
-    _PROCESS._lock = threading.Lock()
+    _PROCESS._lock = threading.RLock()
     _PROCESS.forked()
     for hook in _AFTER_FORK:
         hook()

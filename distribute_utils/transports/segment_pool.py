@@ -39,7 +39,16 @@ from ..wire import EncodedPayload
 from .files import reserve_space
 from .pinning import Registration
 
-__all__ = ["NOTICE_NAME", "FreedReports", "Notices", "Pools", "SegmentPool", "heed_notices", "reserve", "shm_space"]
+__all__ = [
+    "NOTICE_NAME",
+    "FreedReports",
+    "Notices",
+    "Pools",
+    "SegmentPool",
+    "heed_notices",
+    "reserve",
+    "shm_space",
+]
 
 logger = logging.getLogger(__name__)
 
