@@ -15,26 +15,28 @@ earlier, never the other way round):
   the process; in a forked child, each of its objects that has a ``forked()`` method is told so
   (it must not use its parent's sockets, segments or threads), and group scopes are forgotten.
 
-Process-wide state, and why (everything else of the package lives in a group's scope; pure-function
-memos are :class:`~distribute_utils.caches.Recent`):
+In a group's scope: the incarnation itself (store client, generation, peer directory, the
+groups' companions and their channels), the carriers' segment pool (:mod:`.transports.segment_pool`;
+closed, it retires until its busy segments are freed), the first rank's kept maps
+(:mod:`.transports.kept_maps`) and the job token (:mod:`.transports.namespace`). Pure-function memos
+(wire layouts and heads, rank lists, filesystem uids, scanned checkpoints) are
+:class:`~distribute_utils.caches.Recent`, bounded, right for any group. Process-wide state, and why:
 
-=============================================  ===============================================================
-state (owner)                                  why it cannot belong to a group
-=============================================  ===============================================================
-freed reports, notice socket, lent views,      reports name processes, not ranks, and reach the sender in a
-segment pools' registry (shm_notices)          later group's verdict; tensors viewing a segment outlive groups
-CUDA IPC held/unsettled payloads, counts       memory a live first rank may still read is kept until it exits
-(cuda_ipc)                                     whatever group comes; counts are the process's
-CUDA host registrations (pinning)              they belong to maps a retiring pool or a tensor still holds
-NFS workspace rank states, job namespaces      a namespace's file names are never reused in a process (stale
-(nfs_workspace, namespace)                     NFS attribute caches); namespaces are left at exit
-signal handlers, interrupt watcher (interrupts)  signals are the process's
-answering thread (mailbox)                     one socket per process, answers for whichever group is current
-watchdog, janitor threads (liveness)           threads of the process, fed by every group's waits
-loaded CUDA driver (cuda_driver)               a library, loaded once
-fault points (carriers.inject, mailbox.inject) a test's hook for the process
-launcher's temporary folders (launch)          removed at exit or interrupt
-=============================================  ===============================================================
+- freed reports, the notice socket, lent views, the registry of segment pools (segment_pool,
+  kept_maps): reports name processes, not ranks, and reach a sender in a later group's verdict;
+  tensors viewing a segment outlive groups;
+- CUDA IPC held and unsettled payloads, counts (cuda_ipc): memory a live first rank may still read is
+  kept until it exits, whatever group comes;
+- CUDA host registrations (pinning): they belong to maps a retiring pool or a tensor still holds;
+- NFS workspace rank states, open job namespaces (nfs_workspace, namespace): a process never reuses a
+  file name in a namespace (stale NFS attribute caches); namespaces are left at exit or interrupt;
+- signal handlers and the interrupt watcher thread (interrupts): signals are the process's;
+- the answering thread (mailbox): one socket per process, answering for whichever group is current;
+- the watchdog and janitor threads (liveness): the process's, fed by every group's waits;
+- the loaded CUDA driver (cuda_driver): a library, loaded once;
+- fault points (carriers.inject, mailbox.inject): a test's hook for the process;
+- the launcher's temporary folders (launch): removed at exit or interrupt;
+- stand-in classes (consolidate.safe_load): one class per pickled global name, equal across loads.
 
 Import-time side effects of the package: this module's one ``os.register_at_fork`` (see above);
 every other hook, thread and file is made on first use.
