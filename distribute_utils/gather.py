@@ -37,7 +37,6 @@ from .errors import ArgumentError, PeerLostError, UnsupportedTypeError
 from .mesh import ProcessGroupMesh
 from .roles import ATTACHED_MAX_BYTES, CheckIn, FirstRank, Part, RankList, Round, Sender, error_of, raise_from
 from .transports.host import INLINE_MAX_BYTES
-from .transports.shm import release_shared_memory
 
 __all__ = [
     "ATTACHED_MAX_BYTES",
@@ -52,7 +51,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-sync.on_new_incarnation(release_shared_memory)  # nothing kept warm past a process group
 
 TRANSPORTS = ("auto", "shm", "workspace", "collective")
 

@@ -6,12 +6,15 @@ first use (:func:`incarnation`) and dropped when the default group is destroyed 
 generation its keys live under (each rank counts its incarnations in the store, so stale keys of
 an old one are never read), the :class:`PeerDirectory` (where ranks run), the groups' companions
 (:class:`~distribute_utils.sync.GroupSync`, made by :mod:`distribute_utils.sync`) and the memory
-that its store is gone. Modules that keep state of their own for the group register a reset hook
-(:func:`on_new_incarnation`), run when the group goes.
+that its store is gone. The state modules keep for the group is in its scope
+(:meth:`Incarnation.own`, :func:`distribute_utils.owners.owned`: one object per class, closed newest
+first when the group goes; :mod:`distribute_utils.owners` lists what is process-wide instead, and
+why); a reset hook (:func:`on_new_incarnation`) also runs then.
 
 A process forked while its parent had a default group must not use it (its connections are the
-parent's): the fork is noted at fork time (the one hook this module registers at import: a fork
-may come before any call of ours), and :func:`incarnation` refuses such a child.
+parent's): the fork is noted at fork time (by :func:`distribute_utils.owners.after_fork`, part of the
+package's one at-fork hook: a fork may come before any call of ours), and :func:`incarnation` refuses
+such a child.
 
 This module also holds the store primitives every layer above uses: timeouts, new store clients
 made within a timeout (:func:`new_client`), the errors of a store that is slow or gone, and the
@@ -32,13 +35,14 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgpack
 import torch.distributed as dist
 
 from .errors import ArgumentError, ForkedProcessError, NotInitializedError, PeerLostError
 from .mailbox import answer_inquiries
+from .owners import after_fork, group_scope
 from .processes import ProcessInfo, this_process
 
 __all__ = [
@@ -479,6 +483,9 @@ class Member(Protocol):
     def close(self) -> None: ...
 
 
+T = TypeVar("T")
+
+
 class Incarnation:
     """Everything cached for one default process group; dropped when it is replaced."""
 
@@ -499,11 +506,17 @@ class Incarnation:
             self.peers = PeerDirectory(self.store, self.prefix, self.rank, me)
         except Exception as exc:
             raise store_lost(what, exc, self.store) from None
+        self.state = group_scope(pg)  # closed when the group goes (see distribute_utils.owners)
         weakref.finalize(pg, _run_reset_hooks)  # destroy_process_group() drops the group
         self.companions: dict[tuple[int, ...], Member] = {}
         self.by_namespace: dict[str, Member] = {}  # the same, for the answering thread
         self.world: Member | None = None
         self.lock = threading.Lock()
+
+    def own(self, kind: type[T]) -> T:
+        """The one ``kind`` of this group (made on first use, its ``close()`` called when the group
+        goes, newest first): :meth:`distribute_utils.owners.Owner.own` of the group's scope."""
+        return self.state.own(kind)
 
     def generation_of(self, rank: int) -> int | None:
         """The generation ``rank`` is in (for messages when a wait fails)."""
@@ -548,7 +561,7 @@ def _note_fork() -> None:
         _INHERITED = (os.getppid(), weakref.ref(dist.distributed_c10d._get_default_group()))
 
 
-os.register_at_fork(after_in_child=_note_fork)
+after_fork(_note_fork)
 
 
 def incarnation(timeout: float | None = None) -> Incarnation:
@@ -585,6 +598,7 @@ def incarnation(timeout: float | None = None) -> Incarnation:
                 _run_reset_hooks()
                 for old in _CURRENT.companions.values():
                     old.close()
+                _CURRENT.state.close()
                 _CURRENT = None
             _CURRENT = Incarnation(pg, timeout)
         return _CURRENT

@@ -44,6 +44,7 @@ __all__ = [
     "free_port",
     "load_script",
     "relabel_devices",
+    "remake_group",
     "torchrun_argv",
 ]
 
@@ -271,3 +272,15 @@ def temporaries_clean_would_remove() -> list[str]:
     )
     assert dry.returncode == 0, dry.stderr
     return [r["path"] for r in json.loads(dry.stdout)["removed"] if r["kind"] == "temporary"]
+
+
+def remake_group(rank: int, tag: str) -> None:
+    """In a rank: destroy the default group and make it again on the same store (under the prefix
+    ``tag``), this process as ``rank``."""
+    store = dist.distributed_c10d._get_default_store()
+    while not isinstance(store, dist.TCPStore):  # under the prefixes of earlier re-made groups
+        store = store.underlying_store
+    host, port, world = store.host, store.port, dist.get_world_size()
+    dist.destroy_process_group()
+    client = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore(tag, client), rank=rank, world_size=world)

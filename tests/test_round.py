@@ -38,7 +38,7 @@ from distribute_utils import (
 )
 from distribute_utils.transports import carriers, shm
 
-from harness import RankPool, load_script
+from harness import RankPool, load_script, remake_group
 
 SIZES = {"inline": 16, "shm": 300_000}  # elements: inside the claim, or through /dev/shm
 
@@ -408,17 +408,6 @@ def test_reinitialisation_twice_with_swapped_ranks(pools: Any, tmp_path: Any, wo
         assert first_before[0]["before"] == [float(r) for r in range(world)]
 
 
-def _remake_group(rank: int, tag: str) -> None:
-    """Destroy the default group and make it again on the same store, this process as ``rank``."""
-    store = dist.distributed_c10d._get_default_store()
-    while not isinstance(store, dist.TCPStore):  # under the prefixes of earlier re-made groups
-        store = store.underlying_store
-    host, port, world = store.host, store.port, dist.get_world_size()
-    dist.destroy_process_group()
-    client = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore(tag, client), rank=rank, world_size=world)
-
-
 def _pool_reports(how: str, tag: str) -> dict[str, Any]:
     """Senders publish pooled segments to rank 0, which lets them go; before a verdict carries the
     report, either the group is made anew with ranks 1 and 2 swapped (``renumbered``), or rank 0 sends
@@ -432,7 +421,7 @@ def _pool_reports(how: str, tag: str) -> dict[str, Any]:
     gc.collect()  # the first rank's views are gone: it holds one report per sender
     busy = shm.pooled_bytes()[0]  # segments in this process's pool
     if how == "renumbered":
-        _remake_group([0, 2, 1, 3][old], f"pool-reports/{tag}/0")
+        remake_group([0, 2, 1, 3][old], f"pool-reports/{tag}/0")
         barrier(timeout=30)  # every rank has posted where it runs
     else:
         # Rank 3 receives and gives up at once (a non-tensor of its own): it never reads rank 0's claim.
@@ -451,7 +440,7 @@ def _pool_reports(how: str, tag: str) -> dict[str, Any]:
         ranks = [c["rank"] for c in got]
     held = shm.pooled_bytes()  # what was free went back with the old group; the rest when reported
     if how == "renumbered":
-        _remake_group(old, f"pool-reports/{tag}/1")
+        remake_group(old, f"pool-reports/{tag}/1")
         barrier(timeout=30)
     else:
         shm.release_shared_memory()

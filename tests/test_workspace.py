@@ -414,7 +414,7 @@ def test_two_sshfs_mounts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
             _same(value, wire.decode(reader.fetch(token, 1)))
             writer.release(token, 1)
         monkeypatch.setenv(wsns.JOB_TOKEN_ENV, job)
-        monkeypatch.setattr(wsns, "_TOKEN_CACHE", {})
+        wsns.forget_job_token()
         nfs_a, nfs_b = NFSWorkspace(Path(mount_a, "ws")), NFSWorkspace(Path(mount_b, "ws"))
         for k in range(3):
             nfs_a.write_configs_and_weights({"k": k}, {"w": torch.full((10 + k,), float(k))})
@@ -545,14 +545,14 @@ def test_latest_write_wins_and_a_reader_may_skip_writes(tmp_path: Path) -> None:
 
 def test_job_token_without_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not dist.is_initialized()
-    monkeypatch.setattr(wsns, "_TOKEN_CACHE", {})
+    wsns.forget_job_token()
     monkeypatch.setenv(wsns.JOB_TOKEN_ENV, "my-job-42")
     assert job_token() == "my-job-42"
-    monkeypatch.setattr(wsns, "_TOKEN_CACHE", {})
+    wsns.forget_job_token()
     monkeypatch.setenv(wsns.JOB_TOKEN_ENV, "bad/token")
     with pytest.raises(ValueError, match="DISTRIBUTE_UTILS_JOB_TOKEN"):
         job_token()
-    monkeypatch.setattr(wsns, "_TOKEN_CACHE", {})
+    wsns.forget_job_token()
     monkeypatch.delenv(wsns.JOB_TOKEN_ENV)
     first = job_token()
     assert first == job_token() and len(first) == 32

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..caches import Recent
 from ..errors import UnsafeCheckpointError
 from .writers import unreadable_file
 
@@ -112,7 +113,8 @@ def _real_globals() -> list[Any]:
     return allowed
 
 
-_SCANNED: dict[tuple[str, int, int], list[str]] = {}  # (path, size, mtime_ns) -> its stand-in globals
+# A memo: (path, size, mtime_ns) -> the stand-in globals the file names.
+_SCANNED: Recent[tuple[str, int, int], list[str]] = Recent(256)
 
 
 def _globals_for(path: Path) -> list[Any]:
@@ -120,13 +122,14 @@ def _globals_for(path: Path) -> list[Any]:
     (found by scanning its pickle once; a file re-mapped later is not scanned again)."""
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _SCANNED:
+    scanned = _SCANNED.get(key)
+    if scanned is None:
         try:
             names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
         except Exception:  # not a zip checkpoint: torch.load will say what is wrong
             names = []
-        _SCANNED[key] = [n for n in names if n.startswith(STAND_IN_MODULES)]
-    return _real_globals() + [(_stand_in(name), name) for name in _SCANNED[key]]
+        scanned = _SCANNED.put(key, [n for n in names if n.startswith(STAND_IN_MODULES)])
+    return _real_globals() + [(_stand_in(name), name) for name in scanned]
 
 
 def safe_torch_load(path: str | os.PathLike[str]) -> Any:

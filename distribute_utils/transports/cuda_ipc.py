@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from ..errors import PayloadError, PeerLostError, TransportUnavailableError
+from ..owners import process_owned
 from ..processes import ProcessInfo, pid_alive, process_alive
 from ..wire import ALIGN, EncodedPayload
 from .base import Context
@@ -75,21 +76,28 @@ KIND = "cuda_ipc"
 _LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 
 
-_lock = threading.Lock()
-_counts = {"published": 0, "fetched": 0, "released": 0, "open": 0}
-# A sender's published payloads until release: (token, rank) -> the chunk tensors.
-_held: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
-# Payloads whose receiver did not answer, while it lives: (receiver, the chunk tensors).
-_unsettled: list[tuple[ProcessInfo, tuple[torch.Tensor, ...]]] = []
+class IpcState:
+    """This process's CUDA IPC payloads and counts; process-wide (``process_owned(IpcState)``): memory a
+    first rank that did not answer may still read is kept until that process exits, whatever group
+    comes next (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts = {"published": 0, "fetched": 0, "released": 0, "open": 0}
+        # A sender's published payloads until release: (token, rank) -> the chunk tensors.
+        self.held: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
+        # Payloads whose receiver did not answer, while it lives: (receiver, the chunk tensors).
+        self.unsettled: list[tuple[ProcessInfo, tuple[torch.Tensor, ...]]] = []
 
 
 def stats() -> dict[str, int]:
     """This process's CUDA IPC counts: payloads ``published`` (a sender), ``fetched`` (a first rank) and
     ``released``; mappings ``open`` now (0 outside a fetch) and payloads ``held`` now (published, not
     yet released, or released unanswered while their receiver lives; see the module doc)."""
-    with _lock:
-        held = len(_held) + len(_unsettled)
-        return {**_counts, "held": held}
+    state = process_owned(IpcState)
+    with state.lock:
+        held = len(state.held) + len(state.unsettled)
+        return {**state.counts, "held": held}
 
 
 def is_receipt(receipt: Any) -> bool:
@@ -168,9 +176,10 @@ class CudaIpcTransport:
                     entries.append([offset, length, found[0], pointer - base.value, found[1]])
         except CudaError as exc:
             raise TransportUnavailableError(f"rank {rank}'s CUDA memory has no IPC handle: {exc}") from None
-        with _lock:
-            _held[(token, rank)] = tuple(t for _, t in payload.chunks)
-            _counts["published"] += 1
+        state = process_owned(IpcState)
+        with state.lock:
+            state.held[(token, rank)] = tuple(t for _, t in payload.chunks)
+            state.counts["published"] += 1
         logger.debug(
             "rank %d published %d bytes on cuda:%d by CUDA IPC (%d chunks in %d allocations)",
             rank,
@@ -185,13 +194,14 @@ class CudaIpcTransport:
         """Drop the references :meth:`publish` kept. ``taken``: the first rank answered (it copied the
         payload or gave it up); False with the first rank alive keeps them until it has exited."""
         del receipt
-        with _lock:
-            chunks = _held.pop((token, rank), None)
+        state = process_owned(IpcState)
+        with state.lock:
+            chunks = state.held.pop((token, rank), None)
             if chunks is None:
                 return
-            _counts["released"] += 1
+            state.counts["released"] += 1
             if not taken and self._receiver is not None and process_alive(self._receiver):
-                _unsettled.append((self._receiver, chunks))
+                state.unsettled.append((self._receiver, chunks))
                 logger.warning(
                     "rank %d: its first rank (pid %d) did not answer and still runs; its CUDA payload stays "
                     "allocated until that process exits",
@@ -249,8 +259,9 @@ class CudaIpcTransport:
             ) from None
         finally:
             _close(driver, opened, stream, device.index)
-        with _lock:
-            _counts["fetched"] += 1
+        state = process_owned(IpcState)
+        with state.lock:
+            state.counts["fetched"] += 1
         logger.debug("fetched rank %d's %d bytes by CUDA IPC onto %s", rank, nbytes, device)
         return buffer
 
@@ -265,8 +276,9 @@ def _open(driver: Driver, handle: bytes, rank: int, pid: int) -> int:
     pointer = ctypes.c_uint64()
     result = driver.open_handle(ctypes.byref(pointer), ipc, _LAZY_ENABLE_PEER_ACCESS)
     if result == 0:
-        with _lock:
-            _counts["open"] += 1
+        state = process_owned(IpcState)
+        with state.lock:
+            state.counts["open"] += 1
         return pointer.value
     if not pid_alive(pid):
         raise PeerLostError(
@@ -287,8 +299,9 @@ def _close(driver: Driver, opened: dict[bytes, int], stream: torch.cuda.Stream, 
     with driver.context(index):
         for pointer in opened.values():
             result = driver.close_handle(pointer)
-            with _lock:
-                _counts["open"] -= 1
+            state = process_owned(IpcState)
+            with state.lock:
+                state.counts["open"] -= 1
             if result != 0:
                 logger.warning("cuIpcCloseMemHandle failed with CUDA driver error %d", result)
     opened.clear()
@@ -297,12 +310,13 @@ def _close(driver: Driver, opened: dict[bytes, int], stream: torch.cuda.Stream, 
 def _settle(answered: ProcessInfo | None = None) -> None:
     """Drop the payloads kept for receivers that did not answer and have exited since, or that have
     ``answered`` a later round (a first rank reads one round at a time: it is done with the earlier)."""
-    with _lock:
-        if not _unsettled:
+    state = process_owned(IpcState)
+    with state.lock:
+        if not state.unsettled:
             return
-        gone = [entry for entry in _unsettled if entry[0] == answered or not process_alive(entry[0])]
+        gone = [entry for entry in state.unsettled if entry[0] == answered or not process_alive(entry[0])]
         for entry in gone:
-            _unsettled.remove(entry)
+            state.unsettled.remove(entry)
     if gone:
         logger.info("released %d CUDA payload(s) kept for first ranks that have exited", len(gone))
 

@@ -31,7 +31,9 @@ import filelock
 import torch.distributed as dist
 
 from .. import interrupts
+from ..caches import Recent
 from ..errors import ArgumentError, DistributeError, WorkspaceError
+from ..owners import owned, process_owned
 from ..processes import ProcessInfo, process_alive, this_process
 from .files import atomic_write, filesystem_type, unlink, write_error
 
@@ -41,10 +43,13 @@ __all__ = [
     "JOB_TOKEN_ENV",
     "JOB_TOKEN_KEY",
     "NAMESPACE_PREFIX",
+    "JobToken",
     "Namespace",
+    "Namespaces",
     "check_token",
     "close_namespace",
     "close_namespaces",
+    "forget_job_token",
     "job_token",
     "judge",
     "namespace_path",
@@ -101,7 +106,7 @@ def lock_path(workspace: str) -> str:
     return os.path.join(user_dir(workspace), "sweep.lock")
 
 
-_FS_UIDS: dict[str, int] = {}
+_FS_UIDS: Recent[str, int] = Recent(64)  # a memo: workspace -> the uid its filesystem gives our files
 
 
 def _fs_uid(workspace: str) -> int:
@@ -252,9 +257,17 @@ class Namespace:
         self.locked = True  # created under this user's workspace lock (False: doctor's probe)
 
 
-_NAMESPACES: dict[str, Namespace] = {}
-_NS_LOCK = threading.Lock()
-_ATEXIT = False
+class Namespaces:
+    """The namespaces this process has open (process-wide: ``process_owned(Namespaces)``; left at exit
+    or on an interrupt, not with a group: a namespace's file names are never reused by a process),
+    what uses them, and the workspaces swept."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.opened: dict[str, Namespace] = {}
+        self.close_hooks: list[Callable[[str], None]] = []
+        self.swept: set[str] = set()
+        self.exit_hooked = False
 
 
 def open_namespace(
@@ -266,8 +279,9 @@ def open_namespace(
     check_token(token, "job token")
     workspace = _prepare_workspace(workspace_path)
     path = namespace_path(workspace, token)
-    with _NS_LOCK:
-        ns = _NAMESPACES.get(path)
+    state = process_owned(Namespaces)
+    with state.lock:
+        ns = state.opened.get(path)
         if ns is not None and not ns.closed and ns.pid == os.getpid():
             return ns
         info = this_process()
@@ -294,12 +308,11 @@ def open_namespace(
                         raise
         ns = Namespace(workspace, token, path, owner, filesystem_type(path))
         ns.locked = lock
-        _NAMESPACES[path] = ns
-        global _ATEXIT
-        if not _ATEXIT:
+        state.opened[path] = ns
+        if not state.exit_hooked:
             atexit.register(close_namespaces)
             interrupts.on_interrupt(lambda: close_namespaces(timeout=5.0))
-            _ATEXIT = True
+            state.exit_hooked = True
     logger.debug("workspace namespace %s ready (%s)", path, ns.fs_type)
     return ns
 
@@ -310,23 +323,24 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-_CLOSE_HOOKS: list[Callable[[str], None]] = []
-
-
 def on_namespace_close(hook: Callable[[str], None]) -> None:
     """Registers ``hook(path)``: called when this process leaves the namespace ``path``, so that what uses
     the namespace (:class:`~distribute_utils.transports.nfs_workspace.NFSWorkspace`) removes its files."""
-    _CLOSE_HOOKS.append(hook)
+    state = process_owned(Namespaces)
+    with state.lock:
+        if hook not in state.close_hooks:
+            state.close_hooks.append(hook)
 
 
 def close_namespace(ns: Namespace, timeout: float = 60.0) -> None:
     """Remove this process's owner record, and the namespace when nothing else is left in it."""
-    with _NS_LOCK:
+    state = process_owned(Namespaces)
+    with state.lock:
         if ns.closed or ns.pid != os.getpid():
             return
         ns.closed = True
-        _NAMESPACES.pop(ns.path, None)
-        for hook in _CLOSE_HOOKS:
+        state.opened.pop(ns.path, None)
+        for hook in state.close_hooks:
             hook(ns.path)
     if not os.path.isdir(ns.path):
         return  # already gone (swept, or the whole workspace was removed)
@@ -351,18 +365,29 @@ def close_namespaces(timeout: float = 60.0) -> None:
     namespace directory that is then empty. Call it on every rank after the last gather.
     ``timeout`` bounds each wait for the workspace lock.
     """
-    with _NS_LOCK:
-        opened = list(_NAMESPACES.values())
+    state = process_owned(Namespaces)
+    with state.lock:
+        opened = list(state.opened.values())
     for ns in opened:
         close_namespace(ns, timeout)
 
 
 # -- job token ---------------------------------------------------------------------------------
-_TOKEN_CACHE: dict[str, Any] = {}
+class JobToken:
+    """The job's token once agreed: one per default process group (``owned(JobToken)``: its store is
+    the group's), the process's when there is none."""
+
+    token: str | None = None
+
+
+def forget_job_token() -> None:
+    """Forget the token :func:`job_token` agreed in this group (or process): the next call agrees anew
+    (reads the environment again: tests, tools)."""
+    owned(JobToken).token = None
 
 
 def job_token() -> str:
-    """The job's token, the same on every rank; cached per process.
+    """The job's token, the same on every rank; kept for the default process group (see :class:`JobToken`).
 
     Under ``torch.distributed``, ranks agree through the default store: every rank proposes
     ``$DISTRIBUTE_UTILS_JOB_TOKEN`` or a fresh random token with ``compare_set`` and the first
@@ -371,12 +396,12 @@ def job_token() -> str:
     Raises:
         ValueError: the environment variable holds characters unusable in a file name.
     """
+    held = owned(JobToken)
+    if held.token is not None:
+        return held.token
     store = (
         dist.distributed_c10d._get_default_store() if dist.is_available() and dist.is_initialized() else None
     )
-    cached = _TOKEN_CACHE.get("token")
-    if cached is not None and _TOKEN_CACHE.get("store") is store:
-        return cached
     candidate = os.environ.get(JOB_TOKEN_ENV) or secrets.token_hex(16)
     check_token(candidate, f"${JOB_TOKEN_ENV}")
     if store is not None:
@@ -384,7 +409,7 @@ def job_token() -> str:
         token = check_token(bytes(winner).decode(), "job token in the store")
     else:
         token = candidate
-    _TOKEN_CACHE.update(token=token, store=store)
+    held.token = token
     return token
 
 
@@ -475,8 +500,9 @@ def sweep_stale_namespaces(
         for entry in sorted(os.scandir(workspace), key=lambda e: e.name):
             if not entry.name.startswith(NAMESPACE_PREFIX) or not entry.is_dir(follow_symlinks=False):
                 continue
-            with _NS_LOCK:
-                mine = entry.path in _NAMESPACES
+            state = process_owned(Namespaces)
+            with state.lock:
+                mine = entry.path in state.opened
             if mine:
                 continue
             try:
@@ -497,19 +523,17 @@ def sweep_stale_namespaces(
     return found
 
 
-_SWEPT: set[str] = set()
-
-
 def sweep_once(workspace: str, timeout: float) -> None:
     """Sweep ``workspace`` for dead jobs' namespaces, once per process; never raises.
 
     Called when a job opens its namespace (after it exists, so the sweep skips it), so what a
     crashed job left is removed by the next job that uses the workspace.
     """
-    with _NS_LOCK:
-        if workspace in _SWEPT:
+    state = process_owned(Namespaces)
+    with state.lock:
+        if workspace in state.swept:
             return
-        _SWEPT.add(workspace)
+        state.swept.add(workspace)
     try:
         removed = sweep_stale_namespaces(workspace, timeout=timeout)
     except (OSError, DistributeError) as exc:

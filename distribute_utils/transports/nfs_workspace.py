@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ArgumentError, PayloadError
+from ..owners import process_owned
 from ..wire import decode, encode
 from .files import LOCAL_FS, atomic_write, read_payload_file, unlink
 from .namespace import FILE_SUFFIX, close_namespace, job_token, on_namespace_close, open_namespace, sweep_once
@@ -51,14 +52,20 @@ class _RankState:
         self.last = []
 
 
-_WORKSPACE_STATES: dict[tuple[str, int], _RankState] = {}
-_STATES_LOCK = threading.Lock()
+class WorkspaceStates(dict[tuple[str, int], _RankState]):
+    """Each rank's writes per namespace, (namespace, rank) -> its state; process-wide
+    (``process_owned(WorkspaceStates)``), like the namespaces (:class:`.namespace.Namespaces`): a write
+    counter continues for as long as the process, so that no name is ever reused in a namespace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
 
 
 def _remove_last_files(path: str) -> None:
     """Leaving the namespace ``path``: each rank's last files there go (counters stay, so a reopened
     namespace never reuses a name)."""
-    for key, state in list(_WORKSPACE_STATES.items()):
+    for key, state in list(process_owned(WorkspaceStates).items()):
         if key[0] == path:
             state.remove_last()
 
@@ -152,10 +159,11 @@ class NFSWorkspace:
         self.namespace = Path(self._ns.path)
         self._mmap = self._ns.fs_type in LOCAL_FS
         key = (self._ns.path, self.rank)
-        with _STATES_LOCK:
-            if not _WORKSPACE_STATES:  # (registered once: the states are never emptied)
+        states = process_owned(WorkspaceStates)
+        with states.lock:
+            if not states:  # (registered once: the states are never emptied)
                 on_namespace_close(_remove_last_files)
-            self._state = _WORKSPACE_STATES.setdefault(key, _RankState(self._ns.path, self.rank))
+            self._state = states.setdefault(key, _RankState(self._ns.path, self.rank))
             self._state.last = []
             self._remove_own_files()  # ModelOpt's _clean_up() at construction
 

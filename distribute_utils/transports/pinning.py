@@ -23,13 +23,18 @@ from typing import Any
 
 import torch
 
+from ..owners import process_owned
 from .cuda_driver import CudaError, driver
 
 __all__ = ["Registration", "registered_bytes"]
 
 logger = logging.getLogger(__name__)
 
-_LIVE: dict[int, int] = {}  # this process's registrations: address -> bytes (see registered_bytes)
+
+class Registrations(dict[int, int]):
+    """This process's registrations: address -> bytes (see :func:`registered_bytes`); process-wide
+    (``process_owned(Registrations)``): they belong to maps that may outlive a group."""
+
 
 _PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE: pinned for every CUDA context of the process (every GPU)
 
@@ -57,7 +62,7 @@ class Registration:
         except CudaError as exc:
             logger.debug("%s (%d bytes): copies run at pageable speed", exc, nbytes)
             return None
-        _LIVE[address] = nbytes
+        process_owned(Registrations)[address] = nbytes
         return cls(address, nbytes, anchor, index)
 
     def close(self) -> None:
@@ -67,7 +72,7 @@ class Registration:
         self._anchor = None
         if os.getpid() != self._pid:
             return
-        _LIVE.pop(self.address, None)
+        process_owned(Registrations).pop(self.address, None)
         try:
             cuda = driver()
             with cuda.context(self._index):
@@ -80,4 +85,5 @@ def registered_bytes() -> tuple[int, int]:
     """``(registrations, bytes)`` this process holds registered with the CUDA runtime now: its pooled
     segments' maps as a sender and its kept maps as a first rank (:mod:`.shm`); after
     :func:`distribute_utils.release_shared_memory` only those of segments still in use."""
-    return len(_LIVE), sum(_LIVE.values())
+    live = process_owned(Registrations)
+    return len(live), sum(live.values())

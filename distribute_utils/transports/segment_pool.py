@@ -1,0 +1,478 @@
+"""The sender's pooled shared-memory segments, and the receivers' word that they are free again.
+
+:class:`SegmentPool` keeps a sender's warm segments (one pool per default process group, closed with
+it: :func:`distribute_utils.owners.owned`); a receiver that lets a segment go tells its sender at once
+through the sender's notice socket (:class:`Notices`), or, when it cannot, keeps a report
+(:class:`FreedReports`) that the round carries to the sender in a later verdict. Reports and notices
+name processes and segments, never ranks, so they outlive the group they were made in: both are
+process-wide (:func:`distribute_utils.owners.process_owned`), and so is the registry of pools
+(:class:`Pools`): a closed pool whose segments a receiver still maps stays there, *retiring*, until
+they are reported free (the next group starts with a pool of its own, empty).
+
+Call order: the carrier (:class:`.shm.SharedMemoryTransport`) takes, fits and writes segments;
+the round hands reports over with :data:`.carriers.reports`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SpaceError
+from ..mailbox import ANCILLARY_SIZE, sender_pid
+from ..owners import process_owned
+from ..processes import SHM_DIR, ProcessInfo, process_alive
+from ..wire import EncodedPayload
+from .files import reserve_space
+from .pinning import Registration
+
+__all__ = [
+    "NOTICE_NAME",
+    "FreedReports",
+    "Notices",
+    "Pools",
+    "SegmentPool",
+    "heed_notices",
+    "reserve",
+    "shm_space",
+]
+
+logger = logging.getLogger(__name__)
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_TRUNCATED = int(socket.MSG_TRUNC)
+_NO_WAIT = int(socket.MSG_DONTWAIT)
+
+
+def shm_space() -> tuple[int, int]:
+    """``(size, free bytes)`` of ``/dev/shm``."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def reserve(fd: int, nbytes: int, rank: int) -> None:
+    """Allocate every page of a new segment now, so a full /dev/shm fails here, cleanly (never a SIGBUS
+    later): :func:`.files.reserve_space`, with the answer a full ``/dev/shm`` deserves."""
+    try:
+        if not reserve_space(fd, nbytes):  # tmpfs has fallocate(2); glibc's emulation otherwise
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            size, free = shm_space()
+            raise SpaceError(
+                errno.ENOSPC,
+                f"{SHM_DIR} (size {size:,} bytes, {free:,} free now) cannot hold the "
+                f"{nbytes:,} bytes of rank {rank}'s payload; enlarge {SHM_DIR} "
+                "(e.g. docker --shm-size) or pass a workspace_path",
+            ) from None
+        raise
+
+
+@dataclass
+class _Segment:
+    """A pooled segment: an unnamed file in ``/dev/shm`` whose pages stay allocated."""
+
+    ident: str
+    fd: int
+    inode: int
+    size: int = 0
+    busy: bool = True
+    drop_when_freed: bool = False
+    receiver: ProcessInfo | None = None  # who maps it while busy (a dead one never frees it)
+    looked: float = 0.0  # when it was last taken, or its receiver last found alive (time.monotonic)
+    written: bool = False  # once: the next payloads are copied into a map (see write)
+    mapped: mmap.mmap | None = None  # the sender's own shared map of it, from its second payload on
+    pinned: Registration | None = None  # ``mapped``, registered with CUDA (from its first GPU payload)
+    pin_tried: bool = False
+
+    def write(self, payload: EncodedPayload) -> None:
+        """Copy ``payload`` in. The first payload goes with ``pwrite`` (the kernel fills the new pages
+        directly; a first touch through a map would zero each page before the copy: 1.6x slower at
+        64 MiB); then the segment is mapped, every page at once (``MAP_POPULATE``), and later payloads
+        are plain copies into the map, up to twice as fast as ``pwrite``, which looks up every page.
+        A payload with tensors on a GPU is copied from there into the map (mapped now if need be),
+        registered with CUDA the first time, so that the copies run at pinned speed."""
+        if (self.written or payload.on_device) and self.mapped is None:
+            try:
+                self.mapped = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
+            except OSError as exc:  # e.g. out of address space: pwrite needs none (tried again next time)
+                if payload.on_device:
+                    raise
+                logger.debug("pooled segment %s written with pwrite: %s", self.ident, exc)
+        if payload.on_device and not self.pin_tried:
+            self.pin_tried = True
+            self.pinned = Registration.of(self.mapped, self.size)
+        if self.mapped is not None:
+            payload.write_into(self.mapped)
+        else:
+            payload.write_to_fd(self.fd)
+        self.written = True
+
+    def close(self) -> None:
+        """Unregister and close the sender's map, and its descriptor (the pages go once no receiver maps
+        them either)."""
+        try:
+            if self.pinned is not None:
+                self.pinned.close()
+            if self.mapped is not None:
+                self.mapped.close()
+        finally:
+            os.close(self.fd)
+
+
+class SegmentPool:
+    """Each sender's warm segments, reused once the receiver's views of them are gone (the carriers'
+    pool: ``owned(SegmentPool)``, one per default process group; :meth:`close` retires it).
+
+    Allocating fresh tmpfs pages costs more than copying into them (64 MiB here: 22 ms into a fresh
+    segment, 10 ms into a warm one through the sender's map; ``scripts/bench_gather.py
+    --write-costs``). A large payload therefore goes into one of at most
+    :attr:`LIMIT` pooled segments: ``O_TMPFILE`` files in ``/dev/shm`` that never have a name,
+    so nothing is ever visible there and the kernel frees them when the process exits, however
+    it exits. The receiver opens one through ``/proc/<sender pid>/fd/<fd>`` (checking its
+    inode), maps it (shared), and the segment stays *busy* until the receiver reports that
+    its views are gone (a weak reference's callback sends the report to the sender's notice socket,
+    :class:`Notices`; when it cannot, :class:`FreedReports` keeps the report for the round,
+    which carries it to the sender in the verdict of the next gather they share, relayed by the first
+    rank when a host's leader let the segment go); only then is it written again. A
+    segment is pooled only while ``/dev/shm`` keeps at least four times its size free, and never
+    resized once sent: its receiver may keep its map (:class:`KeptMaps`).
+    """
+
+    LIMIT = 2
+    MIN_BYTES = 64 * 2**10
+    RECENT = 8  # a free segment larger than twice the largest of the last 8 payloads is released
+    LOOK_EVERY_S = 1.0  # a busy segment's receiver is looked up at most this often (a /proc read)
+
+    def __init__(self) -> None:
+        process_owned(Pools).every.add(self)  # a forked child closes its copies of every pool's segments
+        self._lock = threading.Lock()
+        self._segments: dict[str, _Segment] = {}
+        self._recent: collections.deque[int] = collections.deque(maxlen=self.RECENT)
+        self.closed = False
+
+    def close(self) -> None:
+        """The group that owned this pool is gone: free segments are given back now, and no segment is
+        taken any more; busy ones go as their receivers free them (meanwhile the pool is retiring,
+        process-wide, so that notices and reports still reach it: see :class:`Pools`)."""
+        self.closed = True
+        self.release()
+        if self.held()[0]:
+            process_owned(Pools).retiring.add(self)
+
+    def note_payload(self, nbytes: int) -> None:
+        """A sender's payload size, pooled or not: segments much larger than what recent rounds
+        sent are given back (a 1 GiB gather followed by small ones does not pin 1 GiB), and so are
+        busy ones whose receiver died (it never reports them freed; looked up once a second)."""
+        self._recent.append(nbytes)  # (a bounded deque: one step, safe between threads)
+        retiring = process_owned(Pools).retiring
+        if not self._segments and not retiring:
+            return
+        heed_notices()
+        bound = 2 * max(self._recent)
+        for pool in (self, *retiring):
+            pool._drop_unneeded(bound)
+
+    def _drop_unneeded(self, bound: int) -> None:
+        """Give back free segments larger than ``bound``, and busy ones whose receiver died."""
+        with self._lock:
+            now = time.monotonic()
+            dropped = [
+                s
+                for s in self._segments.values()
+                if (s.size > bound if not s.busy else self._receiver_gone(s, now))
+            ]
+            for seg in dropped:
+                del self._segments[seg.ident]
+        for seg in dropped:
+            seg.close()
+        self._retired_when_empty()
+
+    def _retired_when_empty(self) -> None:
+        if self.closed and not self._segments:
+            process_owned(Pools).retiring.discard(self)
+
+    def _receiver_gone(self, seg: _Segment, now: float) -> bool:
+        if seg.receiver is None or now - seg.looked < self.LOOK_EVERY_S:
+            return False
+        seg.looked = now
+        return not process_alive(seg.receiver)
+
+    def release(self) -> int:
+        """Give back every free segment; busy ones go when their receiver frees them.
+
+        Returns:
+            The bytes given back now.
+        """
+        heed_notices()
+        with self._lock:
+            free = [s for s in self._segments.values() if not s.busy]
+            for seg in free:
+                del self._segments[seg.ident]
+            for seg in self._segments.values():
+                seg.drop_when_freed = True
+        for seg in free:
+            seg.close()
+        return sum(s.size for s in free)
+
+    def held(self) -> tuple[int, int]:
+        """``(segments, bytes)`` this process's pool holds in ``/dev/shm``."""
+        with self._lock:
+            return len(self._segments), sum(s.size for s in self._segments.values())
+
+    def take(self, nbytes: int) -> _Segment | None:
+        """A free pooled segment (marked busy), a new one, or None to use a fresh named one."""
+        if nbytes < self.MIN_BYTES or not hasattr(os, "O_TMPFILE") or self.closed:
+            return None
+        if self._segments and not self._fits(nbytes):  # a notice since the last send may free one
+            heed_notices()
+        with self._lock:
+            free = [seg for seg in self._segments.values() if not seg.busy]
+            fitting = [seg for seg in free if seg.size >= nbytes]
+            if fitting:  # the best fit: the smallest that holds it, its pages already touched
+                seg = min(fitting, key=lambda s: s.size)
+            else:
+                if len(self._segments) >= self.LIMIT:
+                    if not free:
+                        return None
+                    # Never grown: a receiver may keep its map (only while the segment is small).
+                    victim = self._segments.pop(min(free, key=lambda s: s.size).ident)
+                    victim.close()
+                if shm_space()[1] < 4 * nbytes:
+                    return None
+                fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+                seg = _Segment(secrets.token_hex(8), fd, os.fstat(fd).st_ino)
+                self._segments[seg.ident] = seg
+            seg.busy, seg.looked = True, time.monotonic()
+            return seg
+
+    def _fits(self, nbytes: int) -> bool:
+        with self._lock:
+            return any(not seg.busy and seg.size >= nbytes for seg in self._segments.values())
+
+    def fit(self, seg: _Segment, nbytes: int, rank: int) -> None:
+        """Make ``seg`` hold at least ``nbytes``, its pages reserved: a new segment is sized here, once
+        (it never shrinks: a smaller payload would give back pages that the next large one must fault
+        in again; nor grows: see :meth:`take`)."""
+        if seg.size < nbytes:
+            reserve(seg.fd, nbytes, rank)
+            seg.size = nbytes
+
+    def freed(self, idents: set[str]) -> None:
+        """The receivers' maps of these segments are gone: they may be written again."""
+        dropped = []
+        with self._lock:
+            for ident in idents:
+                seg = self._segments.get(ident)
+                if seg is not None:
+                    seg.busy = False
+                    if seg.drop_when_freed:
+                        dropped.append(self._segments.pop(ident))
+        for seg in dropped:
+            seg.close()
+        if dropped:
+            self._retired_when_empty()
+
+    def heed(self, notices: Collection[tuple[int, str]]) -> None:
+        """Free the segments of these notices ``(receiver pid, segment id)``: each from the process the
+        segment was lent to (any process of this user when that was not said)."""
+        if not notices:
+            return
+        with self._lock:
+            idents = set()
+            for pid, ident in notices:
+                seg = self._segments.get(ident)
+                if seg is not None and (seg.receiver is None or seg.receiver.pid == pid):
+                    idents.add(ident)
+        self.freed(idents)
+
+    def drop(self, ident: str) -> None:
+        """Forget segment ``ident`` (its receiver may still map it; the kernel frees it later)."""
+        with self._lock:
+            seg = self._segments.pop(ident, None)
+        if seg is not None:
+            seg.close()
+            self._retired_when_empty()
+
+    def discard(self, seg: _Segment) -> None:
+        """Drop ``seg`` from the pool (after a failed publish)."""
+        with self._lock:
+            self._segments.pop(seg.ident, None)
+        seg.close()
+
+    def forked(self) -> None:
+        """A forked child must never write its parent's segments: it closes its copies of them."""
+        segments, self._segments, self._lock = self._segments, {}, threading.Lock()
+        for seg in segments.values():
+            with contextlib.suppress(BufferError, OSError):  # (a parent's thread was copying into it)
+                seg.close()
+
+
+NOTICE_NAME = re.compile(r"[0-9a-f]{16}")
+
+
+def _notice_address(name: str) -> bytes:
+    """The abstract address of notice socket ``name`` (this package's: a second copy in one process,
+    as the benchmark's ``--against`` loads it, has sockets of its own)."""
+    return f"\0{__package__}/freed/{name}".encode()
+
+
+class Notices:
+    """This process's socket for "freed" notices, as a sender of pooled segments, and its socket for
+    sending them, as a receiver (process-wide: ``process_owned(Notices)``).
+
+    A receiver's report that its views of a segment are gone otherwise reaches the sender in the
+    verdict of their next gather: a round late, so meanwhile the sender writes its other segment, and
+    keeps two. So a receiver sends the report straight here when it can (an abstract Unix datagram
+    address, named in the receipt), and keeps it for a verdict only when it cannot: each report goes
+    one way, never twice. The sender reads its notices, never waiting, at every send
+    (:meth:`SegmentPool.note_payload`), when no free segment fits a payload, and when it releases its
+    pool; it heeds one only from the process the segment was lent to (the kernel names a datagram's
+    sender).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._name = ""
+        self._tried = False
+        self._teller: socket.socket | None = None  # for sending notices (unbound)
+
+    def name(self) -> str:
+        """The name of this process's notice socket, for its receipts ("" when it cannot listen)."""
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    self._listen()
+                    self._tried = True
+        return self._name
+
+    def _listen(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            name = secrets.token_hex(8)
+            sock.bind(_notice_address(name))
+        except OSError as exc:
+            sock.close()
+            logger.debug("pooled segments are reported freed in verdicts only: %s", exc)
+            return
+        self._sock, self._name = sock, name
+
+    def take(self) -> list[tuple[int, str]]:
+        """``(receiver pid, segment id)`` of the notices that came (never waits)."""
+        found: list[tuple[int, str]] = []
+        sock = self._sock
+        if sock is None:
+            return found
+        uid = os.geteuid()
+        while True:
+            try:
+                data, ancillary, flags, _ = sock.recvmsg(64, ANCILLARY_SIZE)
+            except OSError:  # none left (or closed)
+                return found
+            pid = sender_pid(ancillary, uid)
+            if pid is not None and not flags & _TRUNCATED:
+                found.append((pid, data.decode("ascii", "replace")))
+
+    def tell(self, notice: str, ident: str) -> bool:
+        """Send the notice that this process's views of segment ``ident`` are gone to the sender's socket
+        ``notice``; False when there is none or it cannot take it now (the report then goes in a verdict)."""
+        if not notice:
+            return False
+        try:
+            if self._teller is None:
+                self._teller = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._teller.sendto(ident.encode(), _NO_WAIT, _notice_address(notice))
+        except OSError:
+            return False
+        return True
+
+    def forked(self) -> None:
+        """A forked child must not read its parent's notices: it closes its copy (no shutdown)."""
+        if self._sock is not None:
+            self._sock.close()
+        self._lock, self._sock, self._name, self._tried = threading.Lock(), None, "", False
+
+
+class Pools:
+    """Every segment pool of this process (process-wide: ``process_owned(Pools)``): :attr:`every` (one
+    per group in use, more in tests), of which :attr:`retiring` those closed with segments still busy
+    (held here until their receivers free them). A forked child closes its copies of all of them."""
+
+    def __init__(self) -> None:
+        self.every: weakref.WeakSet[SegmentPool] = weakref.WeakSet()
+        self.retiring: set[SegmentPool] = set()
+
+    def __iter__(self) -> Iterator[SegmentPool]:
+        return iter(list(self.every))
+
+    def forked(self) -> None:
+        for pool in self:
+            pool.forked()
+        self.retiring.clear()
+
+
+def heed_notices() -> None:
+    """Read this process's notices (never waits) and free the segments they name, in whichever pool
+    holds them (a retiring one included)."""
+    notices = process_owned(Notices).take()
+    if notices:
+        for pool in process_owned(Pools):
+            pool.heed(notices)
+
+
+class FreedReports:
+    """This process's reports, as a receiver, that its views of other processes' pooled segments are
+    gone, for the senders its notice could not reach (see :class:`Notices`): the round carries them
+    in its claims and verdicts, each once. Reports name processes, not ranks (a rank number may belong
+    to another process by the time a report travels: the default group was made anew); as they travel
+    they are ``[rank, segment id, pid]`` ("notes"). One per process: ``process_owned(FreedReports)``
+    (:data:`.shm.REPORTS`).
+    """
+
+    def __init__(self) -> None:
+        self._freed: set[tuple[int, str]] = set()  # (sender pid, segment id)
+
+    def add(self, report: tuple[int, str]) -> None:
+        """A view of segment ``report[1]`` of process ``report[0]`` is gone (any thread)."""
+        self._freed.add(report)
+
+    def pending(self) -> bool:
+        """Whether any report waits (cheap; ask before looking up the senders)."""
+        return bool(self._freed)
+
+    def take(self, senders: Mapping[int, int]) -> list[list[Any]]:
+        """The receiver, when done: the reports for ``senders`` (their pid -> their rank now, processes
+        of this pid namespace), as notes. Each report is handed out once: deliver it, or :meth:`keep` it."""
+        if not self._freed:  # the common case: nothing to look up in a list that may hold thousands of ranks
+            return []
+        found = [item for item in list(self._freed) if item[0] in senders]
+        for item in found:
+            self._freed.discard(item)
+        return [[senders[pid], ident, pid] for pid, ident in found]
+
+    def keep(self, notes: Collection[Sequence[Any]]) -> None:
+        """Take back notes from :meth:`take` that were not delivered (for a later gather)."""
+        self._freed.update((pid, ident) for _, ident, pid in notes)
+
+    @staticmethod
+    def heed(rank: int, notes: Sequence[Any]) -> None:
+        """A sender ``rank``, given its receiver's notes: its segments named there may be written again."""
+        if notes:
+            idents = {n[1] for n in notes if type(n) is list and len(n) == 3 and n[0] == rank}
+            for pool in process_owned(Pools):  # the group's pool, or one retiring
+                pool.freed(idents)
