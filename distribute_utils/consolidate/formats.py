@@ -17,16 +17,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from .dcp import DCP_METADATA, DcpCheckpoint
-from .layouts import MESH_FILE, LayoutError, OwnLayout
+from ..errors import LayoutError
+from .dcp import DcpCheckpoint
+from .dcp_metadata import DCP_METADATA
 from .megatron import MEGATRON_FILE, TRACKER_FILE, find_megatron_root, open_megatron_legacy
+from .own_layout import MESH_FILE, OwnLayout
 
 if TYPE_CHECKING:
     from ..mesh_layout import MeshLayout
-    from .layouts import MergePlanEntry
+    from .merge_plan import MergePlanEntry
     from .plan import RuleChoice
     from .reading import ShardReader
-    from .writers import CheckpointWriter
+    from .writer_base import CheckpointWriter
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 

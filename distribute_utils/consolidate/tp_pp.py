@@ -65,8 +65,8 @@ from .local_job import LocalJob
 from .plan import Options, RuleChoice, plan_checkpoint, resolve_rules
 from .rank_job import start_rank_job
 from .report import ConsolidationReport, peak_rss_bytes
-from .rules import RuleTable
-from .writers import parse_size
+from .rule_table import RuleTable
+from .specs import parse_size
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
