@@ -1,6 +1,6 @@
 """Recognising a checkpoint directory: :func:`open_checkpoint` is the one place that knows every format.
 
-* ``mesh.json``: the own layout (:class:`~.layouts.OwnLayout`);
+* ``mesh.json``: the own layout (:class:`~.own_layout.OwnLayout`);
 * ``.metadata``: torch.distributed.checkpoint, which Megatron-LM and NeMo write as ``torch_dist``
   (:class:`~.dcp.DcpCheckpoint`);
 * ``mp_rank_TT[_PPP][_EEE]`` directories: Megatron-LM legacy (:class:`~.megatron.MegatronLegacyLayout`).
@@ -35,7 +35,7 @@ __all__ = ["Checkpoint", "open_checkpoint"]
 
 class Checkpoint(Protocol):
     """What :func:`open_checkpoint` returns and the consolidation jobs use, whatever the format: a grid of
-    shard files (:class:`~.layouts.CheckpointLayout`: the own layout, Megatron-LM legacy) or a checkpoint
+    shard files (:class:`~.grid.CheckpointLayout`: the own layout, Megatron-LM legacy) or a checkpoint
     of global tensors (:class:`~.dcp.DcpCheckpoint`, read by one process).
 
     A new format is one class with these members, and one branch in :func:`open_checkpoint`.
