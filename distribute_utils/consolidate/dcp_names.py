@@ -52,7 +52,8 @@ class DcpNaming:
     grouped_experts: bool
 
     def entries(self, metadata: Any) -> list[tuple[str, Region, TensorSpec]]:
-        """``(output name, region, spec)`` of every output tensor that DCP ``Metadata`` describes, in key order."""
+        """``(output name, region, spec)`` of every output tensor that DCP ``Metadata`` describes, in key
+        order."""
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         out: list[tuple[str, Region, TensorSpec]] = []

@@ -43,7 +43,8 @@ class DcpReader:
         self._reader, self._metadata, self._regions = reader, metadata, regions
 
     def read(self, entries: Sequence[MergePlanEntry]) -> list[torch.Tensor]:
-        """The tensors of ``entries`` (from :meth:`~.dcp.DcpCheckpoint.plan`), read with one DCP ``read_data`` call."""
+        """The tensors of ``entries`` (from :meth:`~.dcp.DcpCheckpoint.plan`), read with one DCP ``read_data``
+        call."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -83,7 +84,8 @@ class DcpReader:
         return out
 
     def stream_into(self, writer: SafetensorsWriter, entries: Sequence[MergePlanEntry]) -> None:
-        """Writes ``entries`` (from :meth:`~.dcp.DcpCheckpoint.plan`) straight into ``writer``'s file, tensor by tensor.
+        """Writes ``entries`` (from :meth:`~.dcp.DcpCheckpoint.plan`) straight into ``writer``'s file, tensor
+        by tensor.
 
         Each stored chunk is loaded (once for consecutive tensors that share it) and its overlap with the
         tensor placed at its offsets, never building the tensor. A chunk whose overlap is one long run
