@@ -18,26 +18,21 @@ The names below are what users call; constants, test writers and helpers stay in
 
 from __future__ import annotations
 
+from ..errors import CheckpointFormatError, LayoutError, MergeError, RuleSyntaxError
 from .dcp import DcpCheckpoint
 from .formats import Checkpoint, open_checkpoint
-from .layouts import CheckpointLayout, LayoutError, MergePlanEntry, OwnLayout, write_own_layout
+from .grid import CheckpointLayout
 from .megatron import MegatronLegacyLayout
-from .rules import (
-    Concat,
-    First,
-    Max,
-    MergeError,
-    MergeRule,
-    RuleSyntaxError,
-    RuleTable,
-    Same,
-    ScalarMax,
-    Sum,
-    Unknown,
-    parse_rule,
-    write_merged,
-)
+from .merge_plan import MergePlanEntry
+from .merge_rules import Concat, First, Max, MergeRule, Same, ScalarMax, Sum, Unknown, parse_rule
+from .merge_write import write_merged
+from .own_layout import OwnLayout, write_own_layout
+from .rule_table import RuleTable
 from .safe_load import UnsafeCheckpointError, safe_torch_load
+from .safetensors_read import load_safetensors
+from .safetensors_writer import SafetensorsWriter
+from .specs import TensorSpec
+from .torch_writer import TorchSaveWriter
 from .tp_pp import (
     ConsolidationError,
     ConsolidationReport,
@@ -45,14 +40,7 @@ from .tp_pp import (
     consolidate_local,
     plan_checkpoint,
 )
-from .writers import (
-    CheckpointFormatError,
-    SafetensorsWriter,
-    TensorSpec,
-    TorchSaveWriter,
-    load_safetensors,
-    open_writer,
-)
+from .writers import open_writer
 
 __all__ = [
     "Checkpoint",

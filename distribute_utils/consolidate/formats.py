@@ -1,6 +1,6 @@
 """Recognising a checkpoint directory: :func:`open_checkpoint` is the one place that knows every format.
 
-* ``mesh.json``: the own layout (:class:`~.layouts.OwnLayout`);
+* ``mesh.json``: the own layout (:class:`~.own_layout.OwnLayout`);
 * ``.metadata``: torch.distributed.checkpoint, which Megatron-LM and NeMo write as ``torch_dist``
   (:class:`~.dcp.DcpCheckpoint`);
 * ``mp_rank_TT[_PPP][_EEE]`` directories: Megatron-LM legacy (:class:`~.megatron.MegatronLegacyLayout`).
@@ -17,23 +17,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from .dcp import DCP_METADATA, DcpCheckpoint
-from .layouts import MESH_FILE, LayoutError, OwnLayout
+from ..errors import LayoutError
+from .dcp import DcpCheckpoint
+from .dcp_metadata import DCP_METADATA
 from .megatron import MEGATRON_FILE, TRACKER_FILE, find_megatron_root, open_megatron_legacy
+from .own_layout import MESH_FILE, OwnLayout
 
 if TYPE_CHECKING:
     from ..mesh_layout import MeshLayout
-    from .layouts import MergePlanEntry
+    from .merge_plan import MergePlanEntry
     from .plan import RuleChoice
     from .reading import ShardReader
-    from .writers import CheckpointWriter
+    from .writer_base import CheckpointWriter
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 
 
 class Checkpoint(Protocol):
     """What :func:`open_checkpoint` returns and the consolidation jobs use, whatever the format: a grid of
-    shard files (:class:`~.layouts.CheckpointLayout`: the own layout, Megatron-LM legacy) or a checkpoint
+    shard files (:class:`~.grid.CheckpointLayout`: the own layout, Megatron-LM legacy) or a checkpoint
     of global tensors (:class:`~.dcp.DcpCheckpoint`, read by one process).
 
     A new format is one class with these members, and one branch in :func:`open_checkpoint`.

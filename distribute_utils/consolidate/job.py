@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from .layouts import MergePlanEntry
+from .merge_plan import MergePlanEntry
+from .merge_write import write_merged
 from .plan import JobPlan, Options
 from .report import ConsolidationReport, peak_rss_bytes
-from .rules import write_merged
-from .writers import CheckpointWriter
+from .writer_base import CheckpointWriter
 
 __all__ = ["Item", "Job", "progress_bar", "write_item"]
 

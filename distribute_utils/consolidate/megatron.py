@@ -32,15 +32,9 @@ from typing import Any
 
 import torch
 
-from .layouts import (
-    CheckpointLayout,
-    LayoutError,
-    atomic_torch_save,
-    atomic_write_text,
-    flatten_tensors,
-    grid_of,
-)
-from .rules import bitwise_equal
+from ..errors import LayoutError
+from .grid import CheckpointLayout, atomic_torch_save, atomic_write_text, flatten_tensors, grid_of
+from .merge_rules import bitwise_equal
 from .safe_load import find_stand_ins, safe_torch_load
 
 __all__ = [
@@ -386,7 +380,7 @@ def _coords(layout: MegatronLegacyLayout, t: int, stage: int) -> tuple[int, ...]
 
 
 def _nest(sd: Mapping[str, torch.Tensor], depth: int) -> dict[str, Any]:
-    from .writers import standalone
+    from .torch_writer import standalone
 
     out: dict[str, Any] = {}
     for name, t in sd.items():

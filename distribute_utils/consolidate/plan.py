@@ -22,9 +22,10 @@ import msgpack
 
 from ..errors import SpaceError, UnsupportedTypeError
 from .formats import Checkpoint, open_checkpoint
-from .layouts import MergePlanEntry
-from .rules import RuleTable
-from .writers import CheckpointWriter, open_writer
+from .merge_plan import MergePlanEntry
+from .rule_table import RuleTable
+from .writer_base import CheckpointWriter
+from .writers import open_writer
 
 __all__ = [
     "JobPlan",

@@ -27,11 +27,11 @@ from ..gather import gather_configs
 from ..mesh import ProcessGroupMesh
 from .failures import Failure, Failures
 from .job import Item, Job, write_item
-from .layouts import MergePlanEntry
+from .merge_plan import MergePlanEntry
+from .merge_rules import Concat
 from .plan import JobPlan, Options
 from .report import ConsolidationReport
-from .rules import Concat
-from .writers import CheckpointWriter
+from .writer_base import CheckpointWriter
 
 __all__ = ["RankJob", "start_rank_job"]
 

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from .layouts import CheckpointLayout, MergePlanEntry
+    from .grid import CheckpointLayout
+    from .merge_plan import MergePlanEntry
 
 __all__ = ["BatchReads", "MappedShard", "ShardReader"]
 

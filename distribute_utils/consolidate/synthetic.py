@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ArgumentError
-from .layouts import global_layer_name, local_layer_index
-from .rules import RuleTable, check_quant_format
-from .writers import TensorSpec
+from .grid import global_layer_name, local_layer_index
+from .quant_rules import check_quant_format
+from .rule_table import RuleTable
+from .specs import TensorSpec
 
 __all__ = [
     "SyntheticDims",
@@ -191,7 +192,7 @@ def shard_state_dict(
 ) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
     """Splits a full state dict into TP x PP shards, as a Megatron job would hold them.
 
-    TP: each tensor is split with its rule's :meth:`~distribute_utils.consolidate.rules.MergeRule.split`:
+    TP: each tensor is split with its rule's :meth:`~distribute_utils.consolidate.merge_rules.MergeRule.split`:
     ``concat:d`` chunks along ``d`` (must divide evenly); ``same``/``first`` replicate; ``max`` keeps the
     original on TP rank 0 and smaller-or-equal values elsewhere; ``sum`` the original on rank 0 and zeros
     elsewhere; so merging with the same rules gives the original back bit for bit.

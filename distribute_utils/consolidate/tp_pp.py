@@ -4,7 +4,7 @@ The job has ``tp * pp`` ranks laid out as ``ProcessGroupMesh(pp, tp, axis_names=
 ``rank = pp_rank * tp + tp_rank`` (TP fastest, as Megatron numbers ranks), and rank ``(pp_i, tp_j)`` reads
 only the shard ``(tp_j, pp_i)``, memory-mapped.
 
-Planning: every rank opens the layout and plans from metadata alone (:func:`~.layouts.plan_merge`: shard
+Planning: every rank opens the layout and plans from metadata alone (:func:`~.merge_plan.plan_merge`: shard
 headers, no tensor data), so every rank knows every output tensor, its rule, its merged spec and the batches
 below without any message; a digest of the plan is compared across ranks before anything moves.
 
@@ -65,8 +65,8 @@ from .local_job import LocalJob
 from .plan import Options, RuleChoice, plan_checkpoint, resolve_rules
 from .rank_job import start_rank_job
 from .report import ConsolidationReport, peak_rss_bytes
-from .rules import RuleTable
-from .writers import parse_size
+from .rule_table import RuleTable
+from .specs import parse_size
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
