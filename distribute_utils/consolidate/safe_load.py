@@ -11,8 +11,8 @@ Callers that take tensors from a loaded object must check it holds no stand-in w
 (:func:`find_stand_ins`): a stand-in is never a weight.
 
 A file that cannot be read at all (empty, truncated, text, another format) raises
-:class:`~.writers.CheckpointFormatError` naming the file and what is wrong with it
-(:func:`~.writers.unreadable_file`).
+:class:`~distribute_utils.errors.CheckpointFormatError` naming the file and what is wrong with it
+(:func:`~.unreadable.unreadable_file`).
 
 :func:`safe_pickle_load` reads a plain pickle (not a ``torch.save`` archive, e.g. a DCP ``.metadata`` file,
 which torch's weights-only reader cannot parse) with the same promise: only the globals of an allow-list the
@@ -37,7 +37,7 @@ import torch
 
 from ..caches import Recent
 from ..errors import UnsafeCheckpointError
-from .writers import unreadable_file
+from .unreadable import unreadable_file
 
 __all__ = [
     "STAND_IN_MODULES",
@@ -258,7 +258,7 @@ def safe_pickle_load(
         UnsafeCheckpointError: the file names a global outside ``allowed`` (named in the one-line message;
             it was not looked up, nothing was called) or changes an allow-listed object.
         Exception: whatever ``pickle`` raises on a damaged file (``UnpicklingError``, ``EOFError``, ...);
-            the caller says what is wrong (:func:`~.writers.describe_unreadable`).
+            the caller says what is wrong (:func:`~.unreadable.describe_unreadable`).
     """
     p = Path(path)
     if not p.is_file():

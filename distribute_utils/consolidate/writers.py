@@ -22,7 +22,6 @@ from .safetensors_read import read_safetensors_metadata, read_safetensors_specs
 from .safetensors_writer import SafetensorsWriter
 from .specs import DTYPE_TO_SAFETENSORS, TensorSpec, parse_size
 from .torch_writer import TorchSaveWriter
-from .unreadable import unreadable_file
 from .writer_base import CheckpointWriter, plan_shards, split_target
 
 __all__ = [
@@ -33,7 +32,6 @@ __all__ = [
     "parse_size",
     "read_safetensors_metadata",
     "read_safetensors_specs",
-    "unreadable_file",
 ]
 
 
