@@ -452,13 +452,18 @@ class PeerDirectory:
             client = self.watch_client()
             listed = client.get(self._domain_key(self.me)).decode().split(",")
             ranks = [int(r) for r in listed if r and int(r) != self.rank]
+            # Infos not read yet: all at once when all are posted (as they are but while ranks start),
+            # else each that is (a rank is listed before its info is posted). Read once: a rank's info
+            # never changes within an incarnation.
+            unread = [r for r in ranks if r not in self._infos]
+            if unread and client.check([self._key(r) for r in unread]):
+                self._remember(unread, client.multi_get([self._key(r) for r in unread]))  # type: ignore[attr-defined]  # torch's stub lacks Store.multi_get
+            else:
+                posted = [r for r in unread if client.check([self._key(r)])]
+                self._remember(posted, [client.get(self._key(r)) for r in posted])
             found = {}
             for r in ranks:
                 info = self._infos.get(r)
-                if info is None and client.check([self._key(r)]):
-                    info = ProcessInfo.from_wire(msgpack.unpackb(client.get(self._key(r))))
-                    with self._lock:  # (read once: a rank's info never changes within an incarnation)
-                        self._infos[r] = info
                 if info is not None and self.me.can_watch(info):
                     found[r] = info
         except Exception as exc:  # the store is gone: its waiters say so

@@ -128,6 +128,11 @@ class Watchdog:
         with self._lock:
             self._watches.pop(ident, None)
 
+    def watching(self, watch: Watch) -> bool:
+        """Whether ``watch`` is still registered (its wait has not ended)."""
+        with self._lock:
+            return self._watches.get(id(watch)) is watch
+
     def _run(self) -> None:
         while True:
             self._wake.wait()
@@ -142,33 +147,55 @@ class Watchdog:
             # Most waits end within a millisecond: look only at those that outlast the grace.
             now = time.monotonic()
             due = [w for w in watches if now - w.since >= GRACE_S]
-            alive: dict[ProcessInfo, bool] = {}  # each process looked at once per round of checks
-            for watch in due:
-                try:
-                    self._check(watch, alive)
-                except Exception:  # the store may be gone: the waiter will say so
-                    logger.debug("watchdog check failed", exc_info=True)
             if due:
+                self.check_round(due)
                 time.sleep(WATCH_INTERVAL_S)
             else:
                 oldest = min(w.since for w in watches)
                 time.sleep(max(0.0, GRACE_S - (now - oldest)))
 
+    def check_round(self, due: Sequence[Watch]) -> int:
+        """One round of checks of the waits ``due``; returns the processes looked at (for tests).
+
+        The work per round does not grow with the number of waits of one source (threads waiting on
+        different groups of one process share its :class:`PeerDirectory`): each source's local peers
+        are read and each process is looked at once; a wait costs one more grouping step, and
+        something more only when a peer it awaits is dead. A wait that ended since the round began is
+        skipped (its keys are not touched).
+        """
+        by_source: dict[int, list[Watch]] = {}
+        for watch in due:
+            by_source.setdefault(id(watch.source), []).append(watch)
+        alive: dict[ProcessInfo, bool] = {}  # each process looked at once per round of checks
+        for watches in by_source.values():
+            if not any(self.watching(w) for w in watches):
+                continue  # every wait of it ended since the round began
+            try:
+                peers = watches[0].source.local_peers()  # (a few: not every rank a wait awaits)
+                dead = []
+                for rank, info in peers.items():
+                    found = alive.get(info)
+                    if found is None:
+                        found = alive[info] = process_alive(info)
+                    if not found:
+                        dead.append(rank)
+                for watch in watches if dead else ():
+                    if self.watching(watch):  # (not a wait that ended meanwhile)
+                        for rank in dead:
+                            self._tombstone(watch, rank)
+            except Exception:  # the store may be gone: the waiter will say so
+                logger.debug("watchdog check failed", exc_info=True)
+        return len(alive)
+
     @staticmethod
-    def _check(watch: Watch, alive: dict[ProcessInfo, bool]) -> None:
-        awaited = watch.awaited
-        for rank, info in watch.source.local_peers().items():  # (a few: not every rank it awaits)
-            key = awaited.get(rank)
-            if key is None:
-                continue
-            found = alive.get(info)
-            if found is None:
-                found = alive[info] = process_alive(info)
-            if found:
-                continue
-            if watch.arrived_key is not None and watch.store.check([watch.arrived_key(rank)]):
-                continue  # it arrived, then exited: not what anybody waits for
-            watch.store.compare_set(key, b"", TOMBSTONE + str(rank).encode())  # type: ignore[arg-type]  # torch's stub: compare_set takes bytes too
+    def _tombstone(watch: Watch, rank: int) -> None:
+        """Post the tombstone of ``rank`` (dead) in the key ``watch`` awaits of it, if it awaits one."""
+        key = watch.awaited.get(rank)
+        if key is None:
+            return
+        if watch.arrived_key is not None and watch.store.check([watch.arrived_key(rank)]):
+            return  # it arrived, then exited: not what anybody waits for
+        watch.store.compare_set(key, b"", TOMBSTONE + str(rank).encode())  # type: ignore[arg-type]  # torch's stub: compare_set takes bytes too
 
 
 WATCHDOG = Watchdog()

@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -831,6 +831,82 @@ def test_a_companion_without_a_directory_waits_without_the_watchdog(caplog: pyte
     assert failed.value.missing == (1,)
     failures = [r.getMessage() for r in caplog.records if "watchdog check failed" in r.getMessage()]
     assert not failures, f"the watchdog was given a watch it cannot check ({len(failures)} failed checks)"
+
+
+def test_a_round_of_watchdog_checks_reads_each_source_once_however_many_waits() -> None:
+    """Threads of one process waiting on different groups share its peer directory: one round of the
+    watchdog's checks reads its local peers once, not once per wait (16 waits here), a wait that ended
+    while the round ran is not looked at, and the first read of the peers' infos is one check and one
+    multi_get, not two operations per peer (7 here). Store operations and reads of the local peers are
+    counted; the round is held inside a read by events, never by time."""
+    from distribute_utils.incarnation import PeerDirectory, this_process
+
+    class Ops:
+        """An in-process store that counts its operations (a clone is itself: the watch client)."""
+
+        def __init__(self) -> None:
+            self.inner, self.count = dist.HashStore(), 0
+
+        def clone(self) -> Ops:
+            return self
+
+        def __getattr__(self, name: str) -> Any:
+            method = getattr(self.inner, name)
+
+            def counted(*args: Any) -> Any:
+                self.count += 1
+                return method(*args)
+
+            return counted
+
+    class Source:
+        """A peer directory whose reads of the local peers are counted; the first two are held."""
+
+        def __init__(self, directory: PeerDirectory, store: Ops) -> None:
+            self.directory, self.store, self.calls, self.first_ops = directory, store, 0, 0
+            self.entered = [threading.Event(), threading.Event()]
+            self.release = [threading.Event(), threading.Event()]
+
+        def local_peers(self) -> dict[int, Any]:
+            self.calls += 1
+            before = self.store.count
+            peers = self.directory.local_peers()
+            if self.calls == 1:
+                self.first_ops = self.store.count - before
+            if self.calls <= 2:
+                self.entered[self.calls - 1].set()
+                assert self.release[self.calls - 1].wait(60)
+            return peers
+
+    store, me = Ops(), this_process()
+    directories = [PeerDirectory(cast(dist.Store, store), "wd", r, me) for r in range(8)]
+    busy, other = Source(directories[0], store), Source(directories[1], store)
+    dog = liveness.Watchdog()
+
+    def watch(source: Source) -> int:
+        w = liveness.Watch(
+            cast(PeerDirectory, source), cast(dist.Store, store), {r: f"k/{r}" for r in range(8)}, None
+        )
+        w.since -= 10 * liveness.GRACE_S  # due at once
+        return dog.add(w)
+
+    mine = [watch(busy) for _ in range(16)]
+    ended = watch(other)
+    try:
+        assert busy.entered[0].wait(60), "the watchdog never looked"
+        dog.remove(ended)  # its wait ends while the round is inside the busy source's read
+        busy.release[0].set()
+        assert busy.entered[1].wait(60), "no second round"
+        for ident in mine:
+            dog.remove(ident)
+        busy.release[1].set()
+    finally:
+        busy.release[0].set(), busy.release[1].set()
+        dog.close()
+    assert busy.calls == 2, f"{busy.calls} reads of the local peers in two rounds of 16 waits on one source"
+    assert other.calls == 0, "a wait that had ended was looked at"
+    assert busy.first_ops <= 3, f"{busy.first_ops} store operations to read 7 local peers' infos"
+    assert len(directories[0].local_peers()) == 7
 
 
 def test_a_direct_domain_read_from_a_store_that_is_gone_names_the_store() -> None:
