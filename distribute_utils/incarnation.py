@@ -9,7 +9,7 @@ an old one are never read), the :class:`PeerDirectory` (where ranks run), the gr
 that its store is gone. The state modules keep for the group is in its scope
 (:meth:`Incarnation.own`, :func:`distribute_utils.owners.owned`: one object per class, closed newest
 first when the group goes; :mod:`distribute_utils.owners` lists what is process-wide instead, and
-why); a reset hook (:func:`on_new_incarnation`) also runs then.
+why).
 
 A process forked while its parent had a default group must not use it (its connections are the
 parent's): the fork is noted at fork time (by :func:`distribute_utils.owners.after_fork`, part of the
@@ -59,7 +59,6 @@ __all__ = [
     "incarnation",
     "late",
     "new_client",
-    "on_new_incarnation",
     "refusal",
     "require_initialized",
     "resolve_timeout",
@@ -512,7 +511,6 @@ class Incarnation:
         except Exception as exc:
             raise store_lost(what, exc, self.store) from None
         self.state = group_scope(pg)  # closed when the group goes (see distribute_utils.owners)
-        weakref.finalize(pg, _run_reset_hooks)  # destroy_process_group() drops the group
         self.companions: dict[tuple[int, ...], Member] = {}
         self.by_namespace: dict[str, Member] = {}  # the same, for the answering thread
         self.world: Member | None = None
@@ -536,21 +534,6 @@ _STATE_LOCK = threading.Lock()
 _CURRENT: Incarnation | None = None
 # Default process groups whose store is gone (see _mark_lost), also those whose incarnation never began.
 _LOST: weakref.WeakKeyDictionary[dist.ProcessGroup, PeerLostError] = weakref.WeakKeyDictionary()
-_RESET_HOOKS: list[Callable[[], object]] = []
-
-
-def on_new_incarnation(hook: Callable[[], object]) -> None:
-    """Call ``hook`` when the default process group is destroyed or replaced (to drop caches
-    and give back resources)."""
-    _RESET_HOOKS.append(hook)
-
-
-def _run_reset_hooks() -> None:
-    for hook in _RESET_HOOKS:
-        try:
-            hook()
-        except Exception:
-            logger.debug("a reset hook failed", exc_info=True)
 
 
 # In a process forked while its parent had a default process group: (the parent's pid, that group).
@@ -600,7 +583,6 @@ def incarnation(timeout: float | None = None) -> Incarnation:
             if lost is not None:
                 raise _lost_again(lost)
             if _CURRENT is not None:
-                _run_reset_hooks()
                 for old in _CURRENT.companions.values():
                     old.close()
                 _CURRENT.state.close()
