@@ -278,7 +278,7 @@ def _gather(
         if me == checked[0]:
             first = FirstRank(this_call, listed, received_on=received_on)
             error = first.decide(error)
-            if error is None:
+            if error is None and device is not None:
                 try:
                     _check_device(device)
                 except ValueError as exc:

@@ -222,6 +222,7 @@ class Part:
 
     # State that most calls never change (class defaults: nothing to set up per call).
     _workspace: Carrier | None = None
+    _receiving: carriers.Receiving | None = None
     _ipc_to: torch.device | None = None  # the first rank: the GPU it decodes to, where CUDA IPC copies to
     pin_maps = False  # the first rank copies what it receives to a GPU (see FirstRank.receive)
 
@@ -311,12 +312,13 @@ class Part:
     def _workspace_now(self) -> Carrier:
         return self.workspace
 
-    @functools.cached_property
     def receiving(self) -> carriers.Receiving:
         """The receiving side's carriers (made on the first fetch, once ``pin_maps`` and ``_ipc_to`` are set;
-        an attribute from then on)."""
+        kept for the call)."""
+        if self._receiving is not None:
+            return self._receiving
         pg = self.group if self.group is None or isinstance(self.group, dist.ProcessGroup) else None
-        return carriers.Receiving(
+        self._receiving = carriers.Receiving(
             Context(
                 self.first,
                 self.seconds,
@@ -327,12 +329,14 @@ class Part:
                 self._attached_in,
             )
         )
+        return self._receiving
 
     def fetch(self, rank: int, body: list[Any] | None) -> Any:
         """The buffer of ``rank``'s payload, from the carrier that carried it."""
         if type(body) is not list or len(body) != 2 or type(body[0]) is not str:
             raise PayloadError(f"rank {rank} posted a malformed claim body {body!r:.80}")
-        return self.receiving.fetch(body[0], rank, body[1])
+        receiving = self._receiving or self.receiving()  # (made once per call: no call per fetch)
+        return receiving.fetch(body[0], rank, body[1])
 
     def discard(self, rank: int, body: list[Any] | None) -> None:
         """Remove what ``rank`` published for us and we did not take (a dead peer cannot)."""
@@ -340,7 +344,7 @@ class Part:
             return
         try:
             token, receipt = body
-            self.receiving.discard(token, rank, receipt)
+            self.receiving().discard(token, rank, receipt)
         except Exception as exc:
             logger.warning("%s: could not remove what rank %d published: %s", self.what, rank, exc)
 
