@@ -176,21 +176,18 @@ def gather_to_first(
     Every rank of ``group`` must enter it (see ``docs/api.md``, "The contract: ``group`` synchronises,
     ``ranks`` routes"); the gather runs when it is entered.
     """
-    seconds, error = _resolved(timeout)  # (a bad one: raised on every rank of the gather)
-    companion = sync.companion(group, seconds)
-    return _gather(
-        companion,
-        seconds,
-        error,
+    seconds, error = _resolved(timeout)
+    return gather_on(
+        sync.companion(group, seconds),
         value,
         ranks,
-        None,
-        group,
-        transport,
-        workspace_path,
-        device,
-        root,
-        received_on,
+        group=group,
+        transport=transport,
+        workspace_path=workspace_path,
+        timeout=seconds if error is None else timeout,  # (a bad one: gather_on raises it on every rank)
+        device=device,
+        root=root,
+        received_on=received_on,
     )
 
 
@@ -217,39 +214,8 @@ def gather_on(
     bounds the ranks (None: the default group's); ``group`` matters only to the collective transport.
     Every rank of ``companion.ranks`` must call it, in the same order as its other operations.
     """
-    seconds, error = _resolved(timeout)
-    return _gather(
-        companion,
-        seconds,
-        error,
-        value,
-        ranks,
-        world_size,
-        group,
-        transport,
-        workspace_path,
-        device,
-        root,
-        received_on,
-    )
-
-
-def _gather(
-    companion: sync.GroupSync,
-    seconds: float,
-    error: tuple[Any, ...] | None,
-    value: Any,
-    ranks: Sequence[int],
-    world_size: int | None,
-    group: dist.ProcessGroup | Sequence[int] | None,
-    transport: str,
-    workspace_path: str | PathLike[str] | None,
-    device: str | torch.device | None,
-    root: str,
-    received_on: str | None,
-) -> list[Any]:
-    """:func:`gather_on` with its timeout resolved: ``seconds`` (the default where it was bad: ``error``)."""
     # A local mistake is posted in this rank's claim: its gather partners raise it too, none waits.
+    seconds, error = _resolved(timeout)
     with companion.exclusive("a gather"):
         call = companion.new_call(seconds)
         this_call = Round(companion, call, transport, workspace_path, seconds, group, root)
@@ -292,6 +258,8 @@ def _gather(
 
 def _resolved(timeout: float | timedelta | None) -> tuple[float, tuple[Any, ...] | None]:
     """Seconds to wait, and the error of a bad ``timeout`` (then the default is waited)."""
+    if type(timeout) is float and timeout > 0:  # (resolved already: gather_to_first's, passed on)
+        return timeout, None
     try:
         return sync.resolve_timeout(timeout), None
     except ValueError as exc:
