@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from . import sync, wire
 from .caches import Recent
-from .errors import ArgumentError, PeerLostError, UnsupportedTypeError
+from .errors import ArgumentError, UnsupportedTypeError
 from .mesh import ProcessGroupMesh
-from .roles import ATTACHED_MAX_BYTES, CheckIn, FirstRank, Part, RankList, Round, Sender, error_of, raise_from
+from .roles import ATTACHED_MAX_BYTES, CheckIn, FirstRank, RankList, Round, Sender, error_of, raise_from
 from .transports.host import INLINE_MAX_BYTES
 
 __all__ = [
@@ -174,14 +174,15 @@ def gather_to_first(
     Every rank of ``group`` must enter it (see ``docs/api.md``, "The contract: ``group`` synchronises,
     ``ranks`` routes"); the gather runs when it is entered.
     """
+    seconds, error = _resolved(timeout)
     return gather_on(
-        sync.companion(group, _resolved(timeout)[0]),  # (a bad timeout: gather_on raises it on every rank)
+        sync.companion(group, seconds),
         value,
         ranks,
         group=group,
         transport=transport,
         workspace_path=workspace_path,
-        timeout=timeout,
+        timeout=seconds if error is None else timeout,  # (a bad one: gather_on raises it on every rank)
         device=device,
         root=root,
         received_on=received_on,
@@ -240,8 +241,8 @@ def gather_on(
             return []
         if me == checked[0]:
             first = FirstRank(this_call, listed, received_on=received_on)
-            error = _decided(first, error)
-            if error is None:
+            error = first.decide(error)
+            if error is None and device is not None:
                 try:
                     _check_device(device)
                 except ValueError as exc:
@@ -249,21 +250,14 @@ def gather_on(
             return first.receive(value, device, error)
         cuda_wanted = transport == "auto" and _wants_cuda(root, device, received_on)
         sender = Sender(this_call, listed, cuda_wanted=cuda_wanted)
-        sender.send(value, _decided(sender, error))
+        sender.send(value, sender.decide(error))
         return []
-
-
-def _decided(part: Part, error: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
-    """A participant: ``error``, or else the error of choosing its round's channel (:meth:`Part.decide`)."""
-    try:
-        part.decide()
-    except PeerLostError as exc:
-        return error or error_of(exc)
-    return error
 
 
 def _resolved(timeout: float | timedelta | None) -> tuple[float, tuple[Any, ...] | None]:
     """Seconds to wait, and the error of a bad ``timeout`` (then the default is waited)."""
+    if type(timeout) is float and timeout > 0:  # (resolved already: gather_to_first's, passed on)
+        return timeout, None
     try:
         return sync.resolve_timeout(timeout), None
     except ValueError as exc:

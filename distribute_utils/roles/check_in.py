@@ -19,6 +19,6 @@ class CheckIn(Part):
 
     def check_in(self, error: tuple[Any, ...] | None) -> None:
         """A rank its own list does not name: post a claim and a marker, and its record."""
-        self._channel = self.store_channel(receiver=False)
-        self._channel.post_claim(self.claim("none", error).pack())
+        self.channel = self.store_channel(receiver=False)
+        self.channel.post_claim(self.claim("none", error).pack())
         self.record("none", error)

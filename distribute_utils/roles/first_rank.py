@@ -13,7 +13,7 @@ notes back and removes what senders published for it and it did not take.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -61,14 +61,14 @@ class FirstRank(Part):
         try:
             if error is not None:
                 raise_from(error, "")
-            decode_to, mine = self.placement(own, device)
+            decode_to, own_to = self.placement(device)
             self.pin_maps = decode_to is not None and torch.cuda.is_initialized()
             if isinstance(decode_to, torch.device) and decode_to.type == "cuda":
                 self._ipc_to = decode_to
             plan = self.plan_and_tell()
             direct = plan.direct
             # What needs no claim is done before they come: after the last one, only its own part is left.
-            found[self.first] = mine()
+            found[self.first] = place_own(own, own_to, self.root)
             notes = self.notes_for(self.ranks[1:])
             self.take_claims(direct, claims, decode_to, found if plan.cross is None else None)
             self.tell_go(None, claims)
@@ -96,21 +96,22 @@ class FirstRank(Part):
         notes += [note for c in claims.values() for note in c.notes or ()]
         # A sender may have received from this rank in an earlier gather (other roles, other numbers).
         carriers.reports.heed(self.me, notes)
-        verdict = Verdict(True, self.shown, self.digest, None, notes).pack() if notes else self.success()
+        verdict = Verdict(True, self.shown, self.digest, None, notes).pack() if notes else self.listed.success
         self.channel.post_verdict(verdict, direct, self.what)
         return [found[r] for r in self.ranks]
 
     def placement(
-        self, own: Any, device: str | torch.device | None
-    ) -> tuple[torch.device | str | None, Callable[[], Any]]:
-        """The first rank: where received tensors are decoded to (for :func:`wire.decode`), and how its
-        own value is yielded. The rule is :func:`gather_to_first`'s."""
+        self, device: str | torch.device | None
+    ) -> tuple[torch.device | str | None, torch.device | None]:
+        """The first rank: where received tensors are decoded to (for :func:`wire.decode`), and where its
+        own value's tensors go (for :func:`.placing.place_own`; None: as passed). The rule is
+        :func:`gather_to_first`'s."""
         if device is not None:
             target = torch.device(device)
-            return (None if target.type == "cpu" else target), lambda: place_own(own, target, self.root)
+            return (None if target.type == "cpu" else target), target
         if self.root == "tensor":
-            return None, lambda: place_own(own, CPU, self.root)
-        return (self.received_on or wire.SOURCE_DEVICE), lambda: place_own(own, None, self.root)
+            return None, CPU
+        return (self.received_on or wire.SOURCE_DEVICE), None
 
     def plan_and_tell(self) -> Plan:
         """Work out the plan; remote senders need it to know their route (posted when they exist)."""

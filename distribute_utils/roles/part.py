@@ -14,6 +14,7 @@ A gather call (see :mod:`distribute_utils.roles`) gives each rank one of three r
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from os import PathLike
@@ -75,10 +76,10 @@ _RAISABLE: dict[str, type[Exception]] = {
 
 class RankList:
     """A checked ranks list, and what every gather call with it shares: its digest, how messages
-    show it, and the packed messages that come back call after call (:meth:`kept`). Made once per
-    list and group (by ``gather_on``'s checks); nothing else of it changes."""
+    show it, and the packed messages that come back call after call (:attr:`success`, :attr:`marker`,
+    :meth:`kept`). Made once per list and group (by ``gather_on``'s checks); nothing else of it changes."""
 
-    __slots__ = ("_kept", "digest", "first", "members", "ranks", "shown", "what")
+    __slots__ = ("_kept", "digest", "first", "marker", "members", "ranks", "shown", "success", "what")
 
     def __init__(self, ranks: list[int], digest: str) -> None:
         self.ranks, self.first, self.digest = ranks, ranks[0], digest
@@ -86,10 +87,14 @@ class RankList:
         self.shown = ranks if len(ranks) <= 64 else None  # (in messages: a long list is left out)
         self.what = f"gather to rank {self.first}"
         self._kept: Recent[tuple[Any, ...], bytes] = Recent(256)
+        # The first rank's verdict when all went well and it has no notes to pass on; a non-receiver's marker.
+        self.success = Verdict(True, self.shown, digest, None, []).pack()
+        self.marker = Verdict(False, self.shown, digest).pack()
 
     def kept(self, key: tuple[Any, ...], make: Callable[[], bytes]) -> bytes:
         """``make()``, kept under ``key`` (a message of this list: what it says besides the list)."""
-        return self._kept.make(key, make)
+        found = self._kept.get(key)  # (as Recent.make, without its call: once per call of a gather)
+        return self._kept.put(key, make()) if found is None else found
 
 
 # -- what ranks post -------------------------------------------------------------------------------
@@ -118,7 +123,10 @@ class Claim(NamedTuple):
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> Claim:
-        return cls._make(msgpack.unpackb(data))  # raises TypeError when the fields do not match
+        claim = tuple.__new__(cls, msgpack.unpackb(data))  # (as _make, without its call: one per claim)
+        if len(claim) != len(cls._fields):
+            raise TypeError(f"a claim has {len(cls._fields)} fields; got {len(claim)}")
+        return claim
 
 
 class Verdict(NamedTuple):
@@ -217,7 +225,6 @@ class Part:
     _receiving: carriers.Receiving | None = None
     _ipc_to: torch.device | None = None  # the first rank: the GPU it decodes to, where CUDA IPC copies to
     pin_maps = False  # the first rank copies what it receives to a GPU (see FirstRank.receive)
-    _channel: Channel | None = None  # how claims and verdicts travel (see decide)
 
     # -- shared helpers ------------------------------------------------------------------------
     @property
@@ -244,18 +251,14 @@ class Part:
         return Claim(kind, self.shown, self.digest, self.mode, error, body, notes or None)
 
     def marker(self) -> bytes:
-        return self.listed.kept(("marker",), lambda: Verdict(False, self.shown, self.digest).pack())
+        """What a rank that does not receive posts under its own verdict key (:attr:`RankList.marker`)."""
+        return self.listed.marker
 
-    def success(self) -> bytes:
-        """The first rank's verdict when all went well and it has no notes to pass on."""
-        return self.listed.kept(("success",), lambda: Verdict(True, self.shown, self.digest, None, []).pack())
-
-    @property
+    @functools.cached_property
     def channel(self) -> Channel:
-        """How this rank's claims and verdicts travel: the store unless :meth:`decide` chose the mailboxes."""
-        if self._channel is None:
-            self._channel = self.store_channel()
-        return self._channel
+        """How this rank's claims and verdicts travel: the store unless :meth:`decide` chose the mailboxes
+        (an attribute once read or chosen: no call on the round's path)."""
+        return self.store_channel()
 
     def store_channel(self, receiver: bool | None = None) -> StoreChannel:
         """Claims and verdicts through the store (``receiver``: whether this rank receives, by default
@@ -273,15 +276,22 @@ class Part:
         """What replaces a claim whose inline payload the first rank has taken (a store round's)."""
         return Claim("taken", None, self.digest, self.mode, None).pack()
 
-    def decide(self) -> None:
+    def decide(self, error: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
         """A participant: take the direct round (claims and verdicts through the ranks' mailboxes) when
         every rank of the list runs on this host, in this pid and network namespace, and the transport is
         this host's. Every participant decides alike (from the same facts); ranks that asked for another
-        transport are told by the records."""
-        if self.transport in ("auto", "shm") and self.companion.direct(self.ranks, self.seconds, self.what):
-            self._channel = MailboxChannel(
-                self.call, self.ranks, self.seconds, self.store_channel, ATTACHED_MAX_BYTES
-            )
+        transport are told by the records. Returns ``error`` (this rank's so far), or else the error of
+        deciding (the store, where the ranks posted where they run, is gone: the store round is left)."""
+        try:
+            if self.transport in ("auto", "shm") and self.companion.direct(
+                self.ranks, self.seconds, self.what
+            ):
+                self.channel = MailboxChannel(
+                    self.call, self.ranks, self.seconds, self.store_channel, ATTACHED_MAX_BYTES
+                )
+        except PeerLostError as exc:
+            return error or error_of(exc)
+        return error
 
     def record(self, kind: str, error: tuple[Any, ...] | None = None) -> None:
         """Post this rank's part in this call (and its error), read by partners of a direct round past
@@ -302,29 +312,31 @@ class Part:
     def _workspace_now(self) -> Carrier:
         return self.workspace
 
-    @property
     def receiving(self) -> carriers.Receiving:
-        """The receiving side's carriers (made on the first fetch, once ``pin_maps`` and ``_ipc_to`` are set)."""
-        if self._receiving is None:
-            pg = self.group if self.group is None or isinstance(self.group, dist.ProcessGroup) else None
-            self._receiving = carriers.Receiving(
-                Context(
-                    self.first,
-                    self.seconds,
-                    pg,
-                    self._workspace_now if self.workspace_path is not None else None,
-                    self.pin_maps,
-                    self._ipc_to,
-                    self._attached_in,
-                )
+        """The receiving side's carriers (made on the first fetch, once ``pin_maps`` and ``_ipc_to`` are set;
+        kept for the call)."""
+        if self._receiving is not None:
+            return self._receiving
+        pg = self.group if self.group is None or isinstance(self.group, dist.ProcessGroup) else None
+        self._receiving = carriers.Receiving(
+            Context(
+                self.first,
+                self.seconds,
+                pg,
+                self._workspace_now if self.workspace_path is not None else None,
+                self.pin_maps,
+                self._ipc_to,
+                self._attached_in,
             )
+        )
         return self._receiving
 
     def fetch(self, rank: int, body: list[Any] | None) -> Any:
         """The buffer of ``rank``'s payload, from the carrier that carried it."""
         if type(body) is not list or len(body) != 2 or type(body[0]) is not str:
             raise PayloadError(f"rank {rank} posted a malformed claim body {body!r:.80}")
-        return self.receiving.fetch(body[0], rank, body[1])
+        receiving = self._receiving or self.receiving()  # (made once per call: no call per fetch)
+        return receiving.fetch(body[0], rank, body[1])
 
     def discard(self, rank: int, body: list[Any] | None) -> None:
         """Remove what ``rank`` published for us and we did not take (a dead peer cannot)."""
@@ -332,7 +344,7 @@ class Part:
             return
         try:
             token, receipt = body
-            self.receiving.discard(token, rank, receipt)
+            self.receiving().discard(token, rank, receipt)
         except Exception as exc:
             logger.warning("%s: could not remove what rank %d published: %s", self.what, rank, exc)
 

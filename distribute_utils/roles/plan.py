@@ -36,7 +36,7 @@ class Plan:
     def first(self) -> int:
         return self.ranks[0]
 
-    @property
+    @functools.cached_property
     def remote(self) -> bool:
         """Some participant is on another host (it needs this plan to know its route)."""
         return (

@@ -107,10 +107,14 @@ class Sender(Part):
         """A sender's view: None when it sends straight to the first rank through this host."""
         if self.transport in ("workspace", "collective"):
             return make_plan(self.transport, self.ranks, {}, self.workspace_path is not None)
-        directory = self.companion.directory
-        assert directory is not None
-        first = directory.info(self.first, self.companion.store, self.seconds, self.what)
-        if first.shm_domain == directory.me.shm_domain:
+        key = ("first here", self.first)  # kept for the incarnation, as the infos it comes from
+        here: bool | None = self.companion.routes.get(key)
+        if here is None:
+            directory = self.companion.directory
+            assert directory is not None
+            first = directory.info(self.first, self.companion.store, self.seconds, self.what)
+            here = self.companion.routes.put(key, first.shm_domain == directory.me.shm_domain)
+        if here:
             return None
         packed = self.call.wait_shared("plan", self.first, 2 * self.seconds, self.what)
         digest, error, plan = msgpack.unpackb(packed)
@@ -223,7 +227,7 @@ class Sender(Part):
             if self._deferred is not None:
                 self.send_deferred()
             found = channel.await_verdict(self.what, self.judge_first)
-            if found == self.success():
+            if found == self.listed.success:
                 return Verdict(True, self.shown, self.digest)
             return Verdict.unpack(found)
         except BaseException as exc:
@@ -245,7 +249,7 @@ class Sender(Part):
         if go is not None:  # the first rank failed: its verdict will carry no notes
             self.take_back_notes()
             raise_from(go, f"the first rank ({self.first}) failed: ")
-        self.collective(device).publish(self._sent[1], self.me, payload)
+        self.collective(device).publish(self._sent.token, self.me, payload)
 
     def judge_first(self, rank: int, entry: list[Any] | str | None) -> bool:
         """A sender of a direct round, on its first rank whose verdict has not come (see :meth:`~.first_rank.FirstRank.judge_sender`)."""

@@ -15,7 +15,8 @@ directly (that is where receipts are tagged and the fault hook runs):
 1. sender: ``data = publish(token, rank, payload)`` (:func:`.carriers.publish`, or a :class:`Route`
    that picks the carrier); the round posts the tagged receipt (or the error) in its claim.
 2. receiver, once the claim is there: ``carrier = type(...).receiving(context, rank, data)`` makes the
-   receiving side's carrier from what the round knows (:class:`Context`), then
+   receiving side's carrier from what the round knows (:class:`Context`; once per round where the
+   class sets ``one_per_round``: see :class:`Carrier`), then
    ``buffer = fetch(token, rank, data)``, which the round decodes. If the round fails before it
    fetched: ``discard(token, rank, data)`` (a dead sender cannot clean up; idempotent).
 3. the receiver posts its verdict; the sender waits for it.
@@ -82,6 +83,10 @@ class Carrier(Protocol):
     done_when_answered: bool
     """True when a receiver that sent any verdict no longer reads what was published (``release``
     then gets ``taken=True``); False when only a successful one says so."""
+    # Optional (read with getattr, False when absent): ``one_per_round = True`` says that what
+    # ``receiving`` returns depends on the round's context only, not on the sender or its receipt, so
+    # that :class:`.carriers.Receiving` makes it once per round and fetches every receipt of its kind
+    # through it (no object made per fetch: a small gather's payloads are inline or attached).
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> Any:
         """Make ``payload`` of ``rank`` available to the first rank; returns the receipt. Senders only.

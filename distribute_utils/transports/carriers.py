@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..errors import PayloadError
 from ..fault_points import FaultPoint
@@ -80,18 +80,15 @@ def inject(hook: FaultHook | None) -> FaultHook | None:
     return _FAULTS.inject(hook)
 
 
-class Sent(NamedTuple):
-    """A sender's publication, until it releases it."""
+class Sent:
+    """A sender's publication, until it releases it: ``data`` is what ``carrier``'s publish returned;
+    :attr:`receipt`, what travels in the claim (the data tagged with its carrier's kind)."""
 
-    carrier: Carrier
-    token: str
-    data: Any  # what the carrier's publish returned
-    rank: int
+    __slots__ = ("carrier", "data", "rank", "receipt", "token")
 
-    @property
-    def receipt(self) -> list[Any]:
-        """What travels in the claim: the data tagged with its carrier's kind."""
-        return [self.carrier.kind, self.data]
+    def __init__(self, carrier: Carrier, token: str, data: Any, rank: int) -> None:
+        self.carrier, self.token, self.data, self.rank = carrier, token, data, rank
+        self.receipt: list[Any] = [carrier.kind, data]
 
     def release(self, taken: bool, answered: bool = False) -> None:
         """Remove what was published, once the receiver is done (``taken``) or gave up; ``answered``: a
@@ -126,17 +123,29 @@ def carrier_of(receipt: Any, rank: int) -> type[Carrier]:
 
 class Receiving:
     """The receiving side of one round (a first rank, or a leader collecting its host): fetches each
-    sender's payload from the carrier its receipt names, made from ``context``."""
+    sender's payload from the carrier its receipt names, made from ``context`` (once per round for a
+    carrier class that says it serves the whole round: ``one_per_round``, see :class:`.base.Carrier`)."""
+
+    __slots__ = ("_kept", "context")
 
     def __init__(self, context: Context) -> None:
         self.context = context
+        self._kept: dict[str, Carrier] = {}  # the round's carriers that serve every receipt of their kind
 
     def _carrier(self, rank: int, receipt: Any) -> Carrier:
-        return carrier_of(receipt, rank).receiving(self.context, rank, receipt[1])
+        cls = carrier_of(receipt, rank)
+        carrier = cls.receiving(self.context, rank, receipt[1])
+        if getattr(cls, "one_per_round", False):
+            self._kept[receipt[0]] = carrier
+        return carrier
 
     def fetch(self, token: str, rank: int, receipt: Any) -> Any:
         """The buffer of ``rank``'s payload (fault points ``"fetching"`` and ``"fetched"``)."""
-        carrier = self._carrier(rank, receipt)
+        carrier = None  # (a kept one without a call: once per sender of a small gather)
+        if type(receipt) is list and len(receipt) == 2 and type(receipt[0]) is str:
+            carrier = self._kept.get(receipt[0])
+        if carrier is None:
+            carrier = self._carrier(rank, receipt)
         if _FAULTS.hook is not None:
             _FAULTS.hook("fetching", rank, carrier, receipt[1])
         buffer = carrier.fetch(token, rank, receipt[1])

@@ -27,6 +27,7 @@ class InlineCarrier:
 
     kind = "inline"
     done_when_answered = False
+    one_per_round = True  # (one instance for every round: see receiving)
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> bytes:
         return payload.to_cpu().to_bytes()
@@ -59,6 +60,8 @@ class AttachedCarrier:
 
     kind = "attached"
     done_when_answered = False
+    one_per_round = True  # (the receiving side's one reads the round's context.arrived)
+    __slots__ = ("arrived", "outgoing")
 
     def __init__(self, arrived: dict[int, Any] | None = None) -> None:
         self.arrived = {} if arrived is None else arrived
