@@ -274,12 +274,19 @@ def temporaries_clean_would_remove() -> list[str]:
     return [r["path"] for r in json.loads(dry.stdout)["removed"] if r["kind"] == "temporary"]
 
 
+def job_store() -> dist.TCPStore:
+    """In a rank: the job's ``TCPStore`` under the default group's store (and the prefixes of groups
+    re-made on it before)."""
+    store = dist.distributed_c10d._get_default_store()
+    while not isinstance(store, dist.TCPStore):
+        store = store.underlying_store
+    return store
+
+
 def remake_group(rank: int, tag: str) -> None:
     """In a rank: destroy the default group and make it again on the same store (under the prefix
     ``tag``), this process as ``rank``."""
-    store = dist.distributed_c10d._get_default_store()
-    while not isinstance(store, dist.TCPStore):  # under the prefixes of earlier re-made groups
-        store = store.underlying_store
+    store = job_store()
     host, port, world = store.host, store.port, dist.get_world_size()
     dist.destroy_process_group()
     client = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=60))

@@ -38,7 +38,7 @@ from distribute_utils import (
 )
 from distribute_utils.transports import carriers, shm
 
-from harness import RankPool, load_script, remake_group
+from harness import RankPool, job_store, load_script, remake_group
 
 SIZES = {"inline": 16, "shm": 300_000}  # elements: inside the claim, or through /dev/shm
 
@@ -354,7 +354,7 @@ def test_sender_resumed_after_the_first_gave_up_hears_why(ranks4: RankPool) -> N
 def _reinit(swapped: list[int], workspace: str, tag: str) -> dict[str, Any]:
     """Destroy the default group and make it again with swapped rank numbers, then back; use
     barriers, gathers over shm and the workspace, and a mesh in every incarnation."""
-    store = dist.distributed_c10d._get_default_store().underlying_store
+    store = job_store()
     host, port, world = store.host, store.port, dist.get_world_size()
     old_rank = dist.get_rank()
     seen: dict[str, Any] = {}

@@ -123,10 +123,7 @@ class Claim(NamedTuple):
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> Claim:
-        claim = tuple.__new__(cls, msgpack.unpackb(data))  # (as _make, without its call: one per claim)
-        if len(claim) != len(cls._fields):
-            raise TypeError(f"a claim has {len(cls._fields)} fields; got {len(claim)}")
-        return claim
+        return cls._make(msgpack.unpackb(data))  # raises TypeError when the fields do not match
 
 
 class Verdict(NamedTuple):
