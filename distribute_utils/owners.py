@@ -1,22 +1,22 @@
 """Who owns the package's mutable state: the default process group's scope, or the process's.
 
-A module that keeps state asks for it by class, ``owned(Kind)``, and never holds it in a global of its
-own. :class:`Owner` makes the one instance of ``Kind`` on first use (``Kind()``) and calls its
+A module that keeps state for a group asks for it by class, ``owned(Kind)``, rather than holding it
+in a global of its own. :class:`Owner` makes the one instance of ``Kind`` on first use (``Kind()``) and calls its
 ``close()`` (when it has one) when the owner ends, newest first (state made later may use state made
 earlier, never the other way round):
 
 - :func:`owned`: the scope of the current default process group when there is one, else the process
-  scope. A group's scope ends when the group is destroyed or replaced (its finalizer, or
-  :func:`distribute_utils.incarnation.incarnation` noticing the new group, whichever comes first), so
-  nothing of one group is given to the next; the :class:`~distribute_utils.incarnation.Incarnation`
-  of a group holds its scope (:meth:`~distribute_utils.incarnation.Incarnation.own`). A carrier used
-  with no default group (tests, tools) keeps its state in the process scope.
+  scope. A group's scope ends when the group is destroyed or replaced, at whichever comes first of:
+  its finalizer (when the group object is freed), the first :func:`owned` that finds no default group
+  (a job may hold the destroyed group's object for long: a DDP module, a DeviceMesh), and
+  :func:`distribute_utils.incarnation.incarnation` or :func:`owned` noticing a new group. So nothing of
+  one group is given to the next. A carrier used with no default group (tests, tools) keeps its state
+  in the process scope.
 - :func:`process_owned`: the process scope, for what cannot belong to a group. It lives as long as
   the process; in a forked child, each of its objects that has a ``forked()`` method is told so
   (it must not use its parent's sockets, segments or threads), and group scopes are forgotten.
 
-In a group's scope: the incarnation itself (store client, generation, peer directory, the
-groups' companions and their channels), the carriers' segment pool (:mod:`.transports.segment_pool`;
+In a group's scope: the carriers' segment pool (:mod:`.transports.segment_pool`;
 closed, it retires until its busy segments are freed), the first rank's kept maps
 (:mod:`.transports.kept_maps`) and the job token (:mod:`.transports.namespace`). Pure-function memos
 (wire layouts and heads, rank lists, filesystem uids, scanned checkpoints) are
@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["Owner", "after_fork", "owned", "process_owned"]
+__all__ = ["Owner", "after_fork", "end_group_scope", "group_scope", "owned", "process_owned"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,11 +138,23 @@ def group_scope(pg: dist.ProcessGroup) -> Owner:
         return scope
 
 
+def end_group_scope() -> None:
+    """Close the last default group's scope now (called by :func:`owned` when it finds no default group:
+    the group was destroyed, and the finalizer waits for its object to be freed)."""
+    global _GROUP
+    with _GROUP_LOCK:
+        current, _GROUP = _GROUP, None
+        if current is not None:
+            current[1].close()
+
+
 def owned(kind: type[T]) -> T:
     """The one ``kind`` of the current default group's scope, or of the process scope when there is no
     default group (see the module doc)."""
     pg = _default_group()
     if pg is None:
+        if _GROUP is not None:  # destroyed, but its object lives on (a DDP module, a DeviceMesh)
+            end_group_scope()
         return _PROCESS.own(kind)
     current = _GROUP
     if current is not None and current[0]() is pg:

@@ -283,11 +283,14 @@ def job_store() -> dist.TCPStore:
     return store
 
 
-def remake_group(rank: int, tag: str) -> None:
+def remake_group(rank: int, tag: str, between: Callable[[], Any] | None = None) -> Any:
     """In a rank: destroy the default group and make it again on the same store (under the prefix
-    ``tag``), this process as ``rank``."""
+    ``tag``), this process as ``rank``; ``between()``, when given, runs with no default group, and its
+    result is returned."""
     store = job_store()
     host, port, world = store.host, store.port, dist.get_world_size()
     dist.destroy_process_group()
+    done = between() if between is not None else None
     client = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore(tag, client), rank=rank, world_size=world)
+    return done

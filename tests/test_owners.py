@@ -5,6 +5,8 @@
 - A group's pool, kept maps and job token are closed when the group is destroyed and re-made in the
   same process; the next group starts with its own, empty; a carrier used with no group keeps its
   state in the process scope, which lives on.
+- A destroyed group whose object the job still holds (a DDP module, a DeviceMesh) keeps nothing: the
+  first call of ours without a default group closes its scope.
 """
 
 from __future__ import annotations
@@ -143,3 +145,37 @@ def test_state_does_not_outlive_its_group(pools: Any) -> None:
         assert result["new_token"] is None, "the new group agrees on its token anew"
     assert first["ranks"] == [0, 1]
     assert sender["old_pool_open"] == (0, 0), "the old group's segments went with it, once freed"
+
+
+def _destroyed_but_held(tag: str) -> dict[str, Any]:
+    rank, ranks = dist.get_rank(), [0, 1]
+    value = torch.full((300_000,), float(rank))  # a pooled segment, its map kept by rank 0
+    with get_tensors_parallel(value, ranks, timeout=30) as got:
+        pass
+    del got
+    gc.collect()
+    dist.barrier()
+    pool, kept = owned(SegmentPool), owned(KeptMaps)
+    before = {"pooled": pool.held(), "kept": kept.held()}
+    held = dist.group.WORLD  # as a DDP module or a DeviceMesh does: the group object outlives its destroy
+
+    def without_a_group() -> dict[str, Any]:
+        shm.release_shared_memory()
+        return {"closed": pool.closed, "pooled": pool.held(), "kept": kept.held(), "now": shm.pooled_bytes()}
+
+    after = remake_group(rank, f"owners-held/{tag}", without_a_group)
+    del held
+    return {"before": before, "after": after}
+
+
+def test_a_destroyed_group_that_is_still_referenced_keeps_nothing(pools: Any) -> None:
+    """``destroy_process_group()`` while the job still holds the group object, then
+    ``release_shared_memory()``: the group's pool is closed and its kept maps are unmapped (the group's
+    finalizer never runs while the object lives)."""
+    rank_pool: RankPool = pools.get(2)
+    first, sender = rank_pool.run(_destroyed_but_held, f"{os.getpid()}-{id(rank_pool)}", timeout=120)
+    assert sender["before"]["pooled"][0] >= 1 and first["before"]["kept"][0] >= 1, (first, sender)
+    for result in (first, sender):
+        assert result["after"]["closed"] is True, result
+        assert result["after"]["kept"] == (0, 0), result
+    assert first["after"]["pooled"] == (0, 0) and first["after"]["now"] == (0, 0), first

@@ -68,7 +68,7 @@ from .base import Context
 from .cuda_driver import HANDLE_SIZE, CudaError, Driver, IpcHandle
 from .cuda_driver import driver as cuda_driver
 
-__all__ = ["CudaIpcTransport", "is_receipt", "stats"]
+__all__ = ["CudaIpcTransport", "IpcState", "is_receipt", "stats"]
 
 logger = logging.getLogger(__name__)
 

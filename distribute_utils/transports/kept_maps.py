@@ -28,7 +28,7 @@ __all__ = ["KeptMaps", "LentViews", "SegmentMap", "check_owned", "checked", "map
 
 
 def checked(fd: int, path: str, rank: int, nbytes: int) -> os.stat_result:
-    """The status of an opened segment, checked (see :func:`_check_owned`) to hold ``nbytes``."""
+    """The status of an opened segment, checked (see :func:`check_owned`) to hold ``nbytes``."""
     info = os.fstat(fd)
     check_owned(info, path, rank)
     if info.st_size < nbytes:

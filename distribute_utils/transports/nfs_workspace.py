@@ -29,6 +29,7 @@ from .namespace import FILE_SUFFIX, close_namespace, job_token, on_namespace_clo
 
 __all__ = [
     "NFSWorkspace",
+    "WorkspaceStates",
 ]
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import torch
 from ..owners import process_owned
 from .cuda_driver import CudaError, driver
 
-__all__ = ["Registration", "registered_bytes"]
+__all__ = ["Registration", "Registrations", "registered_bytes"]
 
 logger = logging.getLogger(__name__)
 
