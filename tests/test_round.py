@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import errno
 import gc
@@ -916,8 +917,8 @@ def test_a_direct_domain_read_from_a_store_that_is_gone_names_the_store() -> Non
     from distribute_utils.incarnation import PeerDirectory, this_process
 
     me = this_process()
-    if me.direct_domain is None:
-        pytest.skip("this process has no direct domain (no network namespace to listen in)")
+    if me.direct_domain is None:  # (namespaces unreadable here: the domain's read is what is tested)
+        me = dataclasses.replace(me, pid_namespace=1, net_namespace=1)
     master = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     first = PeerDirectory(master, "t", 0, me)
     client = dist.TCPStore(

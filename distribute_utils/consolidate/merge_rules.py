@@ -446,25 +446,11 @@ class ScalarMax(MergeRule):
     def _pick(self, shapes: Sequence[Sequence[int]]) -> MergeRule:
         return Max() if shapes and all(is_scalar_shape(s) for s in shapes) else self.inner
 
-    def merged_shape(
-        self,
-        name: str,
-        shapes: Sequence[Sequence[int]],
-        ranks: Sequence[int] | None = None,
-        dtypes: Sequence[torch.dtype] | None = None,
-    ) -> Shape:
-        return self._pick(shapes).merged_shape(name, shapes, ranks, dtypes)
-
-    def merge(
-        self, name: str, shards: Sequence[torch.Tensor], ranks: Sequence[int] | None = None
-    ) -> torch.Tensor:
-        return self._pick([tuple(t.shape) for t in shards]).merge(name, shards, ranks)
-
     def _merged_shape(self, name: str, shapes: Sequence[Shape], ranks: Sequence[int] | None) -> Shape:
-        raise NotImplementedError  # pragma: no cover - merged_shape is overridden
+        return self._pick(shapes).merged_shape(name, shapes, ranks)  # (the picked rule's own checks)
 
     def _merge(self, name: str, shards: Sequence[torch.Tensor], ranks: Sequence[int] | None) -> torch.Tensor:
-        raise NotImplementedError  # pragma: no cover - merge is overridden
+        return self._pick([tuple(t.shape) for t in shards]).merge(name, shards, ranks)
 
     def split(self, name: str, tensor: torch.Tensor, parts: int) -> list[torch.Tensor]:
         return self._pick([tuple(tensor.shape)]).split(name, tensor, parts)

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -58,7 +59,7 @@ def split_target(path_or_dir: str | os.PathLike[str], suffix: str, default_stem:
     return p, default_stem
 
 
-class CheckpointWriter:
+class CheckpointWriter(ABC):
     """Base of the streaming writers: spec validation, sharding plan, temp files, close/abort.
 
     Use as a context manager: leaving the block normally calls :meth:`close`, an exception calls
@@ -151,18 +152,19 @@ class CheckpointWriter:
             )
         return self._check_meta(name, tensor.dtype, tuple(tensor.shape))
 
+    @abstractmethod
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Writes one tensor; each spec'd tensor exactly once, in any order.
 
         Raises:
             CheckpointFormatError: unknown name, written twice, or dtype/shape not matching the spec.
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def _finish_files(self) -> None:
         """Makes every temp file complete and durable (fsync); subclass hook."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _release(self) -> None:
         """Closes open descriptors and drops buffered tensors; subclass hook."""
 
