@@ -8,7 +8,10 @@ ModelOpt's ``get_configs_parallel`` / ``get_tensors_parallel`` and once with
 same calls, the same merges). Repetitions alternate between the two; the time is rank 0's,
 barrier to barrier (GPU work synchronised before the end barrier), the order alternating per round;
 every round's merged models are compared leaf by leaf (tensors bit for bit and device for device,
-every other field by value), and a difference makes the exit status 1.
+every other field by value), and a difference makes the exit status 1. Also printed: rank 0's time
+inside the gathers of each kind (from the helper's call until it yields: ``get_tensors_parallel`` for the
+tensor-parallel merges, ``get_configs_parallel`` for the pipeline merges), and which carrier brought ours
+each payload rank 0 fetched, with its bytes (counted through :func:`distribute_utils.transports.carriers.inject`).
 With ``--device cuda`` every rank's shard is on a GPU (rank r on ``cuda:<r mod the GPU count>``:
 4 ranks share one GPU where there is one), as real exports run.
 
@@ -22,9 +25,11 @@ The model builder (:func:`shard`) is also what ``tests/test_modelopt.py`` export
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,8 +142,26 @@ def rank_device(kind: str) -> torch.device:
     return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
 
 
-def export(model: Any, pp: int, helpers: str, workspace: str | None = None) -> list[Any]:
-    """``postprocess_model_config`` to TP1, with ModelOpt's helpers ("modelopt") or ours ("ours")."""
+def timed(helper: Callable[..., Any], name: str, spent: dict[str, float]) -> Callable[..., Any]:
+    """``helper`` (a gather's context manager), adding to ``spent[name]`` the seconds from its call until
+    it yields the gathered values (the gather itself; the caller's merge inside the block is not counted)."""
+
+    @contextlib.contextmanager
+    def wrapper(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        start = time.perf_counter()
+        with helper(*args, **kwargs) as value:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+            yield value
+
+    return wrapper
+
+
+def export(
+    model: Any, pp: int, helpers: str, workspace: str | None = None, spent: dict[str, float] | None = None
+) -> list[Any]:
+    """``postprocess_model_config`` to TP1, with ModelOpt's helpers ("modelopt") or ours ("ours"); with
+    ``spent``, the time inside its gathers is added there ("tensors": ``get_tensors_parallel``, ModelOpt's
+    tensor-parallel merges; "configs": ``get_configs_parallel``, its pipeline merges)."""
     import modelopt.torch.export.distribute as theirs
     import modelopt.torch.export.postprocess as post
 
@@ -150,6 +173,9 @@ def export(model: Any, pp: int, helpers: str, workspace: str | None = None) -> l
         impl.get_configs_parallel,
         impl.get_tensors_parallel,
     )
+    if spent is not None:
+        post.get_configs_parallel = timed(impl.get_configs_parallel, "configs", spent)
+        post.get_tensors_parallel = timed(impl.get_tensors_parallel, "tensors", spent)
     try:
         return post.postprocess_model_config(
             model, inference_tensor_parallel=1, training_pipeline_parallel=pp, workspace_path=workspace
@@ -184,10 +210,24 @@ def flatten(value: Any, path: str = "") -> dict[str, Any]:
 
 
 def _rank_main(sizes: dict[str, int], reps: int, device_kind: str) -> dict[str, Any]:
-    import contextlib
     import io
 
+    from distribute_utils.transports import carriers
+
     times: dict[str, list[float]] = {"modelopt": [], "ours": []}
+    inside: dict[str, list[dict[str, float]]] = {"modelopt": [], "ours": []}  # per round: time in gathers
+    routes: dict[str, list[int]] = {}  # ours, rank 0: carrier kind -> [payloads, bytes] over timed rounds
+    counting = False
+
+    def count(point: str, rank: int, carrier: Any, value: Any) -> None:
+        if point == "fetched" and counting:
+            route = routes.setdefault(carrier.kind, [0, 0])
+            route[0] += 1
+            route[1] += (
+                value.numel() * value.element_size() if isinstance(value, torch.Tensor) else len(value)
+            )
+
+    carriers.inject(count)  # (the carriers' documented hook: here it only counts what rank 0 fetched)
     differing: list[str] = []  # rank 0: every round's leaves that differ between the two
     nbytes = 0
     quiet = contextlib.redirect_stdout(io.StringIO())  # ModelOpt prints a line per rank and step
@@ -198,15 +238,18 @@ def _rank_main(sizes: dict[str, int], reps: int, device_kind: str) -> dict[str, 
             model = moved(model, rank_device(device_kind))
             if device_kind == "cuda":
                 torch.cuda.synchronize()
+            spent: dict[str, float] = {"tensors": 0.0, "configs": 0.0}
+            counting = bool(i) and helpers == "ours"
             dist.barrier()
             t0 = time.perf_counter()
             with quiet:
-                merged = export(model, 2, helpers)
+                merged = export(model, 2, helpers, spent=spent)
             if device_kind == "cuda":
                 torch.cuda.synchronize()  # the merges' queued GPU work is part of the export
             dist.barrier()
             if i:
                 times[helpers].append(time.perf_counter() - t0)
+                inside[helpers].append(spent)
             if merged:  # (rank 0), outside the timed window
                 results[helpers] = flatten(merged)
                 nbytes = sum(len(v[3]) for v in results[helpers].values() if isinstance(v, tuple))
@@ -214,8 +257,14 @@ def _rank_main(sizes: dict[str, int], reps: int, device_kind: str) -> dict[str, 
         if results:
             a, b = results["modelopt"], results["ours"]
             differing += [f"round {i}: {k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    carriers.inject(None)
     return {
         "medians": {k: statistics.median(v) for k, v in times.items()},
+        "inside": {
+            k: {name: statistics.median(r[name] for r in rounds) for name in ("tensors", "configs")}
+            for k, rounds in inside.items()
+        },
+        "routes": {kind: [n // reps, b // reps] for kind, (n, b) in routes.items()},
         "differing": differing,
         "bytes": nbytes,
     }
@@ -247,6 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"  with ModelOpt's helpers: {m['modelopt'] * 1e3:9.1f} ms (median of {args.reps})")
     print(f"  with ours              : {m['ours'] * 1e3:9.1f} ms")
+    for helpers, label in (("modelopt", "ModelOpt's helpers"), ("ours", "ours")):
+        got = report["inside"][helpers]
+        print(
+            f"  inside {label + ' gathers:':<27} get_tensors_parallel (TP merges) {got['tensors'] * 1e3:8.1f} ms, "
+            f"get_configs_parallel (PP merges) {got['configs'] * 1e3:8.1f} ms (rank 0, median per export)"
+        )
+    for kind, (payloads, nbytes) in sorted(report["routes"].items()):
+        print(
+            f"  ours, rank 0 fetched per export by {kind:<9}: {payloads:3d} payloads, {nbytes / 2**20:8.1f} MiB"
+        )
     differing = report["differing"]
     print(
         f"  ratio: ours {m['modelopt'] / m['ours']:.2f}x faster; merged models identical (every leaf, bytes "
