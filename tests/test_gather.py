@@ -480,7 +480,7 @@ def test_mesh_gather_over_the_collective_transport(ranks4: RankPool) -> None:
 def _cuda_tensors(device: str | None) -> list:
     rank = dist.get_rank()
     local = torch.device("cuda", rank % torch.cuda.device_count())
-    mine = torch.arange(1000, device=local, dtype=torch.bfloat16)[::3] * rank
+    mine = torch.arange(1000, device=local, dtype=torch.bfloat16)[::3] * (rank + 1)  # (not contiguous)
     with get_tensors_parallel(mine, [0, 1, 2, 3], timeout=60, device=device) as got:
         return [(str(t.device.type), t.cpu().tolist()) for t in got]
 
@@ -490,10 +490,10 @@ def _cuda_tensors(device: str | None) -> list:
 @pytest.mark.parametrize("device", [None, "cuda"])
 def test_cuda_tensors_travel_through_host_shared_memory(ranks4: RankPool, device: str | None) -> None:
     results = ranks4.run(_cuda_tensors, device)
-    expected = [(torch.arange(1000, dtype=torch.bfloat16)[::3] * r).tolist() for r in range(4)]
+    expected = [(torch.arange(1000, dtype=torch.bfloat16)[::3] * (r + 1)).tolist() for r in range(4)]
     assert [values for _, values in results[0]] == expected
-    senders = {kind for kind, _ in results[0][1:]}
-    assert senders == ({"cpu"} if device is None else {"cuda"})
+    devices = {kind for kind, _ in results[0]}  # the first rank's own tensor too
+    assert devices == ({"cpu"} if device is None else {"cuda"})
 
 
 def test_without_distributed_every_entry_says_what_to_call() -> None:

@@ -426,7 +426,8 @@ def _shmem_kib() -> int:
 
 
 def _pool_after_large_then_small() -> dict:
-    """A 64 MiB gather, then 20 small ones (inline, 4 KiB): what each sender's pool holds."""
+    """A 64 MiB gather, then small ones (inline, 4 KiB; as many as the pool looks back on): what each
+    sender's pool holds."""
     import torch.distributed as dist
 
     from distribute_utils import get_tensors_parallel, release_shared_memory
@@ -438,7 +439,7 @@ def _pool_after_large_then_small() -> dict:
             assert float(got[1][-1]) == 1.0
     del got  # the receiver's views go: its next verdict tells the sender
     out["after_large"] = shm.pooled_bytes()[1]
-    for _ in range(20):
+    for _ in range(shm.SegmentPool.RECENT_ANY):
         with get_tensors_parallel(torch.full((1024,), float(rank)), ranks):
             pass
     out["after_small"] = shm.pooled_bytes()[1]
@@ -453,6 +454,37 @@ def _pool_after_large_then_small() -> dict:
     out["shmem_drop_kib"] = before - _shmem_kib()
     out["after_release"] = shm.pooled_bytes()[1]
     return out
+
+
+def _weights_between_scales() -> list[tuple[int, int]]:
+    """ModelOpt's merges: a 4 MiB weight, then 20 small inline payloads (its scales), then the next
+    4 MiB weight: the sender's pooled (segments, bytes) after each step, and whether rank 0 got it."""
+    import torch.distributed as dist
+
+    from distribute_utils import get_tensors_parallel
+
+    rank, ranks = dist.get_rank(), [0, 1]
+    held = []
+    for step in range(2):
+        with get_tensors_parallel(torch.full((2**20,), float(rank + step)), ranks) as got:
+            assert not got or float(got[1][-1]) == 1.0 + step
+        del got
+        held.append(shm.pooled_bytes())
+        for _ in range(20):
+            with get_tensors_parallel(torch.full((8,), float(rank)), ranks):
+                pass
+        held.append(shm.pooled_bytes())
+    return held
+
+
+def test_small_payloads_between_weights_keep_the_weights_segment(pools) -> None:
+    """More small payloads than RECENT between two pooled ones (fewer than RECENT_ANY) leave the segment
+    in the pool: the next weight is copied into it, warm (and, from a GPU, registered), not into a new
+    one. (Before, the 8 small ones pushed the 4 MiB segment out and every weight made a new segment.)"""
+    assert shm.SegmentPool.RECENT < 20 < shm.SegmentPool.RECENT_ANY
+    held = pools.get(2).run(_weights_between_scales, timeout=120)[1]
+    assert held[0][0] == 1 and held[0][1] >= 4 * 2**20, held
+    assert held == [held[0]] * 4, f"the sender's pool (segments, bytes) after each step: {held}"
 
 
 def test_the_pool_gives_back_what_recent_rounds_do_not_need(pools) -> None:

@@ -154,7 +154,12 @@ class SegmentPool:
 
     LIMIT = 2
     MIN_BYTES = 64 * 2**10
-    RECENT = 8  # a free segment larger than twice the largest of the last 8 payloads is released
+    # A free segment is released once it is larger than twice the largest of the last RECENT payloads
+    # that go through the pool (MIN_BYTES and up), or of the last RECENT_ANY payloads of any size: small
+    # payloads between large ones (a model's scales between its weights) do not push out a segment that
+    # the next weight needs, yet a large gather followed only by small ones does not keep its segment.
+    RECENT = 8
+    RECENT_ANY = 64
     LOOK_EVERY_S = 1.0  # a busy segment's receiver is looked up at most this often (a /proc read)
 
     def __init__(self) -> None:
@@ -162,6 +167,7 @@ class SegmentPool:
         self._lock = threading.Lock()
         self._segments: dict[str, _Segment] = {}
         self._recent: collections.deque[int] = collections.deque(maxlen=self.RECENT)
+        self._recent_any: collections.deque[int] = collections.deque(maxlen=self.RECENT_ANY)
         self.closed = False
 
     def close(self) -> None:
@@ -175,14 +181,17 @@ class SegmentPool:
 
     def note_payload(self, nbytes: int) -> None:
         """A sender's payload size, pooled or not: segments much larger than what recent rounds
-        sent are given back (a 1 GiB gather followed by small ones does not pin 1 GiB), and so are
-        busy ones whose receiver died (it never reports them freed; looked up once a second)."""
-        self._recent.append(nbytes)  # (a bounded deque: one step, safe between threads)
+        sent are given back (a 1 GiB gather followed by small ones does not pin 1 GiB; see
+        :attr:`RECENT`), and so are busy ones whose receiver died (it never reports them freed;
+        looked up once a second)."""
+        self._recent_any.append(nbytes)  # (bounded deques: one step each, safe between threads)
+        if nbytes >= self.MIN_BYTES:
+            self._recent.append(nbytes)
         retiring = process_owned(Pools).retiring
         if not self._segments and not retiring:
             return
         heed_notices()
-        bound = 2 * max(self._recent)
+        bound = 2 * min(max(self._recent, default=0), max(self._recent_any))
         for pool in (self, *retiring):
             pool._drop_unneeded(bound)
 
