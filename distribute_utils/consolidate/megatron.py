@@ -36,6 +36,7 @@ from ..errors import LayoutError
 from .grid import CheckpointLayout, atomic_torch_save, atomic_write_text, flatten_tensors, grid_of
 from .merge_rules import bitwise_equal
 from .safe_load import find_stand_ins, safe_torch_load
+from .torch_writer import standalone
 
 __all__ = [
     "MEGATRON_FILE",
@@ -380,8 +381,6 @@ def _coords(layout: MegatronLegacyLayout, t: int, stage: int) -> tuple[int, ...]
 
 
 def _nest(sd: Mapping[str, torch.Tensor], depth: int) -> dict[str, Any]:
-    from .torch_writer import standalone
-
     out: dict[str, Any] = {}
     for name, t in sd.items():
         parts = name.split(".", depth)
