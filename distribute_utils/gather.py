@@ -213,7 +213,8 @@ def gather_on(
     Every rank of ``companion.ranks`` must call it, in the same order as its other operations.
     """
     # A local mistake is posted in this rank's claim: its gather partners raise it too, none waits.
-    seconds, error = _resolved(timeout)
+    # (gather_to_first's timeout comes resolved, a positive float: no second call to resolve it.)
+    seconds, error = (timeout, None) if type(timeout) is float and timeout > 0 else _resolved(timeout)
     with companion.exclusive("a gather"):
         call = companion.new_call(seconds)
         this_call = Round(companion, call, transport, workspace_path, seconds, group, root)
@@ -256,8 +257,6 @@ def gather_on(
 
 def _resolved(timeout: float | timedelta | None) -> tuple[float, tuple[Any, ...] | None]:
     """Seconds to wait, and the error of a bad ``timeout`` (then the default is waited)."""
-    if type(timeout) is float and timeout > 0:  # (resolved already: gather_to_first's, passed on)
-        return timeout, None
     try:
         return sync.resolve_timeout(timeout), None
     except ValueError as exc:

@@ -114,10 +114,11 @@ _PROCESS = Owner("the process")
 _GROUP: tuple[weakref.ref[dist.ProcessGroup], Owner] | None = None
 _GROUP_LOCK = threading.Lock()
 _AFTER_FORK: list[Callable[[], None]] = []
+_DISTRIBUTED = dist.is_available()  # (whether torch was built with it: fixed for the process)
 
 
 def _default_group() -> dist.ProcessGroup | None:
-    return dist.distributed_c10d.GroupMember.WORLD if dist.is_available() else None
+    return dist.distributed_c10d.GroupMember.WORLD if _DISTRIBUTED else None
 
 
 def group_scope(pg: dist.ProcessGroup) -> Owner:
@@ -158,7 +159,8 @@ def owned(kind: type[T]) -> T:
         return _PROCESS.own(kind)
     current = _GROUP
     if current is not None and current[0]() is pg:
-        return current[1].own(kind)
+        found = current[1]._items.get(kind)  # (Owner.own's first step, without its call: every send asks)
+        return found if found is not None else current[1].own(kind)  # type: ignore[no-any-return]
     return group_scope(pg).own(kind)
 
 

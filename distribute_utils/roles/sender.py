@@ -73,7 +73,7 @@ class Sender(Part):
                 elif plan.leader_of(self.me) == self.me:
                     body = self.forward(plan, value)
                 else:
-                    body = self.publish(self.host(plan.leader_of(self.me)), self.encode(value, False, True))
+                    body = self.publish_routed(self.host(plan.leader_of(self.me)), self.encode(value, False, True))
                 # What this rank owes the other participants (segments it let go as a receiver or leader;
                 # its members' notes). They travel on only in a successful verdict: see take_back_notes.
                 notes = self.notes_for(self.ranks) + self._relayed
@@ -148,7 +148,7 @@ class Sender(Part):
 
     def publish_here(self, payload: wire.EncodedPayload) -> list[Any]:
         """A sender on its first rank's host, past the attached sizes: its host route (see :meth:`host`)."""
-        return self.publish(self.host(self.first), payload)
+        return self.publish_routed(self.host(self.first), payload)
 
     def attach(self, payload: wire.EncodedPayload) -> list[Any]:
         """A direct round's sender: ``payload`` goes in its claim's message (see :data:`~.part.ATTACHED_MAX_BYTES`);
@@ -158,13 +158,16 @@ class Sender(Part):
         self._attached = carrier.outgoing
         return body
 
-    def publish(
-        self, carrier: Carrier | Route, payload: wire.EncodedPayload, token: str | None = None
-    ) -> list[Any]:
-        """Publish this sender's ``payload`` through ``carrier`` (or the one a route picks); returns the
-        claim body."""
+    def publish(self, carrier: Carrier, payload: wire.EncodedPayload, token: str | None = None) -> list[Any]:
+        """Publish this sender's ``payload`` through ``carrier``; returns the claim body."""
         token = secrets.token_hex(8) if token is None else token
         self._sent = carriers.publish(carrier, token, self.me, payload)
+        return [token, self._sent.receipt]
+
+    def publish_routed(self, route: Route, payload: wire.EncodedPayload) -> list[Any]:
+        """Publish this sender's ``payload`` through the carrier ``route`` picks; returns the claim body."""
+        token = secrets.token_hex(8)
+        self._sent = route.publish(token, self.me, payload)
         return [token, self._sent.receipt]
 
     def forward(self, plan: Plan, value: Any) -> list[Any]:

@@ -158,7 +158,8 @@ class SegmentPool:
     LOOK_EVERY_S = 1.0  # a busy segment's receiver is looked up at most this often (a /proc read)
 
     def __init__(self) -> None:
-        process_owned(Pools).every.add(self)  # a forked child closes its copies of every pool's segments
+        self._pools = process_owned(Pools)  # (the process's: kept, no lookup per send)
+        self._pools.every.add(self)  # a forked child closes its copies of every pool's segments
         self._lock = threading.Lock()
         self._segments: dict[str, _Segment] = {}
         self._recent: collections.deque[int] = collections.deque(maxlen=self.RECENT)
@@ -171,14 +172,14 @@ class SegmentPool:
         self.closed = True
         self.release()
         if self.held()[0]:
-            process_owned(Pools).retiring.add(self)
+            self._pools.retiring.add(self)
 
     def note_payload(self, nbytes: int) -> None:
         """A sender's payload size, pooled or not: segments much larger than what recent rounds
         sent are given back (a 1 GiB gather followed by small ones does not pin 1 GiB), and so are
         busy ones whose receiver died (it never reports them freed; looked up once a second)."""
         self._recent.append(nbytes)  # (a bounded deque: one step, safe between threads)
-        retiring = process_owned(Pools).retiring
+        retiring = self._pools.retiring
         if not self._segments and not retiring:
             return
         heed_notices()
@@ -203,7 +204,7 @@ class SegmentPool:
 
     def _retired_when_empty(self) -> None:
         if self.closed and not self._segments:
-            process_owned(Pools).retiring.discard(self)
+            self._pools.retiring.discard(self)
 
     def _receiver_gone(self, seg: _Segment, now: float) -> bool:
         if seg.receiver is None or now - seg.looked < self.LOOK_EVERY_S:
