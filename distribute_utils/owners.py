@@ -117,10 +117,6 @@ _AFTER_FORK: list[Callable[[], None]] = []
 _DISTRIBUTED = dist.is_available()  # (whether torch was built with it: fixed for the process)
 
 
-def _default_group() -> dist.ProcessGroup | None:
-    return dist.distributed_c10d.GroupMember.WORLD if _DISTRIBUTED else None
-
-
 def group_scope(pg: dist.ProcessGroup) -> Owner:
     """The scope of default group ``pg`` (made on first use; the previous group's scope is closed)."""
     global _GROUP
@@ -152,7 +148,7 @@ def end_group_scope() -> None:
 def owned(kind: type[T]) -> T:
     """The one ``kind`` of the current default group's scope, or of the process scope when there is no
     default group (see the module doc)."""
-    pg = _default_group()
+    pg = dist.distributed_c10d.GroupMember.WORLD if _DISTRIBUTED else None  # the default group
     if pg is None:
         if _GROUP is not None:  # destroyed, but its object lives on (a DDP module, a DeviceMesh)
             end_group_scope()
