@@ -49,7 +49,7 @@ class Sender(Part):
 
     def __init__(self, round_: Round, listed: RankList, *, cuda_wanted: bool = False) -> None:
         super().__init__(round_, listed)
-        # Its first rank likely wants tensors on a GPU (see gather._wants_cuda): CUDA IPC first (see host).
+        # Its first rank likely wants tensors on a GPU (see gather.gather_on): CUDA IPC first (see host).
         self.cuda_wanted = cuda_wanted
         self._collective: dict[str, CollectiveTransport] = {}
         self._relayed: list[Any] = []  # a leader: its members' notes, for the first rank's verdict
