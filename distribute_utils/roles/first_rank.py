@@ -174,6 +174,8 @@ class FirstRank(Part):
             if found is not None:
                 found[rank] = self.decode(self.fetch(rank, claim.body), rank, decode_to)
 
+        if found is not None:
+            self.receiving()  # (its carriers made while the claims are on their way, not at the first one)
         self.channel.claims(senders, self.what, self.judge_sender, take)
 
     def judge_sender(self, rank: int, entry: list[Any] | str | None) -> bool:
