@@ -104,12 +104,8 @@ def _short(ranks: Sequence[int]) -> str:
     return sync.short(ranks)
 
 
-def _wants_cuda(root: str, device: str | torch.device | None, received_on: str | None) -> bool:
-    """A sender's guess, from its own arguments (the first rank's are what count), whether its first rank wants
-    received tensors on a GPU: ``device`` a CUDA device, or a config gather restoring senders' devices.
-    A wrong guess costs speed only: a GPU buffer bound for the CPU is moved there in ``decode``."""
-    if device is None:
-        return root == "config" and received_on is None
+def _is_cuda(device: str | torch.device) -> bool:
+    """Whether ``device`` names a CUDA device (False for anything that is not a device)."""
     try:
         return torch.device(device).type == "cuda"
     except (RuntimeError, TypeError, ValueError):
@@ -213,7 +209,8 @@ def gather_on(
     Every rank of ``companion.ranks`` must call it, in the same order as its other operations.
     """
     # A local mistake is posted in this rank's claim: its gather partners raise it too, none waits.
-    seconds, error = _resolved(timeout)
+    # (gather_to_first's timeout comes resolved, a positive float: no second call to resolve it.)
+    seconds, error = (timeout, None) if type(timeout) is float and timeout > 0 else _resolved(timeout)
     with companion.exclusive("a gather"):
         call = companion.new_call(seconds)
         this_call = Round(companion, call, transport, workspace_path, seconds, group, root)
@@ -248,7 +245,13 @@ def gather_on(
                 except ValueError as exc:
                     error = error_of(exc)
             return first.receive(value, device, error)
-        cuda_wanted = transport == "auto" and _wants_cuda(root, device, received_on)
+        # A sender's guess, from its own arguments (the first rank's are what count), whether its first
+        # rank wants received tensors on a GPU: ``device`` a CUDA device, or a config gather restoring
+        # senders' devices. A wrong guess costs speed only: a GPU buffer bound for the CPU is moved there
+        # in ``decode``. (device=None, nearly every gather's, is answered without a call.)
+        cuda_wanted = transport == "auto" and (
+            root == "config" and received_on is None if device is None else _is_cuda(device)
+        )
         sender = Sender(this_call, listed, cuda_wanted=cuda_wanted)
         sender.send(value, sender.decide(error))
         return []
@@ -256,8 +259,6 @@ def gather_on(
 
 def _resolved(timeout: float | timedelta | None) -> tuple[float, tuple[Any, ...] | None]:
     """Seconds to wait, and the error of a bad ``timeout`` (then the default is waited)."""
-    if type(timeout) is float and timeout > 0:  # (resolved already: gather_to_first's, passed on)
-        return timeout, None
     try:
         return sync.resolve_timeout(timeout), None
     except ValueError as exc:

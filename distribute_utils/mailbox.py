@@ -210,7 +210,9 @@ class Mailbox:
         Raises:
             MailboxError: this mailbox is closed, or the message is larger than :data:`MAX_MESSAGE_BYTES`.
         """
-        size = sum(memoryview(p).nbytes for p in parts)
+        size = 0
+        for p in parts:  # (a loop: a generator is a call per part, on every claim and verdict)
+            size += memoryview(p).nbytes
         if size + _HEADER.size > MAX_MESSAGE_BYTES:
             raise MailboxError(f"a message of {size} bytes is larger than {MAX_MESSAGE_BYTES}")
         if len(parts) > _MAX_PARTS:  # more than the kernel gathers in one call (IOV_MAX): one copy

@@ -114,10 +114,7 @@ _PROCESS = Owner("the process")
 _GROUP: tuple[weakref.ref[dist.ProcessGroup], Owner] | None = None
 _GROUP_LOCK = threading.Lock()
 _AFTER_FORK: list[Callable[[], None]] = []
-
-
-def _default_group() -> dist.ProcessGroup | None:
-    return dist.distributed_c10d.GroupMember.WORLD if dist.is_available() else None
+_DISTRIBUTED = dist.is_available()  # (whether torch was built with it: fixed for the process)
 
 
 def group_scope(pg: dist.ProcessGroup) -> Owner:
@@ -151,14 +148,15 @@ def end_group_scope() -> None:
 def owned(kind: type[T]) -> T:
     """The one ``kind`` of the current default group's scope, or of the process scope when there is no
     default group (see the module doc)."""
-    pg = _default_group()
+    pg = dist.distributed_c10d.GroupMember.WORLD if _DISTRIBUTED else None  # the default group
     if pg is None:
         if _GROUP is not None:  # destroyed, but its object lives on (a DDP module, a DeviceMesh)
             end_group_scope()
         return _PROCESS.own(kind)
     current = _GROUP
     if current is not None and current[0]() is pg:
-        return current[1].own(kind)
+        found = current[1]._items.get(kind)  # (Owner.own's first step, without its call: every send asks)
+        return found if found is not None else current[1].own(kind)  # type: ignore[no-any-return]
     return group_scope(pg).own(kind)
 
 

@@ -562,7 +562,7 @@ def companion(ranks: Sequence[int] | dist.ProcessGroup | None, timeout: float | 
     """
     inc = incarnation(timeout)
     if ranks is None and inc.world is not None:
-        return cast(GroupSync, inc.world)
+        return inc.world  # type: ignore[return-value]  # (only GroupSyncs are kept there; no cast call per gather)
     world = ranks is None
     if ranks is None or isinstance(ranks, dist.ProcessGroup):
         ranks = group_ranks(ranks)

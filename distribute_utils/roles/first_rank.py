@@ -93,12 +93,15 @@ class FirstRank(Part):
                     self.discard(rank, claim.body)
             self.remove_leftovers_of(getattr(exc, "missing", ()))
             raise
-        notes += [note for c in claims.values() for note in c.notes or ()]
+        for claim in claims.values():  # (a loop, no comprehension's call: most claims carry no notes)
+            if claim.notes:
+                notes += claim.notes
         # A sender may have received from this rank in an earlier gather (other roles, other numbers).
-        carriers.reports.heed(self.me, notes)
+        if notes:
+            carriers.reports.heed(self.me, notes)
         verdict = Verdict(True, self.shown, self.digest, None, notes).pack() if notes else self.listed.success
         self.channel.post_verdict(verdict, direct, self.what)
-        return [found[r] for r in self.ranks]
+        return list(map(found.__getitem__, self.ranks))  # (each rank's value in list order, no Python call)
 
     def placement(
         self, device: str | torch.device | None
@@ -171,6 +174,8 @@ class FirstRank(Part):
             if found is not None:
                 found[rank] = self.decode(self.fetch(rank, claim.body), rank, decode_to)
 
+        if found is not None:
+            self.receiving()  # (its carriers made while the claims are on their way, not at the first one)
         self.channel.claims(senders, self.what, self.judge_sender, take)
 
     def judge_sender(self, rank: int, entry: list[Any] | str | None) -> bool:

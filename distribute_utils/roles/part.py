@@ -310,8 +310,8 @@ class Part:
         return self.workspace
 
     def receiving(self) -> carriers.Receiving:
-        """The receiving side's carriers (made on the first fetch, once ``pin_maps`` and ``_ipc_to`` are set;
-        kept for the call)."""
+        """The receiving side's carriers (made on the first fetch, or before the claims come where each is
+        fetched as it comes; once ``pin_maps`` and ``_ipc_to`` are set; kept for the call)."""
         if self._receiving is not None:
             return self._receiving
         pg = self.group if self.group is None or isinstance(self.group, dist.ProcessGroup) else None

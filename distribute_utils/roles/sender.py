@@ -49,7 +49,7 @@ class Sender(Part):
 
     def __init__(self, round_: Round, listed: RankList, *, cuda_wanted: bool = False) -> None:
         super().__init__(round_, listed)
-        # Its first rank likely wants tensors on a GPU (see gather._wants_cuda): CUDA IPC first (see host).
+        # Its first rank likely wants tensors on a GPU (see gather.gather_on): CUDA IPC first (see host).
         self.cuda_wanted = cuda_wanted
         self._collective: dict[str, CollectiveTransport] = {}
         self._relayed: list[Any] = []  # a leader: its members' notes, for the first rank's verdict
@@ -65,7 +65,8 @@ class Sender(Part):
             if error is None:
                 plan = self.my_plan()
                 if plan is None:
-                    payload = self.encode(value, False, True)  # a GPU's tensors go from there
+                    # A GPU's tensors go from there.
+                    payload = wire.encode(value, root=self.root, keep_device=True)
                     if payload.nbytes <= self.channel.attach_max:
                         body = self.attach(payload)
                     else:
@@ -73,7 +74,10 @@ class Sender(Part):
                 elif plan.leader_of(self.me) == self.me:
                     body = self.forward(plan, value)
                 else:
-                    body = self.publish(self.host(plan.leader_of(self.me)), self.encode(value, False, True))
+                    body = self.publish_routed(
+                        self.host(plan.leader_of(self.me)),
+                        wire.encode(value, root=self.root, keep_device=True),
+                    )
                 # What this rank owes the other participants (segments it let go as a receiver or leader;
                 # its members' notes). They travel on only in a successful verdict: see take_back_notes.
                 notes = self.notes_for(self.ranks) + self._relayed
@@ -99,7 +103,8 @@ class Sender(Part):
             self.take_back_notes()
         if not verdict.receiver or verdict.digest != self.digest:
             raise mismatch(self.me, self.shown, self.first, verdict.ranks)
-        carriers.reports.heed(self.me, verdict.notes)
+        if verdict.notes:  # (most verdicts carry none: no call)
+            carriers.reports.heed(self.me, verdict.notes)
         if verdict.error is not None:
             raise_from(verdict.error, f"the first rank ({self.first}) failed: ")
 
@@ -125,9 +130,6 @@ class Sender(Part):
         return Plan.unpack(plan)
 
     # -- publishing ------------------------------------------------------------------------------
-    def encode(self, value: Any, checksum: bool, keep_device: bool) -> wire.EncodedPayload:
-        return wire.encode(value, root=self.root, checksum=checksum, keep_device=keep_device)
-
     def host(self, receiver: int) -> HostRoute:
         """A sender's route to ``receiver`` (on this host): CUDA IPC first when it is the first rank and
         likely wants tensors on a GPU (``cuda_wanted``); else inline, shared memory, the workspace."""
@@ -148,23 +150,26 @@ class Sender(Part):
 
     def publish_here(self, payload: wire.EncodedPayload) -> list[Any]:
         """A sender on its first rank's host, past the attached sizes: its host route (see :meth:`host`)."""
-        return self.publish(self.host(self.first), payload)
+        return self.publish_routed(self.host(self.first), payload)
 
     def attach(self, payload: wire.EncodedPayload) -> list[Any]:
         """A direct round's sender: ``payload`` goes in its claim's message (see :data:`~.part.ATTACHED_MAX_BYTES`);
         returns the claim body (no token: nothing is named after it, and the claim may be kept)."""
         carrier = AttachedCarrier()
-        body = self.publish(carrier, payload, token="")
+        self._sent = carriers.publish(carrier, "", self.me, payload)
         self._attached = carrier.outgoing
-        return body
+        return ["", self._sent.receipt]
 
-    def publish(
-        self, carrier: Carrier | Route, payload: wire.EncodedPayload, token: str | None = None
-    ) -> list[Any]:
-        """Publish this sender's ``payload`` through ``carrier`` (or the one a route picks); returns the
-        claim body."""
-        token = secrets.token_hex(8) if token is None else token
+    def publish(self, carrier: Carrier, payload: wire.EncodedPayload) -> list[Any]:
+        """Publish this sender's ``payload`` through ``carrier``; returns the claim body."""
+        token = secrets.token_hex(8)
         self._sent = carriers.publish(carrier, token, self.me, payload)
+        return [token, self._sent.receipt]
+
+    def publish_routed(self, route: Route, payload: wire.EncodedPayload) -> list[Any]:
+        """Publish this sender's ``payload`` through the carrier ``route`` picks; returns the claim body."""
+        token = secrets.token_hex(8)
+        self._sent = route.publish(token, self.me, payload)
         return [token, self._sent.receipt]
 
     def forward(self, plan: Plan, value: Any) -> list[Any]:
@@ -172,7 +177,9 @@ class Sender(Part):
         host = plan.hosts[self.me]
         flat = len(host) == 1
         keep_device = flat and plan.cross == "collective" and message_device(self.group, True) != "cpu"
-        own = self.encode(value, checksum=flat and plan.cross == "workspace", keep_device=keep_device)
+        own = wire.encode(
+            value, root=self.root, checksum=flat and plan.cross == "workspace", keep_device=keep_device
+        )
         if flat:
             return self.publish_across(plan, own)
         others = host[1:]

@@ -12,8 +12,8 @@ Call order of one round, for one sender ``rank`` and its ``token`` (fresh and un
 by the sender and carried in its claim). The round calls these through :mod:`.carriers`, never
 directly (that is where receipts are tagged and the fault hook runs):
 
-1. sender: ``data = publish(token, rank, payload)`` (:func:`.carriers.publish`, or a :class:`Route`
-   that picks the carrier); the round posts the tagged receipt (or the error) in its claim.
+1. sender: ``data = publish(token, rank, payload)`` (:func:`.carriers.publish`, directly or through a
+   :class:`Route` that picks the carrier); the round posts the tagged receipt (or the error) in its claim.
 2. receiver, once the claim is there: ``carrier = type(...).receiving(context, rank, data)`` makes the
    receiving side's carrier from what the round knows (:class:`Context`; once per round where the
    class sets ``one_per_round``: see :class:`Carrier`), then
@@ -118,7 +118,8 @@ Transport = Carrier
 
 class Route(ABC):
     """A sender's choice among carriers for each payload (e.g. inline when small, else a segment, else
-    the workspace). Subclasses implement :meth:`publish`; :func:`.carriers.publish` calls it."""
+    the workspace). Subclasses implement :meth:`publish`; the round calls it for a sender that publishes
+    through a route (a carrier it publishes through by :func:`.carriers.publish`)."""
 
     @abstractmethod
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> Sent:

@@ -2,8 +2,8 @@
 
 The round (:mod:`distribute_utils.roles`) goes through this module only:
 
-- a sender: :func:`publish` (a :class:`.base.Carrier`, or a :class:`.base.Route` that picks one)
-  returns a :class:`Sent`; its :attr:`Sent.receipt` travels in the claim, :meth:`Sent.release` ends it;
+- a sender: :func:`publish` (through a :class:`.base.Carrier`; a :class:`.base.Route` picks one and calls
+  it) returns a :class:`Sent`; its :attr:`Sent.receipt` travels in the claim, :meth:`Sent.release` ends it;
 - the receiving side: :meth:`Receiving.fetch` / :meth:`Receiving.discard` find the carrier of a
   receipt by its tag (:func:`carrier_of`) and make it from the round's :class:`.base.Context`;
 - :data:`reports`: what a receiver owes its senders in its verdict (the segment pool's freed
@@ -33,7 +33,7 @@ from typing import Any
 from ..errors import PayloadError
 from ..fault_points import FaultPoint
 from ..wire import EncodedPayload
-from .base import Carrier, Context, Route
+from .base import Carrier, Context
 from .collective import CollectiveTransport
 from .cuda_ipc import CudaIpcTransport
 from .inline import AttachedCarrier, InlineCarrier
@@ -97,11 +97,9 @@ class Sent:
         self.carrier.release(self.token, self.rank, self.data, taken=done)
 
 
-def publish(through: Carrier | Route, token: str, rank: int, payload: EncodedPayload) -> Sent:
-    """A sender: publish ``payload`` through a carrier (or the one a route picks); the fault point
-    ``"published"`` runs once it is out."""
-    if isinstance(through, Route):
-        return through.publish(token, rank, payload)
+def publish(through: Carrier, token: str, rank: int, payload: EncodedPayload) -> Sent:
+    """A sender: publish ``payload`` through a carrier (a :class:`.base.Route` calls it for the carrier it
+    picks); the fault point ``"published"`` runs once it is out."""
     sent = Sent(through, token, through.publish(token, rank, payload), rank)
     if _FAULTS.hook is not None:
         try:

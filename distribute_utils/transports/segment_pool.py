@@ -163,7 +163,8 @@ class SegmentPool:
     LOOK_EVERY_S = 1.0  # a busy segment's receiver is looked up at most this often (a /proc read)
 
     def __init__(self) -> None:
-        process_owned(Pools).every.add(self)  # a forked child closes its copies of every pool's segments
+        self._pools = process_owned(Pools)  # (the process's: kept, no lookup per send)
+        self._pools.every.add(self)  # a forked child closes its copies of every pool's segments
         self._lock = threading.Lock()
         self._segments: dict[str, _Segment] = {}
         self._recent: collections.deque[int] = collections.deque(maxlen=self.RECENT)
@@ -177,7 +178,7 @@ class SegmentPool:
         self.closed = True
         self.release()
         if self.held()[0]:
-            process_owned(Pools).retiring.add(self)
+            self._pools.retiring.add(self)
 
     def note_payload(self, nbytes: int) -> None:
         """A sender's payload size, pooled or not: segments much larger than what recent rounds
@@ -187,7 +188,7 @@ class SegmentPool:
         self._recent_any.append(nbytes)  # (bounded deques: one step each, safe between threads)
         if nbytes >= self.MIN_BYTES:
             self._recent.append(nbytes)
-        retiring = process_owned(Pools).retiring
+        retiring = self._pools.retiring
         if not self._segments and not retiring:
             return
         heed_notices()
@@ -212,7 +213,7 @@ class SegmentPool:
 
     def _retired_when_empty(self) -> None:
         if self.closed and not self._segments:
-            process_owned(Pools).retiring.discard(self)
+            self._pools.retiring.discard(self)
 
     def _receiver_gone(self, seg: _Segment, now: float) -> bool:
         if seg.receiver is None or now - seg.looked < self.LOOK_EVERY_S:

@@ -371,8 +371,8 @@ def encode(
         if small:
             _LAYOUTS.put((v_bytes, shapes), layout)
     header_len, offsets, total, body, plain_head = layout
-    chunks = tuple(
-        (o, t) for o, t, d in zip(offsets, tensors, devices, strict=True) if t.nbytes and d != "meta"
+    chunks = tuple(  # (a list made first: one call, where a generator is resumed once per tensor)
+        [(o, t) for o, t, d in zip(offsets, tensors, devices, strict=True) if t.nbytes and d != "meta"]
     )
     if not checksum:
         return EncodedPayload(total, plain_head, chunks)

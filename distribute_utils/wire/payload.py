@@ -149,7 +149,10 @@ class EncodedPayload:
 
     def to_cpu(self) -> EncodedPayload:
         """The same payload with every chunk on the CPU (``self`` when they already are)."""
-        if all(t.device.type == "cpu" for _, t in self.chunks):
+        for _, t in self.chunks:  # (a loop, not all(...): every send within a host asks, most for none)
+            if not t.is_cpu:
+                break
+        else:
             return self
         return EncodedPayload(
             self.nbytes, self.head, tuple((o, contiguous(t, False)) for o, t in self.chunks)
