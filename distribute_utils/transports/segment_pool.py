@@ -250,6 +250,8 @@ class SegmentPool:
         if self._segments and not self._fits(nbytes):  # a notice since the last send may free one
             heed_notices()
         with self._lock:
+            if self.closed:  # (closed since the look above: a segment made now would never be given back)
+                return None
             free = [seg for seg in self._segments.values() if not seg.busy]
             fitting = [seg for seg in free if seg.size >= nbytes]
             if fitting:  # the best fit: the smallest that holds it, its pages already touched
