@@ -477,12 +477,13 @@ def _weights_between_scales() -> list[tuple[int, int]]:
     return held
 
 
-def test_small_payloads_between_weights_keep_the_weights_segment(pools) -> None:
+def test_small_payloads_between_weights_keep_the_weights_segment(fresh_job) -> None:
     """More small payloads than RECENT between two pooled ones (fewer than RECENT_ANY) leave the segment
     in the pool: the next weight is copied into it, warm (and, from a GPU, registered), not into a new
     one. (Before, the 8 small ones pushed the 4 MiB segment out and every weight made a new segment.)"""
     assert shm.SegmentPool.RECENT < 20 < shm.SegmentPool.RECENT_ANY
-    held = pools.get(2).run(_weights_between_scales, timeout=120)[1]
+    job = fresh_job(2)  # (a pool of its own: nothing else in it)
+    held = job.run(_weights_between_scales, timeout=120)[1]
     assert held[0][0] == 1 and held[0][1] >= 4 * 2**20, held
     assert held == [held[0]] * 4, f"the sender's pool (segments, bytes) after each step: {held}"
 
