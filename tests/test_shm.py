@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distribute_utils import PayloadError, PeerLostError, wire
+from distribute_utils.roles import ATTACHED_MAX_BYTES
 from distribute_utils.transports import shm
 
 PID = os.getpid()
@@ -443,6 +444,12 @@ def _pool_after_large_then_small() -> dict:
         with get_tensors_parallel(torch.full((1024,), float(rank)), ranks):
             pass
     out["after_small"] = shm.pooled_bytes()[1]
+    with get_tensors_parallel(torch.full((16 * 2**20,), float(rank)), ranks):
+        pass  # the large segment again; then RECENT pooled ones of 1 MiB give it back
+    for _ in range(shm.SegmentPool.RECENT):
+        with get_tensors_parallel(torch.full((2**18,), float(rank)), ranks):
+            pass
+    out["after_pooled"] = shm.pooled_bytes()[1]
     with get_tensors_parallel(torch.full((4 * 2**20,), float(rank)), ranks):
         pass
     dist.barrier()
@@ -457,8 +464,9 @@ def _pool_after_large_then_small() -> dict:
 
 
 def _weights_between_scales() -> list[tuple[int, int]]:
-    """ModelOpt's merges: a 4 MiB weight, then 20 small inline payloads (its scales), then the next
-    4 MiB weight: the sender's pooled (segments, bytes) after each step, and whether rank 0 got it."""
+    """ModelOpt's merges: a 4 MiB weight, then 20 small payloads that travel in the claim message (its
+    scales: 8 bytes, and 100 KiB ones, above the pool's smallest), then the next 4 MiB weight: the
+    sender's pooled (segments, bytes) after each step."""
     import torch.distributed as dist
 
     from distribute_utils import get_tensors_parallel
@@ -470,18 +478,19 @@ def _weights_between_scales() -> list[tuple[int, int]]:
             assert not got or float(got[1][-1]) == 1.0 + step
         del got
         held.append(shm.pooled_bytes())
-        for _ in range(20):
-            with get_tensors_parallel(torch.full((8,), float(rank)), ranks):
+        for i in range(20):
+            with get_tensors_parallel(torch.full((8,) if i % 2 else (25_600,), float(rank)), ranks):
                 pass
         held.append(shm.pooled_bytes())
     return held
 
 
 def test_small_payloads_between_weights_keep_the_weights_segment(fresh_job) -> None:
-    """More small payloads than RECENT between two pooled ones (fewer than RECENT_ANY) leave the segment
-    in the pool: the next weight is copied into it, warm (and, from a GPU, registered), not into a new
-    one. (Before, the 8 small ones pushed the 4 MiB segment out and every weight made a new segment.)"""
-    assert shm.SegmentPool.RECENT < 20 < shm.SegmentPool.RECENT_ANY
+    """More payloads in claim messages than RECENT between two pooled ones (fewer than RECENT_ANY) leave
+    the segment in the pool: the next weight is copied into it, warm (and, from a GPU, registered), not
+    into a new one. (Before, 8 small ones pushed the 4 MiB segment out: every weight made a new one.)"""
+    assert shm.SegmentPool.RECENT < 10 and shm.SegmentPool.RECENT_ANY > 20
+    assert shm.SegmentPool.MIN_BYTES < 100 * 2**10 < ATTACHED_MAX_BYTES  # (the 100 KiB ones: see above)
     job = fresh_job(2)  # (a pool of its own: nothing else in it)
     held = job.run(_weights_between_scales, timeout=120)[1]
     assert held[0][0] == 1 and held[0][1] >= 4 * 2**20, held
@@ -492,6 +501,7 @@ def test_the_pool_gives_back_what_recent_rounds_do_not_need(pools) -> None:
     sender = pools.get(2).run(_pool_after_large_then_small, timeout=120)[1]
     assert sender["after_large"] >= 64 * 2**20, "the large payload was pooled"
     assert sender["after_small"] < 2**20, f"still holding {sender['after_small']} bytes after small rounds"
+    assert sender["after_pooled"] < 8 * 2**20, f"still holding {sender['after_pooled']} after 1 MiB rounds"
     assert sender["after_release"] == 0, sender
     assert sender["shmem_drop_kib"] >= 8 * 1024, f"/proc/meminfo Shmem fell by {sender['shmem_drop_kib']} KiB"
 
@@ -529,13 +539,13 @@ def test_a_segment_whose_receiver_died_is_given_back() -> None:
         pool.fit(seg, 2**20, 1)
         seg.receiver = receiver
         seg.looked -= pool.LOOK_EVERY_S  # due to be looked up (at most once a second: a /proc read)
-        pool.note_payload(2**20)
+        pool.note_payload(2**20, True)
         assert pool.held() == (1, 2**20), "busy under a live receiver: kept"
     finally:
         child.kill()
         child.wait()
     seg.looked -= pool.LOOK_EVERY_S
-    pool.note_payload(2**20)
+    pool.note_payload(2**20, True)
     assert pool.held() == (0, 0), "its receiver died: it will never be freed, so it goes"
 
 

@@ -82,8 +82,9 @@ class HostRoute(Route):
                 return carriers.publish(CudaIpcTransport(self._receiver), token, rank, payload)
             except TransportUnavailableError as exc:
                 logger.debug("%s: %s; through shared memory instead", self._what, exc)
-        SharedMemoryTransport.note_payload(payload.nbytes)  # (the pool sizes itself by every payload)
-        if payload.nbytes <= self._inline_max:
+        inline = payload.nbytes <= self._inline_max
+        SharedMemoryTransport.note_payload(payload.nbytes, not inline)  # (the pool sizes itself by every payload)
+        if inline:
             return carriers.publish(INLINE, token, rank, payload)
         try:
             return carriers.publish(self._segments, token, rank, payload)

@@ -155,9 +155,10 @@ class SegmentPool:
     LIMIT = 2
     MIN_BYTES = 64 * 2**10
     # A free segment is released once it is larger than twice the largest of the last RECENT payloads
-    # that go through the pool (MIN_BYTES and up), or of the last RECENT_ANY payloads of any size: small
-    # payloads between large ones (a model's scales between its weights) do not push out a segment that
-    # the next weight needs, yet a large gather followed only by small ones does not keep its segment.
+    # that went to shared memory (``pooled``: not in a claim message), or of the last RECENT_ANY payloads
+    # of any size: small payloads between large ones (a model's scales between its weights) do not push
+    # out a segment that the next weight needs, yet a large gather followed only by small ones does not
+    # keep its segment.
     RECENT = 8
     RECENT_ANY = 64
     LOOK_EVERY_S = 1.0  # a busy segment's receiver is looked up at most this often (a /proc read)
@@ -180,13 +181,13 @@ class SegmentPool:
         if self.held()[0]:
             self._pools.retiring.add(self)
 
-    def note_payload(self, nbytes: int) -> None:
+    def note_payload(self, nbytes: int, pooled: bool) -> None:
         """A sender's payload size, pooled or not: segments much larger than what recent rounds
         sent are given back (a 1 GiB gather followed by small ones does not pin 1 GiB; see
         :attr:`RECENT`), and so are busy ones whose receiver died (it never reports them freed;
-        looked up once a second)."""
-        self._recent_any.append(nbytes)  # (bounded deques: one step each, safe between threads)
-        if nbytes >= self.MIN_BYTES:
+        looked up once a second). ``pooled``: the payload goes to shared memory, not in a message."""
+        self._recent_any.append(nbytes)  # (bounded deques: one step each under the GIL)
+        if pooled:
             self._recent.append(nbytes)
         retiring = self._pools.retiring
         if not self._segments and not retiring:

@@ -112,10 +112,10 @@ class SharedMemoryTransport:
         return cls(pin=context.pin)
 
     @staticmethod
-    def note_payload(nbytes: int) -> None:
+    def note_payload(nbytes: int, pooled: bool) -> None:
         """Tell this process's pool a sender's payload size (every send within a host, inline ones
-        included: the pool sizes itself by them)."""
-        owned(SegmentPool).note_payload(nbytes)
+        included: the pool sizes itself by them); ``pooled``: it goes to shared memory."""
+        owned(SegmentPool).note_payload(nbytes, pooled)
 
     @staticmethod
     def remove_left_by(rank: int, pid: int) -> list[str]:
