@@ -144,7 +144,8 @@ def rank_device(kind: str) -> torch.device:
 
 def timed(helper: Callable[..., Any], name: str, spent: dict[str, float]) -> Callable[..., Any]:
     """``helper`` (a gather's context manager), adding to ``spent[name]`` the seconds from its call until
-    it yields the gathered values (the gather itself; the caller's merge inside the block is not counted)."""
+    it yields the gathered values (the gather itself; the caller's merge inside the block and the helper's
+    exit, e.g. ModelOpt's barrier and unlink, are not counted)."""
 
     @contextlib.contextmanager
     def wrapper(*args: Any, **kwargs: Any) -> Iterator[Any]:

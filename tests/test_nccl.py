@@ -1,13 +1,13 @@
 """An NCCL default group, as a job with one GPU per rank has it (gpu-marked).
 
 NCCL needs a GPU per rank, and the GPU machine has one, so the group has one rank: it checks
-what runs on the first rank of an NCCL job without a peer. The rank's own tensors come back
-exact (on the CPU for a tensor gather, as passed for a config gather) through the default route
-and ``transport="collective"``; a ``ProcessGroupMesh`` makes its NCCL groups, and its barriers
-and the package's barrier run on the CPU companion (no NCCL collective is launched for them);
-a second gather after them is still exact; nothing is left in ``/dev/shm``. Also with the
-``cpu:gloo,cuda:nccl`` backend, where the collective route carries CPU bytes. The messages
-between two NCCL ranks are not covered: they need two GPUs.
+what runs on the first rank of an NCCL job without a peer (no payload travels). The rank's own
+tensors come back exact (on the CPU for a tensor gather, as passed for a config gather) with the
+default route and ``transport="collective"`` asked for; a ``ProcessGroupMesh`` makes its groups on
+NCCL; its barriers and the package's barrier return; a gather after them is still exact; nothing
+is left in ``/dev/shm``. Also with the ``cpu:gloo,cuda:nccl`` backend. Not covered: messages between
+two NCCL ranks (they need two GPUs), and whether a barrier launched an NCCL collective (one rank
+cannot tell).
 """
 
 from __future__ import annotations
