@@ -444,11 +444,15 @@ def _pool_after_large_then_small() -> dict:
         with get_tensors_parallel(torch.full((1024,), float(rank)), ranks):
             pass
     out["after_small"] = shm.pooled_bytes()[1]
-    with get_tensors_parallel(torch.full((16 * 2**20,), float(rank)), ranks):
-        pass  # the large segment again; then RECENT pooled ones of 1 MiB give it back
+    # The large segment again; then RECENT pooled payloads of 1 MiB give it back.
+    with get_tensors_parallel(torch.full((16 * 2**20,), float(rank)), ranks) as got:
+        assert not got or float(got[1][-1]) == 1.0
+    del got
+    out["large_again"] = shm.pooled_bytes()[1]
     for _ in range(shm.SegmentPool.RECENT):
-        with get_tensors_parallel(torch.full((2**18,), float(rank)), ranks):
-            pass
+        with get_tensors_parallel(torch.full((2**18,), float(rank)), ranks) as got:
+            assert not got or float(got[1][-1]) == 1.0
+        del got
     out["after_pooled"] = shm.pooled_bytes()[1]
     with get_tensors_parallel(torch.full((4 * 2**20,), float(rank)), ranks):
         pass
@@ -501,6 +505,7 @@ def test_the_pool_gives_back_what_recent_rounds_do_not_need(pools) -> None:
     sender = pools.get(2).run(_pool_after_large_then_small, timeout=120)[1]
     assert sender["after_large"] >= 64 * 2**20, "the large payload was pooled"
     assert sender["after_small"] < 2**20, f"still holding {sender['after_small']} bytes after small rounds"
+    assert sender["large_again"] >= 64 * 2**20, "the second large payload was pooled"
     assert sender["after_pooled"] < 8 * 2**20, f"still holding {sender['after_pooled']} after 1 MiB rounds"
     assert sender["after_release"] == 0, sender
     assert sender["shmem_drop_kib"] >= 8 * 1024, f"/proc/meminfo Shmem fell by {sender['shmem_drop_kib']} KiB"
@@ -539,13 +544,13 @@ def test_a_segment_whose_receiver_died_is_given_back() -> None:
         pool.fit(seg, 2**20, 1)
         seg.receiver = receiver
         seg.looked -= pool.LOOK_EVERY_S  # due to be looked up (at most once a second: a /proc read)
-        pool.note_payload(2**20, True)
+        pool.note_payload(2**20, pooled=True)
         assert pool.held() == (1, 2**20), "busy under a live receiver: kept"
     finally:
         child.kill()
         child.wait()
     seg.looked -= pool.LOOK_EVERY_S
-    pool.note_payload(2**20, True)
+    pool.note_payload(2**20, pooled=True)
     assert pool.held() == (0, 0), "its receiver died: it will never be freed, so it goes"
 
 

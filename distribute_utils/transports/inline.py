@@ -69,7 +69,9 @@ class AttachedCarrier:
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> int:
         """Keep ``payload`` (on the CPU) as :attr:`outgoing`; the receipt is its length."""
-        SharedMemoryTransport.note_payload(payload.nbytes, False)  # (the segment pool sizes itself by every payload)
+        SharedMemoryTransport.note_payload(
+            payload.nbytes, pooled=False
+        )  # (the segment pool sizes itself by every payload)
         self.outgoing = payload.to_cpu()
         return payload.nbytes
 
