@@ -83,9 +83,8 @@ class HostRoute(Route):
             except TransportUnavailableError as exc:
                 logger.debug("%s: %s; through shared memory instead", self._what, exc)
         inline = payload.nbytes <= self._inline_max
-        SharedMemoryTransport.note_payload(
-            payload.nbytes, pooled=not inline
-        )  # (the pool sizes itself by every payload)
+        # (the pool sizes itself by every payload)
+        SharedMemoryTransport.note_payload(payload.nbytes, pooled=not inline)
         if inline:
             return carriers.publish(INLINE, token, rank, payload)
         try:

@@ -69,9 +69,8 @@ class AttachedCarrier:
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> int:
         """Keep ``payload`` (on the CPU) as :attr:`outgoing`; the receipt is its length."""
-        SharedMemoryTransport.note_payload(
-            payload.nbytes, pooled=False
-        )  # (the segment pool sizes itself by every payload)
+        # (the segment pool sizes itself by every payload)
+        SharedMemoryTransport.note_payload(payload.nbytes, pooled=False)
         self.outgoing = payload.to_cpu()
         return payload.nbytes
 
