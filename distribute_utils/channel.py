@@ -61,6 +61,8 @@ class Channel(Protocol):
     """Payload bytes that may travel inside a sender's claim message (0: none)."""
     hears_all: bool
     """Whether :meth:`claims` can hear every participant, also one that took the other channel."""
+    one_host: bool
+    """Whether every participant runs on this host (then a sender sends straight to its first rank)."""
 
     @property
     def delivered(self) -> bool:
@@ -106,6 +108,7 @@ class StoreChannel:
     path = "store"
     attach_max = 0
     hears_all = True
+    one_host = False  # (it may: the plan says)
 
     def __init__(
         self,
@@ -175,6 +178,7 @@ class MailboxChannel:
 
     path = "direct"
     hears_all = False
+    one_host = True
 
     def __init__(
         self,

@@ -213,7 +213,7 @@ def gather_on(
     seconds, error = (timeout, None) if type(timeout) is float and timeout > 0 else _resolved(timeout)
     with companion.exclusive("a gather"):
         call = companion.new_call(seconds)
-        this_call = Round(companion, call, transport, workspace_path, seconds, group, root)
+        this_call: Round = (companion, call, transport, workspace_path, seconds, group, root)
         try:
             listed = _checked(ranks, companion, world_size)
         except ValueError as exc:

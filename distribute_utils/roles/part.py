@@ -187,17 +187,19 @@ def not_direct(me: int, other: int) -> ArgumentError:
     )
 
 
-class Round(NamedTuple):
-    """One gather call as each rank's part sees it: the companion and call it runs over, and the
-    caller's options (a bad one is posted in this rank's claim: see ``gather_on``)."""
-
-    companion: sync.GroupSync
-    call: sync.Call
-    transport: str
-    workspace_path: str | PathLike[str] | None
-    seconds: float
-    group: dist.ProcessGroup | Sequence[int] | None
-    root: str
+Round = tuple[
+    sync.GroupSync,  # companion
+    sync.Call,  # call
+    str,  # transport
+    "str | PathLike[str] | None",  # workspace_path
+    float,  # seconds
+    "dist.ProcessGroup | Sequence[int] | None",  # group
+    str,  # root
+]
+"""One gather call as each rank's part sees it: ``(companion, call, transport, workspace_path, seconds,
+group, root)``, the companion and call it runs over and the caller's options (a bad one is posted in this
+rank's claim: see ``gather_on``). A plain tuple: one is made per call, on every rank, and only
+:class:`Part` reads it."""
 
 
 # -- one rank's part in one gather call ------------------------------------------------------------

@@ -51,10 +51,10 @@ class Sender(Part):
         super().__init__(round_, listed)
         # Its first rank likely wants tensors on a GPU (see gather.gather_on): CUDA IPC first (see host).
         self.cuda_wanted = cuda_wanted
-        self._collective: dict[str, CollectiveTransport] = {}
-        self._relayed: list[Any] = []  # a leader: its members' notes, for the first rank's verdict
 
     # State that most calls never change (class defaults: nothing to set up per call).
+    _collective: dict[str, CollectiveTransport] | None = None  # made by the first collective send
+    _relayed: list[Any] | None = None  # a leader: its members' notes, for the first rank's verdict
     _sent: carriers.Sent | None = None  # its publication, until released
     _attached: wire.EncodedPayload | None = None  # a direct sender's payload, in its claim message
     _deferred: tuple[str, wire.EncodedPayload] | None = None  # a collective send awaiting "go"
@@ -63,7 +63,7 @@ class Sender(Part):
         """A participant that does not receive: publish, claim, wait for the verdict, release."""
         try:
             if error is None:
-                plan = self.my_plan()
+                plan = None if self.channel.one_host else self.my_plan()
                 if plan is None:
                     # A GPU's tensors go from there.
                     payload = wire.encode(value, root=self.root, keep_device=True)
@@ -80,7 +80,9 @@ class Sender(Part):
                     )
                 # What this rank owes the other participants (segments it let go as a receiver or leader;
                 # its members' notes). They travel on only in a successful verdict: see take_back_notes.
-                notes = self.notes_for(self.ranks) + self._relayed
+                notes = self.notes_for(self.ranks)
+                if self._relayed:
+                    notes = notes + self._relayed
                 if self._attached is not None and not notes:
                     key = ("attached", self.mode, self._attached.nbytes)
                     claim = self.listed.kept(key, lambda: self.claim("send", None, body).pack())
@@ -212,6 +214,9 @@ class Sender(Part):
         return [token, self._sent.receipt]
 
     def collective(self, device: str) -> CollectiveTransport:
+        """The collective carrier of this call to ``device`` (made once per call and device)."""
+        if self._collective is None:
+            self._collective = {}
         found = self._collective.get(device)
         if found is None:
             pg = self.group if self.group is None or isinstance(self.group, dist.ProcessGroup) else None

@@ -363,7 +363,7 @@ def encode(
         except UnicodeEncodeError as e:
             raise UnsupportedTypeError(f"{root}: contains a str that is not valid UTF-8 ({e})") from None
         tensors, devices = enc.tensors, enc.devices
-        shapes = tuple((t.dtype, t.shape, d) for t, d in zip(tensors, devices))
+        shapes = tuple([(t.dtype, t.shape, d) for t, d in zip(tensors, devices)]) if tensors else ()
     small = len(v_bytes) <= RECENT_BYTES_MAX
     layout = _LAYOUTS.get((v_bytes, shapes)) if small else None
     if layout is None:
@@ -371,8 +371,10 @@ def encode(
         if small:
             _LAYOUTS.put((v_bytes, shapes), layout)
     header_len, offsets, total, body, plain_head = layout
-    chunks = tuple(  # (a list made first: one call, where a generator is resumed once per tensor)
-        [(o, t) for o, t, d in zip(offsets, tensors, devices, strict=True) if t.nbytes and d != "meta"]
+    chunks = (  # (a list made first: one call, where a generator is resumed once per tensor)
+        tuple([(o, t) for o, t, d in zip(offsets, tensors, devices, strict=True) if t.nbytes and d != "meta"])
+        if tensors
+        else ()
     )
     if not checksum:
         return EncodedPayload(total, plain_head, chunks)
