@@ -22,12 +22,14 @@ import logging
 from collections.abc import Callable
 
 from ..errors import SpaceError, TransportUnavailableError
+from ..owners import owned
 from ..processes import ProcessInfo
 from ..wire import EncodedPayload
 from . import carriers
 from .base import Carrier, Route
 from .cuda_ipc import CudaIpcTransport
 from .inline import INLINE
+from .segment_pool import SegmentPool
 from .shm import SharedMemoryTransport
 
 __all__ = ["DIRECT_INLINE_MAX_BYTES", "INLINE_MAX_BYTES", "HostRoute"]
@@ -83,8 +85,9 @@ class HostRoute(Route):
             except TransportUnavailableError as exc:
                 logger.debug("%s: %s; through shared memory instead", self._what, exc)
         inline = payload.nbytes <= self._inline_max
-        # (the pool sizes itself by every payload)
-        SharedMemoryTransport.note_payload(payload.nbytes, pooled=not inline)
+        owned(SegmentPool).note_payload(
+            payload.nbytes, pooled=not inline
+        )  # (it sizes itself by every payload)
         if inline:
             return carriers.publish(INLINE, token, rank, payload)
         try:

@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import PayloadError
+from ..owners import owned
 from ..wire import EncodedPayload
 from .base import Context
-from .shm import SharedMemoryTransport
+from .segment_pool import SegmentPool
 
 __all__ = ["AttachedCarrier", "InlineCarrier"]
 
@@ -69,8 +70,7 @@ class AttachedCarrier:
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> int:
         """Keep ``payload`` (on the CPU) as :attr:`outgoing`; the receipt is its length."""
-        # (the segment pool sizes itself by every payload)
-        SharedMemoryTransport.note_payload(payload.nbytes, pooled=False)
+        owned(SegmentPool).note_payload(payload.nbytes, pooled=False)  # (it sizes itself by every payload)
         self.outgoing = payload.to_cpu()
         return payload.nbytes
 

@@ -112,12 +112,6 @@ class SharedMemoryTransport:
         return cls(pin=context.pin)
 
     @staticmethod
-    def note_payload(nbytes: int, pooled: bool) -> None:
-        """Tell this process's pool a sender's payload size (every send within a host, inline ones
-        included: the pool sizes itself by them); ``pooled``: it goes to shared memory."""
-        owned(SegmentPool).note_payload(nbytes, pooled)
-
-    @staticmethod
     def remove_left_by(rank: int, pid: int) -> list[str]:
         """Remove what sender ``rank`` (process ``pid``, dead) left half-published; the paths removed."""
         return remove_segments_of(rank, pid)
