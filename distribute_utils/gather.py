@@ -20,13 +20,12 @@ store round, the plan) is :mod:`distribute_utils.roles`.
 from __future__ import annotations
 
 import collections
-import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from os import PathLike
-from typing import Any, ParamSpec, TypedDict, TypeVar
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -112,36 +111,35 @@ def _is_cuda(device: str | torch.device) -> bool:
         return False
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
+class _RunsWhenEntered(AbstractContextManager):  # type: ignore[type-arg]
+    """What :func:`gather_to_first` returns: the gather, run when entered (it yields the list); nothing
+    to undo on exit."""
 
+    __slots__ = ("_call",)
 
-class _Entered(AbstractContextManager):  # type: ignore[type-arg]
-    """A call that runs when entered and yields its result (nothing to undo on exit)."""
+    def __init__(self, call: tuple[Any, ...]) -> None:
+        self._call = call  # gather_to_first's arguments, in its order
 
-    __slots__ = ("_args", "_fn", "_kwargs")
-
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._fn, self._args, self._kwargs = fn, args, kwargs
-
-    def __enter__(self) -> Any:
-        return self._fn(*self._args, **self._kwargs)
+    def __enter__(self) -> list[Any]:
+        value, ranks, group, transport, workspace_path, timeout, device, root, received_on = self._call
+        seconds, error = _resolved(timeout)
+        return gather_on(
+            sync.companion(group, seconds),
+            value,
+            ranks,
+            group=group,
+            transport=transport,
+            workspace_path=workspace_path,
+            timeout=seconds if error is None else timeout,  # (a bad one: gather_on raises it on every rank)
+            device=device,
+            root=root,
+            received_on=received_on,
+        )
 
     def __exit__(self, *exc: object) -> None:
         return None
 
 
-def _runs_when_entered(fn: Callable[_P, _R]) -> Callable[_P, AbstractContextManager[_R]]:
-    """``contextlib.contextmanager`` for a function with nothing to undo: no generator to drive."""
-
-    @functools.wraps(fn)
-    def entered(*args: _P.args, **kwargs: _P.kwargs) -> AbstractContextManager[_R]:
-        return _Entered(fn, args, kwargs)
-
-    return entered
-
-
-@_runs_when_entered
 def gather_to_first(
     value: Any,
     ranks: Sequence[int],
@@ -153,7 +151,7 @@ def gather_to_first(
     device: str | torch.device | None,
     root: str,
     received_on: str | None = None,
-) -> list[Any]:
+) -> AbstractContextManager[list[Any]]:
     """The one gather under the public functions (and :mod:`distribute_utils.modelopt`): ``value`` of every
     rank in ``ranks`` to ``ranks[0]``, synchronised over ``group``; yields the list there, ``[]`` elsewhere.
 
@@ -170,18 +168,8 @@ def gather_to_first(
     Every rank of ``group`` must enter it (see ``docs/api.md``, "The contract: ``group`` synchronises,
     ``ranks`` routes"); the gather runs when it is entered.
     """
-    seconds, error = _resolved(timeout)
-    return gather_on(
-        sync.companion(group, seconds),
-        value,
-        ranks,
-        group=group,
-        transport=transport,
-        workspace_path=workspace_path,
-        timeout=seconds if error is None else timeout,  # (a bad one: gather_on raises it on every rank)
-        device=device,
-        root=root,
-        received_on=received_on,
+    return _RunsWhenEntered(
+        (value, ranks, group, transport, workspace_path, timeout, device, root, received_on)
     )
 
 
