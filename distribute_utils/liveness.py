@@ -96,6 +96,11 @@ class Watchdog:
         self._watches: dict[int, Watch] = {}
         self._thread: threading.Thread | None = None
 
+    @property
+    def running(self) -> bool:
+        """Whether its thread runs in this process (a forked child has none until its first :meth:`add`)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def close(self) -> None:
         """End the thread (at exit: never leave it inside a store call, see :class:`Janitor`)."""
         with self._lock:
@@ -228,6 +233,16 @@ class Janitor:
             self._thread.start()
         self._queue.put((weakref.ref(store), keys))
 
+    @property
+    def running(self) -> bool:
+        """Whether its thread runs (started by the first :meth:`delete` with keys)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def clients(self) -> int:
+        """How many store clients of its own it holds (one per store it deleted keys of)."""
+        return len(self._clients)
+
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until the deletions queued so far are done (whether each
         succeeded or not); False when they were not. For benchmarks that time calls one after another
@@ -253,9 +268,11 @@ class Janitor:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            self._delete(*item)
+            self.delete_now(*item)
 
-    def _delete(self, store_ref: weakref.ref[dist.Store], keys: list[str]) -> None:
+    def delete_now(self, store_ref: weakref.ref[dist.Store], keys: list[str]) -> None:
+        """Delete ``keys`` of the store ``store_ref`` refers to, on the calling thread: what the janitor's
+        thread does with each deletion :meth:`delete` queues (called directly by tests only)."""
         store = store_ref()  # (held only during the call: a store the job dropped is not kept alive)
         if store is None:
             return

@@ -91,7 +91,7 @@ def baseline_worker(fmt: str, input_dir: str, output_dir: str) -> dict[str, Any]
             no_dist=True,
         )
         for e in plan:
-            region = layout._regions[e.name]
+            region = layout.region(e.name)
             value = full[region.key]
             merged[e.name] = value[region.index] if region.index else value
     os.makedirs(output_dir, exist_ok=True)

@@ -192,7 +192,7 @@ def run_ranks(settings: Settings) -> dict[str, Any]:
     return report
 
 
-def _ratio_rows(rows: list[dict[str, Any]]) -> None:
+def ratio_rows(rows: list[dict[str, Any]]) -> None:
     by_key = {(row["case"], row["key"]): row for row in rows}
     for row in rows:
         base = by_key.get((row["case"], row["compare_to"])) if row["compare_to"] else None
@@ -500,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "MiB written/round = sum over ranks of /proc/<pid>/io write_bytes per round"
         )
     report["notes"] = notes
-    _ratio_rows(report["rows"])
+    ratio_rows(report["rows"])
     report["targets"] = evaluate_targets(report)
     print(f"$ {command}")
     print(format_report(report))

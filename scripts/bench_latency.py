@@ -99,13 +99,13 @@ def _modelopt() -> Any | None:
     return mo_dist
 
 
-def _run_prefix() -> str:
+def run_prefix() -> str:
     """Where this run's floor segments go: named by the launching process (``$DU_BENCH_RUN``, which its
-    ranks inherit), which removes them at the end (see :func:`_segments_removed_at_end`)."""
+    ranks inherit), which removes them at the end (see :func:`segments_removed_at_end`)."""
     return f"/dev/shm/du-bench-floor-{os.environ.get('DU_BENCH_RUN', 'solo')}-"
 
 
-def _checksum(tensors: list[torch.Tensor]) -> int:
+def sum_of_bytes(tensors: list[torch.Tensor]) -> int:
     """The sum of every tensor's bytes read as int64 (uint8 where the size is no multiple of 8): a read
     of every byte received."""
     total = 0
@@ -120,7 +120,7 @@ class _Check:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         world = dist.get_world_size() if dist.get_rank() == 0 else 0  # only rank 0 checks
-        self.want = sum(_checksum([torch.full_like(tensor, float(r))]) for r in range(world))
+        self.want = sum(sum_of_bytes([torch.full_like(tensor, float(r))]) for r in range(world))
 
     def __call__(self, method: str, got: int) -> None:
         if got != self.want:
@@ -167,7 +167,7 @@ class _Floor:
         self.views: dict[int, torch.Tensor] = {}
         pids = _all_pids()
         if self.rank != 0:
-            path = f"{_run_prefix()}{nbytes}-{os.getpid()}"
+            path = f"{run_prefix()}{nbytes}-{os.getpid()}"
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.posix_fallocate(fd, 0, nbytes)
@@ -179,7 +179,7 @@ class _Floor:
         dist.barrier()
         if self.rank == 0:
             for r in range(1, self.world):
-                fd = os.open(f"{_run_prefix()}{nbytes}-{pids[r]}", os.O_RDWR)
+                fd = os.open(f"{run_prefix()}{nbytes}-{pids[r]}", os.O_RDWR)
                 try:
                     self.maps[r] = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
                 finally:
@@ -192,10 +192,10 @@ class _Floor:
             self.views[self.rank].copy_(tensor.view(torch.uint8))  # one plain copy into the kept map
             self.dgram.sock.sendto(self.rank.to_bytes(4, "little"), self.dgram.names[0])
             return
-        total = _checksum([tensor])
+        total = sum_of_bytes([tensor])
         for _ in range(1, self.world):
             sender = int.from_bytes(self.dgram.sock.recv(4), "little")
-            total += _checksum([self.views[sender]])
+            total += sum_of_bytes([self.views[sender]])
         check("floor", total)
 
     def close(self) -> None:
@@ -205,7 +205,7 @@ class _Floor:
             m.close()
         if self.rank != 0:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{_run_prefix()}{self.nbytes}-{os.getpid()}")
+                os.unlink(f"{run_prefix()}{self.nbytes}-{os.getpid()}")
 
 
 def _all_pids() -> list[int]:
@@ -256,7 +256,7 @@ def _size_methods(
         def call() -> None:
             with gather(tensor, ranks) as got:
                 if rank == 0:
-                    check(name, _checksum(list(got)))
+                    check(name, sum_of_bytes(list(got)))
 
         return call
 
@@ -269,7 +269,7 @@ def _size_methods(
         def gloo() -> None:
             dist.gather(tensor, outputs, dst=0)
             if outputs is not None:
-                check("gloo", _checksum(outputs))
+                check("gloo", sum_of_bytes(outputs))
 
         methods["gloo"] = gloo
         mo = _modelopt()
@@ -422,14 +422,14 @@ def _copy_at(rev: str, into: Path) -> None:
     with tarfile.open(fileobj=io.BytesIO(done.stdout)) as archive:
         archive.extractall(into, filter="data")
     (into / "distribute_utils").rename(into / "du_against")
-    selfish = [p for p in (into / "du_against").rglob("*.py") if _imports_itself(p)]
+    selfish = [p for p in (into / "du_against").rglob("*.py") if imports_itself(p)]
     if selfish:
         raise SystemExit(
             f"--against {rev}: {selfish[0].name} imports distribute_utils by name; cannot load it twice"
         )
 
 
-def _imports_itself(path: Path) -> bool:
+def imports_itself(path: Path) -> bool:
     for node in ast.walk(ast.parse(path.read_text())):
         if (
             isinstance(node, ast.ImportFrom)
@@ -456,14 +456,14 @@ def _busy(n: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _segments_removed_at_end() -> Iterator[None]:
+def segments_removed_at_end() -> Iterator[None]:
     """Name this run's floor segments, and remove them when it ends, however: ranks that failed never
     closed theirs."""
     os.environ["DU_BENCH_RUN"] = secrets.token_hex(4)
     try:
         yield
     finally:
-        for path in glob.glob(f"{_run_prefix()}*"):
+        for path in glob.glob(f"{run_prefix()}*"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = _load()
     with (
         _busy(args.busy),
-        _segments_removed_at_end(),
+        segments_removed_at_end(),
         tempfile.TemporaryDirectory(prefix="du-against-") as tmp,
     ):
         if args.against:

@@ -87,7 +87,7 @@ def main() -> None:
                 document = {"rows": rows, "report": ctx.report, "load_average": os.getloadavg()}
                 Path(results, "rank0.json").write_text(json.dumps(document))
             else:
-                bg._ratio_rows(rows)
+                bg.ratio_rows(rows)
                 print("\n".join(bg.format_workspace({"rows": rows})))
     finally:
         dist.destroy_process_group()

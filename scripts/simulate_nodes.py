@@ -172,7 +172,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as fh:
@@ -399,10 +399,10 @@ def sshfs_server(
             for pid in sessions:
                 _signal_pid(pid, signal.SIGTERM)
             deadline = time.monotonic() + 5.0
-            while any(_pid_alive(p) for p in sessions) and time.monotonic() < deadline:
+            while any(pid_alive(p) for p in sessions) and time.monotonic() < deadline:
                 time.sleep(0.02)
             for pid in sessions:
-                if _pid_alive(pid):
+                if pid_alive(pid):
                     _signal_pid(pid, signal.SIGKILL)
             _stop_ssh_clients(str(keydir))
         shutil.rmtree(keydir, ignore_errors=True)
@@ -419,9 +419,9 @@ def _stop_ssh_clients(keydir: str) -> None:
         clients = [
             int(e)
             for e in os.listdir("/proc")
-            if e.isdigit() and _program(int(e)) == "ssh" and needle in _cmdline(int(e))
+            if e.isdigit() and _program(int(e)) == "ssh" and needle in cmdline(int(e))
         ]
-        clients = [p for p in clients if _pid_alive(p)]
+        clients = [p for p in clients if pid_alive(p)]
         if not clients:
             return
         sig = signal.SIGTERM if time.monotonic() < deadline else signal.SIGKILL
@@ -568,7 +568,7 @@ def _kill_namespace_except_self() -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
     """The command line of ``pid`` with spaces between arguments ("" if gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
@@ -579,7 +579,7 @@ def _cmdline(pid: int) -> str:
 
 def _program(pid: int) -> str:
     """Basename of the program ``pid`` runs ("" if gone)."""
-    return os.path.basename(_cmdline(pid).split(" ", 1)[0])
+    return os.path.basename(cmdline(pid).split(" ", 1)[0])
 
 
 # --------------------------------------------------------------------------- controller

@@ -126,8 +126,8 @@ def test_a_copy_that_imports_itself_by_name_is_refused(tmp_path: Path) -> None:
     )
     relative = tmp_path / "b.py"
     relative.write_text('"""import distribute_utils"""\nfrom .wire import encode\nimport os\n')
-    assert bench._imports_itself(by_name)
-    assert not bench._imports_itself(relative)
+    assert bench.imports_itself(by_name)
+    assert not bench.imports_itself(relative)
 
 
 def test_the_checksum_reads_every_byte() -> None:
@@ -135,11 +135,11 @@ def test_the_checksum_reads_every_byte() -> None:
     bench = load_script("bench_latency")
     for nbytes in (4096, 4100, 7):
         base = torch.zeros(nbytes, dtype=torch.uint8)
-        want = bench._checksum([base, base])
+        want = bench.sum_of_bytes([base, base])
         for at in range(nbytes):
             changed = base.clone()
             changed[at] = 1
-            assert bench._checksum([base, changed]) != want, (nbytes, at)
+            assert bench.sum_of_bytes([base, changed]) != want, (nbytes, at)
 
 
 def test_whole_round_figures_come_from_every_ranks_stamps() -> None:
@@ -176,8 +176,8 @@ def test_a_failed_run_leaves_none_of_its_floor_segments(monkeypatch: pytest.Monk
     other = Path("/dev/shm/du-bench-floor-otherrun-4096-1")
     other.write_bytes(b"x")
     try:
-        with pytest.raises(RuntimeError, match="a rank failed"), bench._segments_removed_at_end():
-            mine = Path(f"{bench._run_prefix()}4096-{os.getpid()}")
+        with pytest.raises(RuntimeError, match="a rank failed"), bench.segments_removed_at_end():
+            mine = Path(f"{bench.run_prefix()}4096-{os.getpid()}")
             mine.write_bytes(b"x")
             raise RuntimeError("a rank failed")
         assert not mine.exists(), "this run's segment is removed"

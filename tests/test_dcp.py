@@ -157,6 +157,10 @@ def test_megatron_stacked_names_without_megatron(tmp_path: Path) -> None:
             ][layer, e]
         assert sorted(got) == sorted(expected)
         assert all(torch.equal(got[k], expected[k]) for k in expected)
+        ckpt = DcpCheckpoint(tmp_path / "ckpt", names=names)
+        region = ckpt.region("decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight")
+        assert (region.key, region.index) == ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (2, 1))
+        assert ckpt.region("decoder.final_layernorm.weight").index == ()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -284,11 +284,11 @@ def _wait_for_key(group: sync.GroupSync, key: str) -> bool:
     return group.has(key)
 
 
-def _sender_outwaits_its_timeout(workspace: str | None) -> dict[str, Any]:
+def _sender_outwaits_its_timeout(workspace: str | None, tag: str) -> dict[str, Any]:
     """Rank 1 (timeout 2 s) waits for rank 0, which is there but waits for rank 2 (3 s late)."""
     rank, group = dist.get_rank(), sync.companion(None)
     barrier(timeout=60)
-    entering = f"{group.namespace}/test/{group._calls}/rank-1-enters"
+    entering = f"{group.namespace}/test/{tag}/rank-1-enters"  # (a key of this run only)
     if rank == 1:
         group.store.set(entering, b"1")
     if rank in (0, 2):
@@ -319,7 +319,10 @@ def test_a_sender_past_its_timeout_waits_again_for_a_first_rank_that_is_there(
 ) -> None:
     """Direct: rank 0 answers rank 1's inquiry that it is in the call; store: its claim says so. Either
     way rank 1 takes a second timeout instead of failing."""
-    results = ranks4.run(_sender_outwaits_its_timeout, None if path == "direct" else str(tmp_path / "ws"))
+    workspace = None if path == "direct" else str(tmp_path / "ws")
+    results = ranks4.run(
+        _sender_outwaits_its_timeout, workspace, f"{path}-{os.getpid()}-{time.monotonic_ns()}"
+    )
     assert "error" not in results[1] and results[1]["seconds"] > 2, results[1]
     assert results[0]["got"] == [0.0, 1.0, 2.0], results[0]
     assert results[3] == {"got": [], "seconds": results[3]["seconds"]}
@@ -538,16 +541,16 @@ def test_the_janitor_never_connects_to_a_store_that_is_gone_or_dropped() -> None
     master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     client = dist.PrefixStore("p/", dist.TCPStore("127.0.0.1", master.port, 1, is_master=False))
     client.set("k", b"1")
-    janitor._delete(weakref.ref(client), ["k"])
+    janitor.delete_now(weakref.ref(client), ["k"])
     assert not client.check(["k"]), "deleted while the server answers, on a client of its own"
-    assert len(janitor._clients) == 1
+    assert janitor.clients == 1
     other = dist.PrefixStore("q/", dist.TCPStore("127.0.0.1", master.port, 1, is_master=False))
     other.set_timeout(datetime.timedelta(seconds=60))
     del master
     start = time.monotonic()
-    janitor._delete(weakref.ref(other), ["k"])
+    janitor.delete_now(weakref.ref(other), ["k"])
     assert time.monotonic() - start < 30, "tried to connect to a server that is gone"
-    assert len(janitor._clients) == 1, "no client for a store whose server is gone"
+    assert janitor.clients == 1, "no client for a store whose server is gone"
 
     class Recording:
         cloned = 0
@@ -559,11 +562,11 @@ def test_the_janitor_never_connects_to_a_store_that_is_gone_or_dropped() -> None
     dropped = Recording()
     ref = weakref.ref(dropped)
     del dropped
-    janitor._delete(ref, ["k"])  # queued before the job dropped it
+    janitor.delete_now(ref, ["k"])  # queued before the job dropped it
     assert Recording.cloned == 0
     held = Recording()
     janitor.delete(held, [])  # nothing to delete: no thread, no reference kept
-    assert janitor._thread is None
+    assert not janitor.running
     janitor.stop()
 
 

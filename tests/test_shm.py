@@ -267,7 +267,7 @@ def test_a_sender_copies_into_its_own_map_of_a_pooled_segment(monkeypatch: pytes
     transport = shm.SharedMemoryTransport(pool=pool)
     big = torch.arange(2**20, dtype=torch.float32)
     first = transport.publish("00000000000000c0", 1, wire.encode(big * 2))
-    seg = pool._segments[first.split(":")[2]]
+    seg = pool.segments[first.split(":")[2]]
     assert seg.mapped is None, "the first payload is written with pwrite"
     got = wire.decode(transport.fetch("00000000000000c0", 1, first))
     assert torch.equal(got, big * 2)
@@ -307,10 +307,10 @@ def test_a_forked_child_lets_go_of_a_segment_a_parents_thread_was_copying_into()
     first = transport.publish("00000000000000e0", 1, wire.encode(tensor))
     got = wire.decode(transport.fetch("00000000000000e0", 1, first))
     del got  # let go: the segment is free, and its next payload goes through the sender's map of it
-    busy = pool._segments[transport.publish("00000000000000e1", 1, wire.encode(tensor)).split(":")[2]]
-    other = pool._segments[transport.publish("00000000000000e2", 1, wire.encode(tensor)).split(":")[2]]
+    receipts = [transport.publish(f"00000000000000e{i}", 1, wire.encode(tensor)) for i in (1, 2)]
+    busy, other = (pool.segments[receipt.split(":")[2]] for receipt in receipts)
     segments = [busy, other]  # the child meets the one in use first
-    assert busy.mapped is not None and list(pool._segments.values()) == segments
+    assert busy.mapped is not None and list(pool.segments.values()) == segments
     copying = memoryview(busy.mapped)  # what a copying thread holds while the fork happens
     read, write = os.pipe()
     child = os.fork()
@@ -353,12 +353,12 @@ def test_a_sender_that_cannot_map_its_segment_writes_it_with_pwrite(monkeypatch:
     big = torch.arange(2**18, dtype=torch.int32)
     for i, token in enumerate(("00000000000000d0", "00000000000000d1")):  # the map is tried at the second
         receipt = transport.publish(token, 1, wire.encode(big + i))
-        seg = pool._segments[receipt.split(":")[2]]
+        seg = pool.segments[receipt.split(":")[2]]
         assert seg.mapped is None, "no map: written with pwrite"
         got = wire.decode(transport.fetch(token, 1, receipt))
         assert torch.equal(got, big + i)
         del got
-    assert len(pool._segments) == 1, "one warm segment, written twice"
+    assert len(pool.segments) == 1, "one warm segment, written twice"
     pool.release()
 
 
@@ -375,7 +375,7 @@ def test_pool_never_grows_a_sent_segment() -> None:
     assert grown is not None and grown.ident not in (one.ident, two.ident)
     pool.fit(grown, 3 * 2**20, 1)
     assert pool.held() == (2, 5 * 2**20), "the smallest free one was closed, the other kept as it was"
-    assert set(pool._segments) == {two.ident, grown.ident} and os.fstat(two.fd).st_size == 2 * 2**20
+    assert set(pool.segments) == {two.ident, grown.ident} and os.fstat(two.fd).st_size == 2 * 2**20
     for seg in (two, grown):
         pool.discard(seg)
 

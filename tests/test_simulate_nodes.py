@@ -48,8 +48,8 @@ def _processes_mentioning(*needles: str) -> list[str]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
-        cmd = sn._cmdline(int(entry))
-        if cmd and sn._pid_alive(int(entry)) and any(n in cmd for n in needles):
+        cmd = sn.cmdline(int(entry))
+        if cmd and sn.pid_alive(int(entry)) and any(n in cmd for n in needles):
             found.append(f"{entry}: {cmd[:300]}")
     return found
 
@@ -58,7 +58,7 @@ def _assert_nothing_left(result: sn.SimulationResult, *needles: str) -> None:
     """No process, mount or temporary directory of the run survives it."""
     run_dir = str(result.run_dir)
     assert not Path(run_dir).exists(), f"run dir {run_dir} was not removed"
-    alive = [pid for pid in result.pids if sn._pid_alive(pid)]
+    alive = [pid for pid in result.pids if sn.pid_alive(pid)]
     assert not alive, f"started processes still alive: {alive}"
     assert not _processes_mentioning(run_dir, *needles)
     assert not sn.find_mounts_anywhere(run_dir)

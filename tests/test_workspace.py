@@ -135,7 +135,7 @@ def test_auto_read_mode_maps_only_local_filesystems(tmp_path: Path) -> None:
     kind = wsfiles.filesystem_type(tmp_path)
     assert kind != "unknown"
     with WorkspaceTransport(tmp_path, _token(), 1.0) as tr:
-        assert tr._mmap == (kind in wsfiles.LOCAL_FS)
+        assert tr.maps_files == (kind in wsfiles.LOCAL_FS)
     assert "nfs4" not in wsfiles.LOCAL_FS and not any(k.startswith("fuse") for k in wsfiles.LOCAL_FS)
 
 
@@ -406,7 +406,7 @@ def test_two_sshfs_mounts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         job = _token()
         writer = WorkspaceTransport(Path(mount_a, "ws"), job, 10.0)
         reader = WorkspaceTransport(Path(mount_b, "ws"), job, 10.0)
-        assert wsfiles.filesystem_type(reader.namespace).startswith("fuse") and not reader._mmap
+        assert wsfiles.filesystem_type(reader.namespace).startswith("fuse") and not reader.maps_files
         for i in range(40):  # sizes change every round: a reused name would show a stale size
             token = _token()
             value = {"i": i, "t": torch.arange(1 + 97 * (i % 5), dtype=torch.float64)}

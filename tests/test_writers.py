@@ -258,7 +258,11 @@ def test_torch_writer_flushes_complete_shards_early(tmp_path: Path) -> None:
     sd = {f"t{i}": torch.ones(25) for i in range(4)}  # 100 bytes each, one per shard
     w = TorchSaveWriter(tmp_path, _specs(sd), max_shard_size=100)
     w.write("t2", sd["t2"])
-    assert w._pending[2] == {} and w._saved[2]  # flushed to its temp file, nothing held
+    written = [
+        p for p in tmp_path.iterdir() if p.stat().st_size
+    ]  # (its temporaries, named in the output folder)
+    assert len(written) == 1, written
+    assert list(torch.load(written[0], weights_only=True)) == ["t2"], "shard 2 saved to its temp file at once"
     for n in ("t0", "t1", "t3"):
         w.write(n, sd[n])
     w.close()
@@ -386,8 +390,9 @@ def test_temporaries_are_recorded_until_published_or_removed(tmp_path: Path, fin
     mine = (records() or set()) - (before or set())
     assert len(mine) == 1, mine
     listed = json.loads(Path(RECORD_DIR, mine.pop()).read_text())["paths"]
-    assert listed == [str(w._temps[0])] and os.path.exists(listed[0])
+    assert len(listed) == 1 and Path(listed[0]).parent == tmp_path and os.path.exists(listed[0]), listed
     w.write("w", sd["w"])
     w.close() if finish == "close" else w.abort()
     assert records() == before, "the record (or its empty directory) was left"
+    assert not os.path.exists(listed[0]), "the recorded temporary was published or removed"
     assert sorted(os.listdir(tmp_path)) == (["model.safetensors"] if finish == "close" else [])

@@ -190,6 +190,12 @@ class DcpCheckpoint:
             self._plan = [MergePlanEntry(name, 0, name, _WHOLE, spec) for name, _, spec in entries]
         return list(self._plan)
 
+    def region(self, name: str) -> Region:
+        """Which DCP entry, and which leading index of it, gives output tensor ``name`` (of :meth:`plan`)."""
+        if self._plan is None:
+            self.plan()
+        return self._regions[name]
+
     # ----------------------------------------------------------------------------------------------------
     # Reading (:mod:`.dcp_stream`).
 

@@ -244,6 +244,12 @@ class SegmentPool:
         with self._lock:
             return len(self._segments), sum(s.size for s in self._segments.values())
 
+    @property
+    def segments(self) -> dict[str, _Segment]:
+        """Its segments by ident (the third field of a receipt), oldest first: a copy, to look at."""
+        with self._lock:
+            return dict(self._segments)
+
     def take(self, nbytes: int) -> _Segment | None:
         """A free pooled segment (marked busy), a new one, or None to use a fresh named one."""
         if nbytes < self.MIN_BYTES or not hasattr(os, "O_TMPFILE") or self.closed:

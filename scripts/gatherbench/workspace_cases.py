@@ -532,7 +532,7 @@ def run_multinode(settings: Settings, mode: str) -> dict[str, Any]:
         outcome["load_average_after"] = os.getloadavg()
         outcome["duration_s"] = result.duration
         outcome["mounts_left"] = sn.find_mounts_anywhere(str(result.run_dir))
-        outcome["processes_left"] = [pid for pid in result.pids if sn._pid_alive(pid)]
+        outcome["processes_left"] = [pid for pid in result.pids if sn.pid_alive(pid)]
         outcome["leftovers"] = _workspace_leftovers(backing)
         if result.returncode != 0 or not (results / "rank0.json").exists():
             outcome["error"] = f"exit code {result.returncode}:\n{result.format_outputs()[-4000:]}"
