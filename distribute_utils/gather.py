@@ -111,7 +111,7 @@ def _is_cuda(device: str | torch.device) -> bool:
         return False
 
 
-class _RunsWhenEntered(AbstractContextManager):  # type: ignore[type-arg]
+class _RunsWhenEntered:
     """What :func:`gather_to_first` returns: the gather, run when entered (it yields the list); nothing
     to undo on exit."""
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .errors import ArgumentError, ForkedProcessError, NotInitializedError, PeerLostError
 from .mailbox import answer_inquiries
-from .owners import after_fork, default_group, group_scope
+from .owners import after_fork, group_scope
 from .processes import ProcessInfo, this_process
 
 __all__ = [
@@ -79,6 +79,7 @@ PROBE_TIMEOUT_S = 1.0  # a look whether a store's server still takes connections
 # loaded host does not time out (torch prints each timed-out attempt as an error with a C++ stack).
 CONNECT_ATTEMPT_S = 30.0
 _ROOT = "distribute_utils"
+_DISTRIBUTED = dist.is_available()  # (torch built without it has no dist.group)
 _LOCAL_REFRESH_S = 0.5  # how soon a process looks again for the ranks of its host (see local_peers)
 _LOCAL_REFRESH_MAX_S = 8.0  # ... at the latest, once its list stopped changing
 
@@ -561,7 +562,7 @@ def incarnation(timeout: float | None = None) -> Incarnation:
         PeerLostError: the group's store is gone (found now, or by an earlier call: then at once).
     """
     global _CURRENT
-    pg = default_group()  # (None before init_process_group)
+    pg = dist.group.WORLD if _DISTRIBUTED else None  # the default group (None before init_process_group)
     if pg is None:
         require_initialized()  # raises, saying what to call
         raise NotInitializedError("torch.distributed has no default process group")

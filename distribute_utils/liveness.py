@@ -272,7 +272,8 @@ class Janitor:
 
     def delete_now(self, store_ref: weakref.ref[dist.Store], keys: list[str]) -> None:
         """Delete ``keys`` of the store ``store_ref`` refers to, on the calling thread: what the janitor's
-        thread does with each deletion :meth:`delete` queues (called directly by tests only)."""
+        thread does with each deletion :meth:`delete` queues. Called directly by tests only, on a janitor
+        whose thread does not run (its clients are not locked)."""
         store = store_ref()  # (held only during the call: a store the job dropped is not kept alive)
         if store is None:
             return

@@ -44,9 +44,7 @@ every other hook, thread and file is made on first use.
 
 from __future__ import annotations
 
-import functools
 import logging
-import operator
 import os
 import threading
 import weakref
@@ -55,7 +53,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["Owner", "after_fork", "default_group", "end_group_scope", "group_scope", "owned", "process_owned"]
+__all__ = ["Owner", "after_fork", "end_group_scope", "group_scope", "owned", "process_owned"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,23 +114,7 @@ _PROCESS = Owner("the process")
 _GROUP: tuple[weakref.ref[dist.ProcessGroup], Owner] | None = None
 _GROUP_LOCK = threading.Lock()
 _AFTER_FORK: list[Callable[[], None]] = []
-
-
-def _default_group_reader() -> Callable[[], dist.ProcessGroup | None]:
-    """A reader of the current default process group (None when there is none, or no torch.distributed):
-    torch's own field where this torch has it, read by C attribute lookups (every gather and every send
-    asks, on every rank), else the public ``torch.distributed.group.WORLD`` (the same field, through two
-    Python properties)."""
-    if not dist.is_available():  # (fixed for the process)
-        return lambda: None
-    c10d = dist.distributed_c10d
-    if hasattr(getattr(c10d, "_world", None), "_default_pg"):
-        return functools.partial(operator.attrgetter("_world._default_pg"), c10d)
-    return lambda: dist.group.WORLD
-
-
-default_group: Callable[[], dist.ProcessGroup | None] = _default_group_reader()
-"""The current default process group, or None: ``torch.distributed.group.WORLD``, read cheaply."""
+_DISTRIBUTED = dist.is_available()  # (whether torch was built with it: fixed for the process)
 
 
 def group_scope(pg: dist.ProcessGroup) -> Owner:
@@ -166,7 +148,7 @@ def end_group_scope() -> None:
 def owned(kind: type[T]) -> T:
     """The one ``kind`` of the current default group's scope, or of the process scope when there is no
     default group (see the module doc)."""
-    pg = default_group()
+    pg = dist.group.WORLD if _DISTRIBUTED else None  # the default group
     if pg is None:
         if _GROUP is not None:  # destroyed, but its object lives on (a DDP module, a DeviceMesh)
             end_group_scope()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from distribute_utils import get_configs_parallel, get_tensors_parallel
 from distribute_utils.incarnation import incarnation
-from distribute_utils.owners import default_group, owned, process_owned
+from distribute_utils.owners import owned, process_owned
 from distribute_utils.transports import shm
 from distribute_utils.transports.kept_maps import KeptMaps
 from distribute_utils.transports.namespace import JobToken, job_token
@@ -87,7 +87,8 @@ def test_importing_the_package_has_no_side_effect_but_the_one_fork_hook(tmp_path
     found = json.loads(out.splitlines()[-1])
     assert found["modules"] > 40, found
     ours = [hook for hook in found["fork"] if any(v.startswith("distribute_utils.") for v in hook.values())]
-    assert ours == [{"after_in_child": "distribute_utils.owners._forked"}], found["fork"]
+    assert len(ours) == 1 and list(ours[0]) == ["after_in_child"], found["fork"]
+    assert ours[0]["after_in_child"].startswith("distribute_utils.owners."), "the one hook the package states"
     assert [f for f in found["atexit"] if f.startswith("distribute_utils.")] == [], found["atexit"]
     assert found["threads"] == [] and found["thread_count"] == 0, found
     assert found["writes"] == [], found["writes"]
@@ -96,7 +97,6 @@ def test_importing_the_package_has_no_side_effect_but_the_one_fork_hook(tmp_path
 
 def test_without_a_group_a_carrier_keeps_its_state_in_the_process_scope() -> None:
     assert not dist.is_initialized()
-    assert default_group() is None and dist.group.WORLD is None
     pool = owned(SegmentPool)
     assert pool is process_owned(SegmentPool) and owned(KeptMaps) is process_owned(KeptMaps)
     assert shm.SharedMemoryTransport.reports is process_owned(FreedReports) is shm.REPORTS
@@ -112,12 +112,10 @@ def _state_across_groups(tag: str) -> dict[str, Any]:
         del got
         gc.collect()
     old = {"pool": owned(SegmentPool), "kept": owned(KeptMaps), "token": owned(JobToken)}
-    old_group = default_group()
     assert incarnation().own(SegmentPool) is old["pool"], "the incarnation holds the group's scope"
     job_token()
     before = {"pooled": old["pool"].held(), "kept": old["kept"].held()}
     remake_group(rank, f"owners/{tag}")
-    assert default_group() is dist.group.WORLD is not old_group, "the new default group, read cheaply"
     kinds = {"pool": SegmentPool, "kept": KeptMaps, "token": JobToken}
     after = {
         "fresh": [owned(kind) is not old[what] for what, kind in kinds.items()],  # (the new group's scope)
@@ -161,10 +159,8 @@ def _destroyed_but_held(tag: str) -> dict[str, Any]:
     pool, kept = owned(SegmentPool), owned(KeptMaps)
     before = {"pooled": pool.held(), "kept": kept.held()}
     held = dist.group.WORLD  # as a DDP module or a DeviceMesh does: the group object outlives its destroy
-    assert held is not None and default_group() is held, "the cheap read names the default group"
 
     def without_a_group() -> dict[str, Any]:
-        assert default_group() is None, "no default group once it is destroyed, though its object lives"
         shm.release_shared_memory()
         return {"closed": pool.closed, "pooled": pool.held(), "kept": kept.held(), "now": shm.pooled_bytes()}
 

@@ -258,11 +258,11 @@ def test_torch_writer_flushes_complete_shards_early(tmp_path: Path) -> None:
     sd = {f"t{i}": torch.ones(25) for i in range(4)}  # 100 bytes each, one per shard
     w = TorchSaveWriter(tmp_path, _specs(sd), max_shard_size=100)
     w.write("t2", sd["t2"])
-    written = [
-        p for p in tmp_path.iterdir() if p.stat().st_size
-    ]  # (its temporaries, named in the output folder)
+    # (its temporaries are named in the output folder)
+    written = [p for p in tmp_path.iterdir() if p.stat().st_size]
     assert len(written) == 1, written
     assert list(torch.load(written[0], weights_only=True)) == ["t2"], "shard 2 saved to its temp file at once"
+    assert w.held == 0, "and not held in memory any more"
     for n in ("t0", "t1", "t3"):
         w.write(n, sd[n])
     w.close()
@@ -391,6 +391,7 @@ def test_temporaries_are_recorded_until_published_or_removed(tmp_path: Path, fin
     assert len(mine) == 1, mine
     listed = json.loads(Path(RECORD_DIR, mine.pop()).read_text())["paths"]
     assert len(listed) == 1 and Path(listed[0]).parent == tmp_path and os.path.exists(listed[0]), listed
+    assert os.listdir(tmp_path) == [Path(listed[0]).name], "the record names the writer's one temporary"
     w.write("w", sd["w"])
     w.close() if finish == "close" else w.abort()
     assert records() == before, "the record (or its empty directory) was left"

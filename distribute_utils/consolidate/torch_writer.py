@@ -57,6 +57,11 @@ class TorchSaveWriter(CheckpointWriter):
         self._pending: list[dict[str, torch.Tensor]] = [{} for _ in self.shards]
         self._saved = [False] * len(self.shards)
 
+    @property
+    def held(self) -> int:
+        """How many written tensors it holds in memory, waiting for the rest of their shard."""
+        return sum(len(p) for p in self._pending)
+
     def _save(self, i: int) -> None:
         order = [s.name for s in self.shards[i]]
         state = {n: self._pending[i][n] for n in order}

@@ -85,9 +85,8 @@ class HostRoute(Route):
             except TransportUnavailableError as exc:
                 logger.debug("%s: %s; through shared memory instead", self._what, exc)
         inline = payload.nbytes <= self._inline_max
-        owned(SegmentPool).note_payload(
-            payload.nbytes, pooled=not inline
-        )  # (it sizes itself by every payload)
+        # (the pool sizes itself by every payload)
+        owned(SegmentPool).note_payload(payload.nbytes, pooled=not inline)
         if inline:
             return carriers.publish(INLINE, token, rank, payload)
         try:

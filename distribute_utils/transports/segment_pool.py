@@ -44,6 +44,7 @@ __all__ = [
     "FreedReports",
     "Notices",
     "Pools",
+    "Segment",
     "SegmentPool",
     "heed_notices",
     "reserve",
@@ -82,7 +83,7 @@ def reserve(fd: int, nbytes: int, rank: int) -> None:
 
 
 @dataclass
-class _Segment:
+class Segment:
     """A pooled segment: an unnamed file in ``/dev/shm`` whose pages stay allocated."""
 
     ident: str
@@ -167,7 +168,7 @@ class SegmentPool:
         self._pools = process_owned(Pools)  # (the process's: kept, no lookup per send)
         self._pools.every.add(self)  # a forked child closes its copies of every pool's segments
         self._lock = threading.Lock()
-        self._segments: dict[str, _Segment] = {}
+        self._segments: dict[str, Segment] = {}
         self._recent: collections.deque[int] = collections.deque(maxlen=self.RECENT)
         self._recent_any: collections.deque[int] = collections.deque(maxlen=self.RECENT_ANY)
         self.closed = False
@@ -216,7 +217,7 @@ class SegmentPool:
         if self.closed and not self._segments:
             self._pools.retiring.discard(self)
 
-    def _receiver_gone(self, seg: _Segment, now: float) -> bool:
+    def _receiver_gone(self, seg: Segment, now: float) -> bool:
         if seg.receiver is None or now - seg.looked < self.LOOK_EVERY_S:
             return False
         seg.looked = now
@@ -245,12 +246,12 @@ class SegmentPool:
             return len(self._segments), sum(s.size for s in self._segments.values())
 
     @property
-    def segments(self) -> dict[str, _Segment]:
+    def segments(self) -> dict[str, Segment]:
         """Its segments by ident (the third field of a receipt), oldest first: a copy, to look at."""
         with self._lock:
             return dict(self._segments)
 
-    def take(self, nbytes: int) -> _Segment | None:
+    def take(self, nbytes: int) -> Segment | None:
         """A free pooled segment (marked busy), a new one, or None to use a fresh named one."""
         if nbytes < self.MIN_BYTES or not hasattr(os, "O_TMPFILE") or self.closed:
             return None
@@ -273,7 +274,7 @@ class SegmentPool:
                 if shm_space()[1] < 4 * nbytes:
                     return None
                 fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
-                seg = _Segment(secrets.token_hex(8), fd, os.fstat(fd).st_ino)
+                seg = Segment(secrets.token_hex(8), fd, os.fstat(fd).st_ino)
                 self._segments[seg.ident] = seg
             seg.busy, seg.looked = True, time.monotonic()
             return seg
@@ -282,7 +283,7 @@ class SegmentPool:
         with self._lock:
             return any(not seg.busy and seg.size >= nbytes for seg in self._segments.values())
 
-    def fit(self, seg: _Segment, nbytes: int, rank: int) -> None:
+    def fit(self, seg: Segment, nbytes: int, rank: int) -> None:
         """Make ``seg`` hold at least ``nbytes``, its pages reserved: a new segment is sized here, once
         (it never shrinks: a smaller payload would give back pages that the next large one must fault
         in again; nor grows: see :meth:`take`)."""
@@ -326,7 +327,7 @@ class SegmentPool:
             seg.close()
             self._retired_when_empty()
 
-    def discard(self, seg: _Segment) -> None:
+    def discard(self, seg: Segment) -> None:
         """Drop ``seg`` from the pool (after a failed publish)."""
         with self._lock:
             self._segments.pop(seg.ident, None)

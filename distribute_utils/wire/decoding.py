@@ -176,7 +176,7 @@ def _decode(
         lone = len(table) == 1 and header[v_span[0] : v_span[1]] == LONE_TREE
         if key is not None and not flags & FLAG_CHECKSUM:  # (a checksum differs every time)
             _HEADS.put(key, (flags, header_len, total_len, checksum, v_span, table, lone))
-    source = table and type(device) is str and device == SOURCE_DEVICE  # (a config without tensors: no calls)
+    source = type(device) is str and device == SOURCE_DEVICE
     missing = _missing_device(table) if source else None
     if data is None and missing is None and len(table) > 1:
         whole = _one_device(table, device)
@@ -184,7 +184,7 @@ def _decode(
             data = _build_tensors(
                 mv, (Slot(0, total_len, torch.uint8, [total_len], [1], "cpu"),), total_len, whole
             )[0]
-    tensors = _build_tensors(mv, table, total_len, None if missing else device, data) if table else []
+    tensors = _build_tensors(mv, table, total_len, None if missing else device, data)
     tree = tensors[0] if lone else decode_tree(mv[PREFIX_SIZE + v_span[0] : PREFIX_SIZE + v_span[1]], tensors)
     if missing is not None:  # (the tree, with CPU views, only to name the tensor)
         i, why = missing
