@@ -413,6 +413,19 @@ def test_source_device_keeps_cpu_tensors_as_views() -> None:
     assert out["a"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 
+def test_a_config_without_tensors_decodes_alike_to_every_device_and_a_bad_one_raises() -> None:
+    """A payload of plain values has nothing to place: every device gives the same tree, and a device that
+    is not one raises as it does for a payload with tensors."""
+    plain = {"a": 1, "b": [1.5, "x", None], "c": (True, b"\x00")}
+    buf = wire.encode(plain).to_bytes()
+    for device in (None, "cpu", torch.device("cpu"), wire.SOURCE_DEVICE):
+        assert wire.decode(buf, device=device) == plain, device
+    with_tensor = wire.encode({"t": torch.ones(2)}).to_bytes()
+    for payload in (buf, with_tensor):
+        with pytest.raises(RuntimeError, match="device"):
+            wire.decode(payload, device="bogus")
+
+
 def test_a_device_this_process_lacks_is_named_with_the_tensors_path() -> None:
     from distribute_utils.errors import DeviceUnavailableError
 

@@ -177,6 +177,10 @@ def _decode(
         if key is not None and not flags & FLAG_CHECKSUM:  # (a checksum differs every time)
             _HEADS.put(key, (flags, header_len, total_len, checksum, v_span, table, lone))
     source = type(device) is str and device == SOURCE_DEVICE
+    if not table:  # a config without tensors: nothing to build (a bad device raises all the same)
+        if device is not None and not source:
+            torch.device(device)
+        return decode_tree(mv[PREFIX_SIZE + v_span[0] : PREFIX_SIZE + v_span[1]], [])
     missing = _missing_device(table) if source else None
     if data is None and missing is None and len(table) > 1:
         whole = _one_device(table, device)
