@@ -111,10 +111,14 @@ def require_initialized() -> None:
     """Raises :class:`~distribute_utils.errors.NotInitializedError` (a ``RuntimeError``, saying what to
     call) unless a default process group exists."""
     if not (dist.is_available() and dist.is_initialized()):
-        raise NotInitializedError(
-            "torch.distributed is not initialised: call torch.distributed.init_process_group() "
-            "(or start under torchrun) before using groups, barriers or gathers"
-        )
+        raise _not_initialized()
+
+
+def _not_initialized() -> NotInitializedError:
+    return NotInitializedError(
+        "torch.distributed is not initialised: call torch.distributed.init_process_group() "
+        "(or start under torchrun) before using groups, barriers or gathers"
+    )
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
@@ -564,8 +568,7 @@ def incarnation(timeout: float | None = None) -> Incarnation:
     global _CURRENT
     pg = dist.group.WORLD if _DISTRIBUTED else None  # the default group (None before init_process_group)
     if pg is None:
-        require_initialized()  # raises, saying what to call
-        raise NotInitializedError("torch.distributed has no default process group")
+        raise _not_initialized()
     if _INHERITED is not None and _INHERITED[1]() is pg:
         raise ForkedProcessError(
             f"distribute_utils called in a process (pid {os.getpid()}) forked after its parent (pid "
