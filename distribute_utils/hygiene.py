@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO, cast
 
+from . import host_dir
 from .errors import DistributeError
 from .processes import SHM_DIR, pid_alive, process_alive, this_process
 from .temporaries import RECORD_DIR, find_abandoned, remove_abandoned
@@ -315,6 +316,19 @@ def _temporaries_section(rep: _Report, shm_dir: str) -> None:
     for path, item in files:
         rep.line(f"{path}  owner pid {item.owner.pid} dead  -> stale: `distribute-utils clean` removes it", 2)
         rep.note(f"stale temporary {path}")
+    try:
+        host_dir.check(_record_dir(shm_dir))
+    except PermissionError as exc:
+        rep.line(f"private directory: {exc}; this user's gathers on this host go through the store")
+        rep.note(f"unusable private directory {_record_dir(shm_dir)}")
+    except OSError:  # not made yet: the first gather makes it
+        pass
+    dead = host_dir.dead_sockets(_record_dir(shm_dir))
+    rep.data["dead_sockets"] = dead
+    rep.line(f"sockets of processes that died: {len(dead)}")
+    for path in dead:
+        rep.line(f"{path}  nothing listens  -> stale: `distribute-utils clean` removes it", 2)
+        rep.note(f"stale socket {path}")
 
 
 def _record_dir(shm_dir: str) -> str:
@@ -502,6 +516,10 @@ def clean(
         gone = item.paths if dry_run else remove_abandoned(item)
         for path in gone:
             done("temporary", path, None, f"an unfinished output of pid {item.owner.pid}, which has exited")
+    record_dir = _record_dir(shm_dir)
+    dead = host_dir.dead_sockets(record_dir) if dry_run else host_dir.remove_dead_sockets(record_dir)
+    for path in dead:
+        done("socket", path, None, "nothing listens on it: its process has exited")
     live = sum(1 for s in segments if s.alive)
     segs = [r for r in removed if r["kind"] == "segment"]
     temps = [r for r in removed if r["kind"] == "temporary"]
@@ -509,6 +527,7 @@ def clean(
         f"{verb} {len(segs)} segment(s) ({_size(sum(r['bytes'] for r in segs))}), "
         f"kept {live} segment(s) of live processes",
         f"{verb} {len(temps)} temporary file(s)",
+        f"{verb} {len(dead)} socket(s)",
     ]
     if workspace is not None and not os.path.isdir(workspace):
         failed(f"workspace {os.path.abspath(workspace)} is not a directory: no namespace to sweep")

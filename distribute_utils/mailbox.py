@@ -5,9 +5,12 @@ sends its claims and verdicts through these sockets instead of the job's store: 
 from one process to the other, where a store request goes through the process that serves the
 store and leaves a key to delete later (``docs/performance.md``, "The round without the store").
 
-- A :class:`Mailbox` is one process's socket for one group, bound to an abstract address made of
-  the process's pid and start time and the group's namespace: nothing on disk, gone with the
-  socket. A sender knows the address from the peer's :class:`~distribute_utils.processes.ProcessInfo`.
+- A :class:`Mailbox` is one process's socket for one group, bound in this user's private directory
+  (:mod:`distribute_utils.host_dir`, mode 0700), named by the process's pid namespace, pid and start
+  time and the group's namespace; its file is removed when it closes (at exit at the latest). A
+  sender knows the path from the peer's :class:`~distribute_utils.processes.ProcessInfo`. No other
+  local user can bind, read or send to a socket there; where that directory is another user's, the
+  process does not listen and gathers through the job's store (:func:`answer_inquiries` says so).
 - A message is taken only when the kernel says (``SCM_CREDENTIALS``) that it comes from this user
   and from the process the named rank runs as; anything else is dropped.
 - A message is ``(call number, sender's rank, kind)`` and bytes. Messages of a later call are kept
@@ -48,6 +51,7 @@ from typing import Any
 
 import msgpack
 
+from . import host_dir
 from .caches import Recent
 from .errors import MailboxError
 from .fault_points import FaultPoint
@@ -61,6 +65,7 @@ __all__ = [
     "FaultHook",
     "Mailbox",
     "MailboxError",
+    "address",
     "answer_inquiries",
     "inject",
     "sender_pid",
@@ -92,13 +97,17 @@ _INQUIRIES = "inquiries"  # the namespace of each process's answering socket
 _NO_WAIT, _TRUNCATED = int(socket.MSG_DONTWAIT), int(socket.MSG_TRUNC)
 
 
-def _address(process: ProcessInfo, namespace: str) -> bytes:
-    """A process's address for one namespace: unique on the host, since the pid namespace is part of
-    it (simulated nodes or containers share a network namespace but number their pids alike), and
-    the package's name (a second copy of this package in one process, as the benchmark's
-    ``--against`` loads it, has addresses of its own)."""
-    digest = hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
-    return f"\0{__package__}/{process.pid_namespace}-{process.pid}-{process.start_time}/{digest}".encode()
+def address(process: ProcessInfo, namespace: str) -> str:
+    """The path of ``process``'s socket for ``namespace`` (:func:`.host_dir.socket_path`): unique on
+    the host, since the pid namespace is part of it (simulated nodes or containers share a ``/dev/shm``
+    but number their pids alike), and the package's name (a second copy of this package in one
+    process, as the benchmark's ``--against`` loads it, has sockets of its own)."""
+    return host_dir.socket_path(_name(process, namespace))
+
+
+def _name(process: ProcessInfo, namespace: str) -> str:
+    what = f"{__package__}/{process.pid_namespace}-{process.pid}-{process.start_time}/{namespace}"
+    return f"{process.pid}-{hashlib.blake2b(what.encode(), digest_size=12).hexdigest()}"
 
 
 FaultHook = Callable[[str, str], None]
@@ -111,7 +120,8 @@ def inject(hook: FaultHook | None) -> FaultHook | None:
     return _FAULTS.inject(hook)
 
 
-def _socket(address: bytes, what: str) -> socket.socket:
+def _socket(process: ProcessInfo, namespace: str, what: str) -> tuple[socket.socket, str]:
+    """A socket bound at :func:`address` and its path."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
         if _FAULTS.hook is not None:
@@ -123,11 +133,11 @@ def _socket(address: bytes, what: str) -> socket.socket:
             raise MailboxError(
                 f"its send buffer holds {room} bytes, less than {MAX_MESSAGE_BYTES} (net.core.wmem_max)"
             )
-        sock.bind(address)
+        path = host_dir.bind(sock, _name(process, namespace))
     except OSError as exc:
         sock.close()
         raise MailboxError(f"cannot listen for {what}: {exc}") from None
-    return sock
+    return sock, path
 
 
 def _timeval(seconds: float) -> bytes:
@@ -148,8 +158,8 @@ class Mailbox:
     """This process's socket for one group's messages (``namespace``: the group's store namespace).
 
     Raises:
-        MailboxError: the address is taken (by a process of another pid namespace with the same
-            pid and start time) or sockets are not allowed.
+        MailboxError: this user's private directory is another user's (see :mod:`.host_dir`), the
+            address is taken by a live socket of this user, or sockets are not allowed.
     """
 
     def __init__(self, namespace: str, me: ProcessInfo) -> None:
@@ -160,12 +170,11 @@ class Mailbox:
         ] = []  # later calls' (call, rank, kind, pid, data)
         self._buffer = bytearray(MAX_MESSAGE_BYTES)
         self._uid = os.geteuid()
-        self._addresses: Recent[tuple[ProcessInfo, str], bytes] = Recent(4096)
-        self._sock: socket.socket | None = _socket(
-            _address(me, namespace), f"direct messages of group {namespace}"
-        )
+        self._addresses: Recent[tuple[ProcessInfo, str], str] = Recent(4096)
+        self._sock: socket.socket | None
+        self._sock, self.path = _socket(me, namespace, f"direct messages of group {namespace}")
         self._rcvtimeo = 0.0  # SO_RCVTIMEO as set (0: none)
-        _hook_fork()
+        _hook_process()
         _MAILBOXES.add(self)
 
     @property
@@ -177,19 +186,23 @@ class Mailbox:
         """From now on, waits poll before they sleep (``on``) or sleep at once (the default)."""
         self._poll_s = POLL_S if on else 0.0
 
-    def close(self) -> None:
+    def close(self, unbind: bool = True) -> None:
+        """Stop listening and remove the socket's file (``unbind``: not in a forked child, where the
+        file is the parent's)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            if unbind:
+                host_dir.unbind(self.path)
 
     def _closed(self) -> MailboxError:
         return MailboxError("this mailbox is closed")
 
-    def _to(self, peer: ProcessInfo, namespace: str) -> bytes:
+    def _to(self, peer: ProcessInfo, namespace: str) -> str:
         key = (peer, namespace)
         found = self._addresses.get(key)
         if found is None:
-            found = self._addresses.put(key, _address(peer, namespace))
+            found = self._addresses.put(key, address(peer, namespace))
         return found
 
     def send(
@@ -225,7 +238,7 @@ class Mailbox:
         question = msgpack.packb([self.namespace, self.me.to_wire()])
         return self._send([_HEADER.pack(call, rank, _INQUIRY), question], self._to(peer, _INQUIRIES), 0.0)
 
-    def _send(self, parts: Sequence[Buffer], address: bytes, timeout: float) -> bool:
+    def _send(self, parts: Sequence[Buffer], address: str, timeout: float) -> bool:
         sock = self._sock
         if sock is None:
             raise self._closed()
@@ -348,19 +361,29 @@ class Mailbox:
 # -- answering inquiries -------------------------------------------------------------------------
 _MAILBOXES: weakref.WeakSet[Mailbox] = weakref.WeakSet()  # closed in a forked child (see _forked)
 _answering_sock: socket.socket | None = None
+_answering_path = ""
 _answering: threading.Thread | None = None
 _answering_lock = threading.Lock()
 _closing = False
-_fork_hooked = False
+_hooked = False
 
 
-def _hook_fork() -> None:
-    """Registers :func:`_forked` once, when this process first has sockets to close in a child (nothing
-    is registered at import; registered twice by a race, the reset runs twice, harmlessly)."""
-    global _fork_hooked
-    if not _fork_hooked:
-        _fork_hooked = True
+def _hook_process() -> None:
+    """Registers :func:`_forked` and :func:`_at_exit` once, when this process first has sockets (nothing
+    is registered at import; registered twice by a race, each runs twice, harmlessly)."""
+    global _hooked
+    if not _hooked:
+        _hooked = True
         os.register_at_fork(after_in_child=_forked)
+        atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    """Remove the files of this process's sockets (a process killed outright leaves them to
+    :func:`.host_dir.remove_dead_sockets`)."""
+    for mailbox in list(_MAILBOXES):
+        mailbox.close()
+    _stop_answering()
 
 
 def answer_inquiries(me: ProcessInfo, lookup: Callable[[str, int], tuple[int, Any] | None]) -> bool:
@@ -372,19 +395,21 @@ def answer_inquiries(me: ProcessInfo, lookup: Callable[[str, int], tuple[int, An
         Whether this process listens: one that cannot (sockets not allowed, a small send buffer)
         logs why and must take no part in direct rounds (see :class:`~distribute_utils.sync.GroupSync`).
     """
-    global _answering, _answering_sock
-    _hook_fork()
+    global _answering, _answering_sock, _answering_path
+    _hook_process()
     with _answering_lock:
         if _answering is not None:
             return _answering.is_alive()
         try:
-            sock = _socket(_address(me, _INQUIRIES), "inquiries")
+            sock, _answering_path = _socket(me, _INQUIRIES, "inquiries")
         except MailboxError as exc:
             logger.warning("%s; gathers go through the job's store", exc)
             _answering = threading.Thread()  # not started: nothing to retry
             return False
         _answering_sock = sock
-        atexit.register(_stop_answering)  # (only once: the thread is made once per process)
+        gone = host_dir.remove_dead_sockets()  # (what processes killed outright left)
+        if gone:
+            logger.debug("removed %d sockets of processes that died: %s", len(gone), gone)
         _answering = threading.Thread(
             target=_answer, args=(sock, lookup), name="distribute-utils-answers", daemon=True
         )
@@ -414,27 +439,31 @@ def _answer(sock: socket.socket, lookup: Callable[[str, int], tuple[int, Any] | 
             rank, entry = found
             answer = _HEADER.pack(call, rank, ANSWER) + msgpack.packb([entry])
             # Never waits: an asker whose queue is full asks again at its next check.
-            sock.sendto(answer, _NO_WAIT, _address(ProcessInfo.from_wire(asker), str(namespace)))
+            sock.sendto(answer, _NO_WAIT, address(ProcessInfo.from_wire(asker), str(namespace)))
         except Exception:  # a malformed inquiry, the asker gone or its queue full: nothing to answer
             logger.debug("could not answer an inquiry", exc_info=True)
 
 
 def _stop_answering() -> None:
-    """At exit: end the answering thread (a shutdown ends its wait)."""
-    global _closing
+    """At exit: end the answering thread (a shutdown ends its wait) and remove its socket's file."""
+    global _closing, _answering_sock
     _closing = True
-    if _answering_sock is not None:
+    sock, _answering_sock = _answering_sock, None
+    if sock is not None:
         with contextlib.suppress(OSError):
-            _answering_sock.shutdown(socket.SHUT_RDWR)
-        _answering_sock.close()
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+        host_dir.unbind(_answering_path)
 
 
 def _forked() -> None:
     """A forked child must not read its parent's messages: it closes its copies of the sockets (no
-    shutdown, which would end the parent's too) and starts without an answering thread."""
+    shutdown, which would end the parent's too; the files stay, they are the parent's) and starts
+    without an answering thread."""
     global _answering, _answering_lock, _answering_sock
     for mailbox in list(_MAILBOXES):
-        mailbox.close()
+        mailbox.close(unbind=False)
+    _MAILBOXES.clear()
     if _answering_sock is not None:
         _answering_sock.close()
     _answering, _answering_lock, _answering_sock = None, threading.Lock(), None

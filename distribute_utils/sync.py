@@ -91,7 +91,6 @@ logger = logging.getLogger(__name__)
 COLLECT_EVERY = 64  # calls between the group-wide barriers after which keys are removed
 RETRY_S = 0.002  # how soon an undelivered direct message is sent again within the grace
 _RECORDS_KEPT = 16  # calls a rank remembers for inquiries (its latest first)
-_digest = digest  # (scripts/bench_sync_scale.py's name for it)
 
 
 # -- a group's companion -------------------------------------------------------------------------
@@ -174,7 +173,9 @@ class Call:
         for this rank's last :data:`_RECORDS_KEPT` calls of the group; a later entry for the same call
         (a failure) replaces the earlier one."""
         sync = self.sync
-        sync.records = [[self.number, *entry], *sync.records[: _RECORDS_KEPT - 1]]
+        records = sync.records  # (replaced, never changed: the answering thread reads it)
+        kept = records[1:_RECORDS_KEPT] if records and records[0][0] == self.number else records[: _RECORDS_KEPT - 1]
+        sync.records = [[self.number, *entry], *kept]
 
     def send_direct(
         self, rank: int, kind: int, parts: Sequence[bytes | bytearray | memoryview], timeout: float = 0.0

@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import interrupts
+from . import host_dir, interrupts
 from .errors import ArgumentError
-from .processes import SHM_DIR, ProcessInfo, process_alive, this_process
+from .processes import ProcessInfo, process_alive, this_process
 
 __all__ = [
     "RECORD_DIR",
@@ -47,8 +47,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Where the records are kept (one private directory per user and host).
-RECORD_DIR = os.path.join(SHM_DIR, f".distribute-utils-{os.geteuid()}")
+#: Where the records are kept, as ``*.json`` (this user's private directory on this host, :mod:`.host_dir`).
+RECORD_DIR = host_dir.PRIVATE_DIR
 
 
 def _temp_pattern(pid: int) -> re.Pattern[str]:
@@ -57,18 +57,13 @@ def _temp_pattern(pid: int) -> re.Pattern[str]:
 
 def _private_dir() -> str | None:
     """The record directory, made if needed; ``None`` if it is not this user's private directory."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(RECORD_DIR, 0o700)
     try:
-        info = os.lstat(RECORD_DIR)
+        return host_dir.private_dir(RECORD_DIR)
+    except PermissionError as exc:
+        logger.warning("not recording temporary files: %s", exc)
     except OSError:
-        return None
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        logger.warning(
-            "not recording temporary files: %s is not a private directory of this user", RECORD_DIR
-        )
-        return None
-    return RECORD_DIR
+        pass
+    return None
 
 
 class Temporaries:
@@ -266,6 +261,8 @@ def find_abandoned(record_dir: str = RECORD_DIR) -> list[Abandoned]:
     with contextlib.suppress(OSError):
         names = sorted(os.listdir(record_dir))
         for name in names:
+            if not name.endswith(".json"):
+                continue  # (sockets: see host_dir)
             path = os.path.join(record_dir, name)
             try:
                 with open(path, encoding="utf-8") as f:

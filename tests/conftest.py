@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from harness import RankPool
+from harness import RankPool, shm_entries
 
 
 class PoolCache:
@@ -56,17 +55,6 @@ def fresh_job() -> Iterator[Callable[[int], RankPool]]:
     yield start
     for pool in started:
         pool.close(kill=True)
-
-
-def shm_entries(pids: set[int]) -> set[str]:
-    """Segments in /dev/shm made by processes ``pids`` (names end in ``_<pid>``)."""
-    return {
-        name
-        for name in os.listdir("/dev/shm")
-        if name.startswith("du_")
-        and name.rsplit("_", 1)[-1].isdigit()
-        and int(name.rsplit("_", 1)[-1]) in pids
-    }
 
 
 @pytest.fixture

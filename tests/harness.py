@@ -42,9 +42,11 @@ __all__ = [
     "RankFailure",
     "RankPool",
     "free_port",
+    "job_leftovers",
     "load_script",
     "relabel_devices",
     "remake_group",
+    "shm_entries",
     "torchrun_argv",
 ]
 
@@ -294,3 +296,32 @@ def remake_group(rank: int, tag: str, between: Callable[[], Any] | None = None) 
     client = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore(tag, client), rank=rank, world_size=world)
     return done
+
+
+def shm_entries(pids: set[int]) -> set[str]:
+    """Segments in /dev/shm made by processes ``pids`` (names end in ``_<pid>``)."""
+    return {
+        name
+        for name in os.listdir("/dev/shm")
+        if name.startswith("du_")
+        and name.rsplit("_", 1)[-1].isdigit()
+        and int(name.rsplit("_", 1)[-1]) in pids
+    }
+
+
+def job_leftovers(pids: set[int]) -> set[str]:
+    """What processes ``pids`` have in /dev/shm: their segments (:func:`shm_entries`) and, in this user's
+    private directory there, their records and sockets (named ``<pid>-...``). Never anything of another
+    process, so another job on the machine cannot change it (docs/api.md: leftovers are named by pid)."""
+    from distribute_utils import host_dir
+
+    mine = set(shm_entries(pids))
+    try:
+        names = os.listdir(host_dir.PRIVATE_DIR)
+    except OSError:
+        names = []
+    for name in names:
+        head = name.split("-", 1)[0]
+        if head.isdigit() and int(head) in pids:
+            mine.add(os.path.join(host_dir.PRIVATE_DIR, name))
+    return mine

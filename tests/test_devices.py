@@ -209,3 +209,34 @@ def test_cuda_configs_are_received_on_their_senders_devices(ranks4: RankPool) ->
         assert first[f"{name}_own_is_passed"] is True, name
     assert first["cpu"] == [("cpu", "cpu", values[rank]) for rank in range(4)]
     assert first["tensors"] == first["compat_tensors"] == ["cpu"] * 4
+
+
+class _Rows(list):  # type: ignore[type-arg]  # a list subclass, as a user's config may hold
+    pass
+
+
+def _list_subclass_everywhere(device: str | None) -> tuple[str, str]:
+    from distribute_utils import get_configs_parallel
+
+    value = {"layers": [{"w": _Rows([torch.ones(2) * dist.get_rank()])}]}
+    try:
+        with get_configs_parallel(value, [0, 1, 2, 3], device=device, timeout=60):
+            return ("no error", "")
+    except Exception as exc:
+        return (type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "meta"])
+def test_a_list_subclass_is_refused_on_the_first_rank_as_on_its_senders(
+    ranks4: RankPool, device: str | None
+) -> None:
+    """A subclass of ``list`` in a config: a sender's encode refuses it (no copy could keep its type);
+    the first rank, whose own value is never encoded, refuses it the same way, naming the path, whether
+    its tensors move (``device="meta"``: before, a TypeError from building the subclass, or a wrong
+    value) or not (before, it went through there alone)."""
+    results = ranks4.run(_list_subclass_everywhere, device)
+    kind, message = results[0]
+    assert kind == "UnsupportedTypeError", results[0]
+    assert "config['layers'][0]['w']: cannot encode a value of type" in message and "_Rows" in message
+    assert "convert with list(value)" in message
+    assert all(r[0] != "no error" for r in results), results

@@ -130,8 +130,9 @@ def _temp_with_data(out: Path) -> Path | None:
 
 
 def _records() -> set[str]:
+    """The temporaries records (``*.json``; the directory also holds processes' sockets)."""
     try:
-        return set(os.listdir(RECORD_DIR))
+        return {n for n in os.listdir(RECORD_DIR) if n.endswith(".json")}
     except FileNotFoundError:
         return set()
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import signal
+import socket
+import stat
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +15,15 @@ from typing import Any
 import msgpack
 import pytest
 
-from distribute_utils.mailbox import ANSWER, MAX_MESSAGE_BYTES, Mailbox, MailboxError, answer_inquiries
+from distribute_utils import host_dir, hygiene
+from distribute_utils.mailbox import (
+    ANSWER,
+    MAX_MESSAGE_BYTES,
+    Mailbox,
+    MailboxError,
+    address,
+    answer_inquiries,
+)
 from distribute_utils.processes import ProcessInfo, this_process
 
 NS = f"test-mailbox/{os.getpid()}"
@@ -113,13 +125,40 @@ def test_a_message_is_taken_only_from_the_process_the_rank_runs_as(parent_box: M
     assert _queued(parent_box, 5, {1: impostor_of}) == []
 
 
+def _intruder(fd: int) -> None:
+    """As another user: try to list the private directory, take this group's address of a process
+    that has not bound it yet, and send into the parent's socket; report what the kernel said."""
+    os.setgid(65534)
+    os.setuid(65534)
+    parent = pickle.loads(bytes.fromhex(os.environ["PARENT_INFO"]))
+    later = ProcessInfo(**{**parent.__dict__, "start_time": parent.start_time + 1})
+    said = {}
+    for what, act in {
+        "list": lambda s: os.listdir(os.path.dirname(address(parent, NS))),
+        "bind": lambda s: s.bind(address(later, NS)),
+        "send": lambda s: s.sendto(b"\0" * 16 + b"from nobody", address(parent, NS)),
+    }.items():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            try:
+                act(sock)
+                said[what] = "done"
+            except OSError as exc:
+                said[what] = type(exc).__name__
+    os.write(fd, pickle.dumps(said).hex().encode() + b"\n")
+
+
 @pytest.mark.root
-def test_a_message_from_another_user_is_dropped(parent_box: Mailbox) -> None:
+def test_another_user_can_neither_take_an_address_nor_send_nor_look(parent_box: Mailbox) -> None:
+    """The sockets live in this user's private directory (mode 0700): another local user cannot bind
+    an address a rank will use (and so receive its peers' claims), send into a rank's socket, or see
+    which sockets there are (abstract addresses allowed all three)."""
     if os.geteuid() != 0:
-        pytest.fail("this test needs root (to send as another user); run the root tests as root")
-    pid, child = _in_child(_sender([(5, 0, b"from nobody")], uid=65534))
-    assert _reap(pid) == 0  # it sent before it exited
-    assert _queued(parent_box, 5, {1: child}) == []
+        pytest.fail("this test needs root (to act as another user); run the root tests as root")
+    assert stat.S_IMODE(os.stat(os.path.dirname(parent_box.path)).st_mode) == 0o700
+    pid, said = _in_child(_intruder)
+    assert _reap(pid) == 0
+    assert said == {"list": "PermissionError", "bind": "PermissionError", "send": "PermissionError"}
+    assert _queued(parent_box, 0, {1: this_process()}) == []
 
 
 def test_sending_to_a_process_that_does_not_listen_says_so(parent_box: Mailbox) -> None:
@@ -218,3 +257,29 @@ def test_a_wait_polls_before_it_sleeps_only_when_told_to(
         assert slept == 0, "it slept although told to poll"
     else:
         assert slept >= 1, "it never slept: it cannot have waited for the message"
+
+
+def _listen_then_wait(fd: int) -> None:
+    Mailbox(NS, this_process())
+    _announce(fd)
+    time.sleep(60)  # until killed
+
+
+def test_the_socket_of_a_killed_process_is_found_and_cleaned_a_live_one_kept(parent_box: Mailbox) -> None:
+    """A process killed outright leaves its socket's file; doctor lists it, clean removes it (never the
+    socket of a live process), and a process that closes its mailbox leaves nothing."""
+    pid, child = _in_child(_listen_then_wait)
+    os.kill(pid, signal.SIGKILL)
+    assert _reap(pid) == -signal.SIGKILL
+    dead = address(child, NS)
+    assert os.path.exists(dead) and dead in host_dir.dead_sockets()
+    assert parent_box.path not in host_dir.dead_sockets()
+    report = io.StringIO()
+    hygiene.doctor(None, report)
+    assert f"{dead}  nothing listens" in report.getvalue(), report.getvalue()
+    out = io.StringIO()
+    assert hygiene.clean(None, False, out) == 0
+    assert f"removed socket {dead}" in out.getvalue() and not os.path.exists(dead), out.getvalue()
+    assert os.path.exists(parent_box.path), "the live socket was kept"
+    parent_box.close()
+    assert not os.path.exists(parent_box.path), "a closed mailbox leaves no file"

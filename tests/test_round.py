@@ -39,7 +39,7 @@ from distribute_utils import (
 )
 from distribute_utils.transports import carriers, shm
 
-from harness import RankPool, job_store, load_script, remake_group
+from harness import RankPool, job_store, load_script, remake_group, shm_entries
 
 SIZES = {"inline": 16, "shm": 300_000}  # elements: inside the claim, or through /dev/shm
 
@@ -242,9 +242,9 @@ def test_a_late_rank_at_the_first_meeting_does_not_break_the_group(ranks4: RankP
     assert results[0]["later"] == [[0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0], [2.0, 3.0, 4.0, 5.0]]
 
 
-def _claim_fails_on_rank_2() -> dict[str, Any]:
+def _claim_fails_on_rank_2(transport: str) -> dict[str, Any]:
     """Rank 2 fails once it has published its payload, before its claim goes (a fault injected at the
-    carriers' "published" point): everybody hears it at once."""
+    carriers' "published" point; the collective's, once its receipt is made): everybody hears it at once."""
     rank = dist.get_rank()
 
     def broken(point: str, sender: int, carrier: Any, receipt: Any) -> None:
@@ -254,7 +254,9 @@ def _claim_fails_on_rank_2() -> dict[str, Any]:
     kept = carriers.inject(broken if rank == 2 else None)
     start = time.monotonic()
     try:
-        with get_tensors_parallel(torch.full((300_000,), float(rank)), [0, 1, 2, 3], timeout=60):
+        with get_tensors_parallel(
+            torch.full((300_000,), float(rank)), [0, 1, 2, 3], timeout=60, transport=transport
+        ):
             outcome: dict[str, Any] = {"error": None}
     except Exception as exc:
         outcome = {"error": f"{type(exc).__name__}: {exc}"}
@@ -263,18 +265,18 @@ def _claim_fails_on_rank_2() -> dict[str, Any]:
     outcome["seconds"] = time.monotonic() - start
     with get_tensors_parallel(torch.full((300_000,), float(rank)), [0, 1, 2, 3], timeout=60) as got:
         outcome["after"] = [float(t[0]) for t in got]
-    outcome["left"] = sorted(n for n in os.listdir("/dev/shm") if n.startswith(shm.SEGMENT_PREFIX))
     return outcome
 
 
-def test_a_sender_whose_claim_cannot_be_built_tells_everyone_at_once(ranks4: RankPool) -> None:
-    results = ranks4.run(_claim_fails_on_rank_2)
+@pytest.mark.parametrize("transport", ["auto", "collective"])
+def test_a_sender_whose_claim_cannot_be_built_tells_everyone_at_once(ranks4: RankPool, transport: str) -> None:
+    results = ranks4.run(_claim_fails_on_rank_2, transport)
     for rank, r in enumerate(results):
         assert r["error"] is not None and "no notes today" in r["error"], (rank, r)
         assert r["seconds"] < 30, (rank, r)  # the first rank did not wait for a claim that never came
     assert "rank 2" in results[0]["error"], results[0]
     assert results[0]["after"] == [0.0, 1.0, 2.0, 3.0]
-    assert results[0]["left"] == [], results[0]
+    assert shm_entries(set(ranks4.pids)) == set(), "the job's ranks left segments"
 
 
 def _wait_for_key(group: sync.GroupSync, key: str) -> bool:
@@ -934,3 +936,65 @@ def test_a_direct_domain_read_from_a_store_that_is_gone_names_the_store() -> Non
     with pytest.raises(PeerLostError, match="rendezvous store") as caught:
         sender.together([0, 1], client, 10, "deciding the round")
     assert "deciding the round" in str(caught.value)
+
+
+def test_a_staggered_start_reads_o1_keys_per_sender_to_decide_a_direct_round() -> None:
+    """16 ranks of one host come up one after another; each, as soon as it has posted, asks whether the
+    16 can talk directly (a sender's question). Each reads O(1) keys, never one per rank not listed yet
+    (before: up to 15 reads each, H^2 on the host); every one answers yes. Keys read are counted per
+    operation (a multi_get of N keys is N); the ranks' arrival is ordered by events, never by time."""
+    from distribute_utils.incarnation import PeerDirectory, this_process
+
+    class Counting:
+        """An in-process store that counts the keys each thread reads."""
+
+        def __init__(self) -> None:
+            self.inner, self.reads = dist.HashStore(), {}
+
+        def __getattr__(self, name: str) -> Any:
+            method = getattr(self.inner, name)
+            if name not in ("get", "multi_get"):
+                return method
+
+            def counted(*args: Any) -> Any:
+                keys = 1 if name == "get" else len(args[0])
+                ident = threading.get_ident()
+                self.reads[ident] = self.reads.get(ident, 0) + keys
+                return method(*args)
+
+            return counted
+
+    me = this_process()
+    if me.direct_domain is None:
+        me = dataclasses.replace(me, pid_namespace=1, net_namespace=1)
+    store, ranks, answers, reads = Counting(), list(range(16)), {}, {}
+    PeerDirectory(cast(dist.Store, store), "st", 0, me)  # the first rank is up first
+    posted = [threading.Event() for _ in ranks]
+
+    def sender(rank: int) -> None:
+        if rank > 1:
+            assert posted[rank - 1].wait(60)
+        directory = PeerDirectory(cast(dist.Store, store), "st", rank, me)
+        posted[rank].set()
+        answers[rank] = directory.together(ranks, cast(dist.Store, store), 60, "test")
+        reads[rank] = store.reads.get(threading.get_ident(), 0)
+
+    threads = [threading.Thread(target=sender, args=(r,)) for r in ranks[1:]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert answers == {r: True for r in ranks[1:]}, answers
+    assert max(reads.values()) <= 4, f"keys read per sender: {reads}"
+
+
+def test_a_later_record_of_a_call_replaces_the_earlier_one() -> None:
+    """A call's record (what a partner of a direct round asks for) is replaced when the call fails after
+    recording, never kept twice: the group remembers its last calls, each once."""
+    group = sync.GroupSync((0,), 0, cast(dist.Store, dist.HashStore()), "records")
+    for number in range(3):
+        call = sync.Call(group, number)
+        call.record(["send", "ok"])
+        call.record(["send", "failed"])
+    assert [r[0] for r in group.records] == [2, 1, 0], group.records
+    assert group.entry(2) == ["send", "failed"] and group.entry(0) == ["send", "failed"]

@@ -8,9 +8,12 @@ fail with an error naming what they planted; never to have their data taken for 
 from __future__ import annotations
 
 import io
+import json
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,12 +23,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distribute_utils import PayloadError, WorkspaceError, get_tensors_parallel, hygiene, wire
+from distribute_utils import PayloadError, WorkspaceError, get_tensors_parallel, host_dir, hygiene, wire
 from distribute_utils.transports import namespace as wsns
 from distribute_utils.transports import shm
 from distribute_utils.transports import workspace as ws
 
-from harness import RankPool
+from harness import RankPool, job_leftovers
+
+JOBS = Path(__file__).parent / "jobs"
 
 OTHER_UID = 65534  # nobody
 
@@ -198,10 +203,36 @@ def test_crafted_values_fail_cleanly_through_a_real_gather(ranks4: RankPool, tmp
     )
     assert all("error" in r for r in results), results
     assert [p.name for p in marker_dir.iterdir()] == [str(ranks4.pids[1])], "only the sender ran the module"
-    before = set(os.listdir("/dev/shm"))
+    before = job_leftovers(set(ranks4.pids))  # (only this job's: another job may run on the machine)
     results = ranks4.run(_crafted_through_a_gather, str(tmp_path), "oversized", timeout=90)
     assert results[2]["error"] == "ArgumentError" and "over the limit" in results[2]["message"], results[2]
     assert results[0]["error"] == "ArgumentError" and "rank 2 cannot take part" in results[0]["message"], (
         results[0]
     )
-    assert set(os.listdir("/dev/shm")) - before == set(), "nothing was written"
+    assert job_leftovers(set(ranks4.pids)) - before == set(), "nothing was written"
+
+
+@needs_root
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a private /dev/shm")
+def test_a_private_directory_another_user_made_first_sends_gathers_through_the_store() -> None:
+    """Another local user makes this user's private directory on the host before the job starts (its
+    name is predictable): no process of the job listens there, none writes into it, and every gather
+    goes through the job's store, exactly, with a warning that names the directory and its owner."""
+    private = host_dir.PRIVATE_DIR
+    job = shlex.join([sys.executable, str(JOBS / "squatted_dir_job.py")])
+    script = (
+        "mount --make-rprivate / && mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm && "
+        f"setpriv --reuid={OTHER_UID} --regid={OTHER_UID} --clear-groups mkdir -m 0777 {private} && "
+        f"{job} && ls -A {private}"
+    )
+    proc = subprocess.run(
+        ["unshare", "--mount", "--fork", "sh", "-c", script], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports_line, *left = proc.stdout.strip().splitlines()
+    reports = json.loads(reports_line)
+    assert [r["tensors"] for r in reports] == [[True, True], []] and reports[0]["configs"] == [0, 1], reports
+    assert reports[0]["claims"] > 0, "the gathers went through the store (its claims are there)"
+    assert f"{private} belongs to uid {OTHER_UID} (nobody)" in proc.stderr, proc.stderr[-3000:]
+    assert "gathers go through the job's store" in proc.stderr
+    assert left == [], f"the job wrote into the other user's directory: {left}"

@@ -511,6 +511,61 @@ def test_the_pool_gives_back_what_recent_rounds_do_not_need(pools) -> None:
     assert sender["shmem_drop_kib"] >= 8 * 1024, f"/proc/meminfo Shmem fell by {sender['shmem_drop_kib']} KiB"
 
 
+def _rss_shmem_kib() -> int:
+    """Shared memory this process maps and has touched (``RssShmem`` of /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+
+def _big_then_small_then_idle(keep_s: float) -> dict:
+    """A 256 MiB gather, the first rank dropping its views, then KEEP_PAYLOADS + 1 small gathers; then
+    another 256 MiB one and no send after it: what each rank holds and maps at each point."""
+    import time
+
+    import torch.distributed as dist
+
+    from distribute_utils import get_tensors_parallel
+
+    shm.SegmentPool.KEEP_S = keep_s  # (a tunable bound, as its docstring says: short for the test)
+    rank, ranks = dist.get_rank(), [0, 1]
+    big = torch.full((64 * 2**20,), float(rank))  # 256 MiB
+    out: dict = {}
+    for step in ("first", "second"):
+        with get_tensors_parallel(big, ranks) as got:
+            assert not got or float(got[1][-1]) == 1.0
+        del got
+        out[f"{step}_pooled"] = shm.pooled_bytes()[1]
+        if step == "first":
+            for _ in range(shm.SegmentPool.KEEP_PAYLOADS + 1):
+                with get_tensors_parallel(torch.full((1024,), float(rank)), ranks):
+                    pass
+            out["after_small"] = shm.pooled_bytes()[1]
+            out["rss_after_small_kib"] = _rss_shmem_kib()
+    with get_tensors_parallel(torch.full((8,), float(rank)), ranks):
+        pass  # (its verdict carries the first rank's word that its views are gone, if no notice did)
+    deadline = time.monotonic() + 10 * keep_s + 30
+    while shm.pooled_bytes()[1] > shm.SegmentPool.BIG_BYTES and time.monotonic() < deadline:
+        time.sleep(0.05)  # (the watch thread's own period is keep_s / 2)
+    out["idle"] = shm.pooled_bytes()[1]
+    out["rss_idle_kib"] = _rss_shmem_kib()
+    dist.barrier()
+    return out
+
+
+def test_a_big_segment_is_given_back_once_unneeded_on_both_roles(fresh_job) -> None:
+    """The stated bound (SegmentPool.BIG_BYTES): after a 256 MiB gather, a sender keeps its segment for
+    at most KEEP_PAYLOADS sends that do not need it, or KEEP_S seconds when it sends no more; the first
+    rank maps none of it once its views are gone. (Before, 1 GiB stayed pooled until exit.)"""
+    first, sender = fresh_job(2).run(_big_then_small_then_idle, 1.0, timeout=180)
+    limit_kib = shm.SegmentPool.BIG_BYTES // 1024
+    assert sender["first_pooled"] >= 256 * 2**20 and sender["second_pooled"] >= 256 * 2**20, sender
+    assert sender["after_small"] <= shm.SegmentPool.BIG_BYTES, f"still pooled after small sends: {sender}"
+    assert sender["idle"] <= shm.SegmentPool.BIG_BYTES, f"still pooled with no send for long: {sender}"
+    for role, r in (("sender", sender), ("first rank", first)):
+        assert r["rss_after_small_kib"] < limit_kib and r["rss_idle_kib"] < limit_kib, (role, r)
+    assert first["after_small"] == first["idle"] == 0, "the first rank pooled nothing of its own"
+
+
 def test_doctor_sees_unnamed_segments_held_open_and_release_gives_them_back() -> None:
     from distribute_utils import hygiene
 

@@ -381,8 +381,10 @@ def test_temporaries_are_recorded_until_published_or_removed(tmp_path: Path, fin
     the record, and the record directory once empty, when it publishes or aborts."""
     from distribute_utils.temporaries import RECORD_DIR
 
-    def records() -> set[str] | None:
-        return set(os.listdir(RECORD_DIR)) if os.path.isdir(RECORD_DIR) else None
+    def records() -> set[str] | None:  # (records only: sockets of other processes come and go there)
+        if not os.path.isdir(RECORD_DIR):
+            return None
+        return {n for n in os.listdir(RECORD_DIR) if n.endswith(".json")} or None
 
     before = records()
     sd = {"w": torch.arange(6.0)}

@@ -181,13 +181,14 @@ class RankJob(Job):
         gather_options: dict[str, Any],
     ) -> None:
         mesh = ProcessGroupMesh(plan.stages, plan.tp, axis_names=("pp", "tp"), timeout=seconds)
-        peers = sync.companion(None).peers(seconds)
+        rank = failures.rank
+        # Only rank 0 reports how shards travelled: only it reads where every rank runs (never all-to-all).
+        peers = sync.companion(None).peers(seconds) if rank == 0 else []
         used = describe_transport(
             {p.shm_domain for p in peers},
             gather_options["transport"],
             gather_options["workspace_path"] is not None,
         )
-        rank = failures.rank
         world = dist.get_world_size()
         super().__init__(
             start, input_dir, output, options, plan, writer, rank=rank, world=world, transport=used

@@ -12,6 +12,7 @@ notes back and removes what senders published for it and it did not take.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 
 from .. import wire
 from ..channel import Buffer
-from ..errors import DeviceUnavailableError, PayloadError
+from ..errors import DeviceUnavailableError, PayloadError, PeerLostError
 from ..processes import process_alive
 from ..transports import carriers
 from .part import Claim, Part, RankList, Round, Verdict, error_of, mismatch, not_direct, raise_from
@@ -75,33 +76,66 @@ class FirstRank(Part):
             for rank in direct:
                 if rank in found:  # decoded as its claim came
                     continue
-                value = self.decode(self.fetch(rank, claims[rank].body), rank, decode_to)
+                buffer = self.fetch(rank, claims[rank].body)
                 taken.add(rank)
-                if rank in plan.hosts and len(plan.hosts[rank]) > 1:
-                    for part_rank, part in zip(value["ranks"], value["parts"]):
-                        found[part_rank] = self.decode(wire.tensor_buffer(part), part_rank, decode_to)
+                host = plan.hosts.get(rank, ())
+                if len(host) > 1:  # a remote host's bundle: its parts stay on the CPU until each is decoded
+                    found.update(self.unbundle(rank, self.decode(buffer, rank, None), host, decode_to))
                 else:
-                    found[rank] = value
+                    found[rank] = self.decode(buffer, rank, decode_to)
         except BaseException as exc:
-            self.tell_go(error_of(exc), claims)
+            # The partners are told what can still be told (a store that is gone cannot be: this error
+            # says more); what this rank keeps back and what senders published go whatever happens.
+            with contextlib.suppress(PeerLostError):
+                self.tell_go(error_of(exc), claims)
             failed = Verdict(True, self.shown, self.digest, error_of(exc)).pack()
             self.record("first", error_of(exc))  # (in a direct round, a sender past the grace reads it)
-            self.channel.give_up(self.claim("first", error_of(exc)).pack(), failed)
+            with contextlib.suppress(PeerLostError):
+                self.channel.give_up(self.claim("first", error_of(exc)).pack(), failed)
             self.take_back_notes()
             for rank, claim in claims.items():
                 if rank not in taken and rank not in found:  # (found: fetched as its claim came)
                     self.discard(rank, claim.body)
             self.remove_leftovers_of(getattr(exc, "missing", ()))
             raise
+        theirs = notes  # (this rank's own, kept back if the verdict cannot be posted)
         for claim in claims.values():  # (a loop, no comprehension's call: most claims carry no notes)
             if claim.notes:
-                notes += claim.notes
+                notes = notes + claim.notes
         # A sender may have received from this rank in an earlier gather (other roles, other numbers).
         if notes:
             carriers.reports.heed(self.me, notes)
         verdict = Verdict(True, self.shown, self.digest, None, notes).pack() if notes else self.listed.success
-        self.channel.post_verdict(verdict, direct, self.what)
+        try:
+            self.channel.post_verdict(verdict, direct, self.what)
+        except BaseException:
+            if theirs:
+                self.take_back_notes()
+            raise
         return list(map(found.__getitem__, self.ranks))  # (each rank's value in list order, no Python call)
+
+    def unbundle(
+        self, leader: int, bundle: Any, host: Sequence[int], decode_to: torch.device | str | None
+    ) -> dict[int, Any]:
+        """The values in a remote host's bundle (forwarded by its leader, ``host`` its ranks by the plan),
+        each decoded to ``decode_to``; a bundle that does not hold exactly one part per rank of ``host``
+        is refused before anything of it is used."""
+        ranks = bundle.get("ranks") if type(bundle) is dict else None
+        parts = bundle.get("parts") if type(bundle) is dict else None
+        if (
+            ranks != list(host)
+            or type(parts) is not list
+            or len(parts) != len(host)
+            or not all(isinstance(p, torch.Tensor) and p.dtype == torch.uint8 for p in parts)
+        ):
+            held = f"ranks {ranks!r:.80}" if isinstance(ranks, list) else "no ranks"
+            raise PayloadError(
+                f"the bundle of rank {leader}'s host holds {held} with "
+                f"{len(parts) if isinstance(parts, list) else 'no'} parts (each must be a uint8 tensor); the "
+                f"plan sends ranks {list(host)} "
+                "through it (a leader that runs other code, or a corrupt payload)"
+            )
+        return {r: self.decode(wire.tensor_buffer(part), r, decode_to) for r, part in zip(host, parts)}
 
     def placement(
         self, device: str | torch.device | None

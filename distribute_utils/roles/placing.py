@@ -2,7 +2,8 @@
 
 Received tensors are decoded straight to their device; the first rank's own value is never encoded,
 so its tensors are moved here: :func:`place_own` copies containers only along the paths to tensors
-that move, and raises as :func:`~distribute_utils.wire.encode` would on a value nested too deep.
+that move, and raises as :func:`~distribute_utils.wire.encode` would on a value nested too deep or a
+subclass of ``list`` or ``tuple`` (which no copy could rebuild faithfully).
 """
 
 from __future__ import annotations
@@ -29,22 +30,29 @@ def place_own(value: Any, target: torch.device | None, root: str) -> Any:
 
     Raises:
         TypeError: as :func:`wire.encode` on a sender: containers nested deeper than
-            :data:`wire.MAX_DEPTH` or in a reference cycle (the first rank's value is never encoded).
+            :data:`wire.MAX_DEPTH` or in a reference cycle, or a subclass of ``list`` or ``tuple`` (a
+            namedtuple among them), whether or not anything in it moves (the first rank's value is
+            never encoded).
     """
     try:
         return _place(value, target, 0)
-    except _TooDeep as deep:
-        raise wire.nesting_error(root, deep.path[::-1], deep.containers[::-1]) from None
+    except _Refused as refused:
+        path = refused.path[::-1]
+        if refused.unsupported:
+            raise wire.unsupported_type_error(root, path, refused.containers[0]) from None
+        raise wire.nesting_error(root, path, refused.containers[::-1]) from None
 
 
-class _TooDeep(Exception):
-    """Raised by :func:`_place` at a container past :data:`wire.MAX_DEPTH`; each container on the way
-    back up adds its step (found only now: the walk itself keeps no path)."""
+class _Refused(Exception):
+    """Raised by :func:`_place` at a container past :data:`wire.MAX_DEPTH` or of a type the wire does not
+    carry (``unsupported``); each container on the way back up adds its step (found only now: the walk
+    itself keeps no path)."""
 
-    def __init__(self, container: object) -> None:
+    def __init__(self, container: object, unsupported: bool = False) -> None:
         super().__init__()
         self.containers: list[object] = [container]  # the deepest first
         self.path: list[Any] = []  # as wire.nesting_error takes it, the deepest step first
+        self.unsupported = unsupported
 
     def step_out(self, parent: object) -> None:
         child = self.containers[-1]
@@ -64,7 +72,7 @@ def _is_dataclass_instance(value: Any) -> bool:
 
 
 def _place(value: Any, target: torch.device | None, depth: int) -> Any:
-    """:func:`place_own` below ``depth`` containers (raises :class:`_TooDeep` past the limit)."""
+    """:func:`place_own` below ``depth`` containers (raises :class:`_Refused` past the limit)."""
     if isinstance(value, torch.Tensor):
         if target is None or (target is CPU and value.is_cpu) or value.is_meta:
             return value
@@ -72,15 +80,17 @@ def _place(value: Any, target: torch.device | None, depth: int) -> Any:
     sequence = isinstance(value, (list, tuple))
     if not (sequence or isinstance(value, dict) or _is_dataclass_instance(value)):
         return value
+    if sequence and type(value) is not list and type(value) is not tuple:
+        raise _Refused(value, unsupported=True)
     if depth >= wire.MAX_DEPTH:
-        raise _TooDeep(value)
+        raise _Refused(value)
     depth += 1
     try:
         if sequence:
             items = [_place(v, target, depth) for v in value]
             if all(a is b for a, b in zip(items, value)):
                 return value
-            return type(value)(items) if type(value) in (list, tuple) else type(value)(*items)
+            return type(value)(items)
         if isinstance(value, dict):
             placed = {k: _place(v, target, depth) for k, v in value.items()}
             if all(placed[k] is v for k, v in value.items()):
@@ -100,6 +110,6 @@ def _place(value: Any, target: torch.device | None, depth: int) -> Any:
         for name, new in changed.items():
             object.__setattr__(out, name, new)
         return out
-    except _TooDeep as deep:
-        deep.step_out(value)
+    except _Refused as refused:
+        refused.step_out(value)
         raise

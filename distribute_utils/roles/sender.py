@@ -210,7 +210,7 @@ class Sender(Part):
         device = message_device(self.group, payload.device_resident)
         self._deferred = (device, payload.to_cpu() if device == "cpu" else payload)
         token = secrets.token_hex(8)
-        self._sent = carriers.Sent(self.collective(device), token, device, self.me)
+        self._sent = carriers.published(carriers.Sent(self.collective(device), token, device, self.me))
         return [token, self._sent.receipt]
 
     def collective(self, device: str) -> CollectiveTransport:

@@ -16,8 +16,8 @@ Fault injection (tests): :func:`inject` sets one hook per process, called as
 ``hook(point, rank, carrier, value)`` at
 
 - ``"published"``: a sender, its payload published (``value``: the carrier's receipt), before its
-  claim goes; an exception raised there fails the send as any later one would (what was published is
-  released first);
+  claim goes (the collective: its receipt made, its bytes to go after the first rank's "go"); an
+  exception raised there fails the send as any later one would (what was published is released first);
 - ``"fetching"``: the receiving side, before it fetches ``rank``'s payload (``value``: the receipt):
   wait there for a sender to die, or die;
 - ``"fetched"``: after it fetched (``value``: the buffer); a hook that returns something other than
@@ -48,6 +48,7 @@ __all__ = [
     "carrier_of",
     "inject",
     "publish",
+    "published",
     "remove_left_by",
     "reports",
 ]
@@ -100,10 +101,16 @@ class Sent:
 def publish(through: Carrier, token: str, rank: int, payload: EncodedPayload) -> Sent:
     """A sender: publish ``payload`` through a carrier (a :class:`.base.Route` calls it for the carrier it
     picks); the fault point ``"published"`` runs once it is out."""
-    sent = Sent(through, token, through.publish(token, rank, payload), rank)
+    return published(Sent(through, token, through.publish(token, rank, payload), rank))
+
+
+def published(sent: Sent) -> Sent:
+    """Run the fault point ``"published"`` for ``sent``: :func:`publish` does; a sender whose carrier
+    sends its bytes only later (the collective, after the first rank's "go") calls it once its
+    receipt is made."""
     if _FAULTS.hook is not None:
         try:
-            _FAULTS.hook("published", rank, through, sent.data)
+            _FAULTS.hook("published", sent.rank, sent.carrier, sent.data)
         except BaseException:
             sent.release(taken=False)
             raise

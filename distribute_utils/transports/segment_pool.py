@@ -15,6 +15,7 @@ the round hands reports over with :data:`.carriers.reports`.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import errno
@@ -31,6 +32,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import host_dir
 from ..errors import SpaceError
 from ..mailbox import ANCILLARY_SIZE, sender_pid
 from ..owners import process_owned
@@ -41,6 +43,7 @@ from .pinning import Registration
 
 __all__ = [
     "NOTICE_NAME",
+    "BigSegmentWatch",
     "FreedReports",
     "Notices",
     "Pools",
@@ -94,6 +97,8 @@ class Segment:
     drop_when_freed: bool = False
     receiver: ProcessInfo | None = None  # who maps it while busy (a dead one never frees it)
     looked: float = 0.0  # when it was last taken, or its receiver last found alive (time.monotonic)
+    needed: float = 0.0  # when a payload of over half its size last went into it (time.monotonic)
+    needed_at: int = 0  # the sender's payload count then (see SegmentPool.note_payload)
     written: bool = False  # once: the next payloads are copied into a map (see write)
     mapped: mmap.mmap | None = None  # the sender's own shared map of it, from its second payload on
     pinned: Registration | None = None  # ``mapped``, registered with CUDA (from its first GPU payload)
@@ -162,6 +167,14 @@ class SegmentPool:
     # keep its segment.
     RECENT = 8
     RECENT_ANY = 64
+    # The bound on what a process keeps while it does not need it: a free segment of over BIG_BYTES is
+    # given back once none of the sender's last KEEP_PAYLOADS payloads, or none in the last KEEP_S
+    # seconds, needed it (over half its size): at a send, or, in a process that sends no more, by a
+    # thread that looks every KEEP_S / 2 seconds while such a segment is held (see BigSegmentWatch).
+    # So an idle process keeps at most LIMIT segments of at most BIG_BYTES each.
+    BIG_BYTES = 64 * 2**20
+    KEEP_PAYLOADS = 8
+    KEEP_S = 5.0
     LOOK_EVERY_S = 1.0  # a busy segment's receiver is looked up at most this often (a /proc read)
 
     def __init__(self) -> None:
@@ -171,6 +184,7 @@ class SegmentPool:
         self._segments: dict[str, Segment] = {}
         self._recent: collections.deque[int] = collections.deque(maxlen=self.RECENT)
         self._recent_any: collections.deque[int] = collections.deque(maxlen=self.RECENT_ANY)
+        self._payloads = 0  # payloads noted so far
         self.closed = False
 
     def close(self) -> None:
@@ -188,6 +202,7 @@ class SegmentPool:
         :attr:`RECENT`), and so are busy ones whose receiver died (it never reports them freed;
         looked up once a second). ``pooled``: the payload goes to shared memory, not in a message."""
         self._recent_any.append(nbytes)  # (bounded deques: one step each under the GIL)
+        self._payloads += 1
         if pooled:
             self._recent.append(nbytes)
         retiring = self._pools.retiring
@@ -199,19 +214,41 @@ class SegmentPool:
             pool._drop_unneeded(bound)
 
     def _drop_unneeded(self, bound: int) -> None:
-        """Give back free segments larger than ``bound``, and busy ones whose receiver died."""
+        """Give back free segments larger than ``bound`` or big and unneeded (see :attr:`BIG_BYTES`),
+        and busy ones whose receiver died."""
         with self._lock:
             now = time.monotonic()
             dropped = [
                 s
                 for s in self._segments.values()
-                if (s.size > bound if not s.busy else self._receiver_gone(s, now))
+                if (s.size > bound or self._idle(s, now) if not s.busy else self._receiver_gone(s, now))
             ]
             for seg in dropped:
                 del self._segments[seg.ident]
         for seg in dropped:
             seg.close()
         self._retired_when_empty()
+
+    def _idle(self, seg: Segment, now: float) -> bool:
+        """Whether ``seg`` is big and no recent payload needed it (see :attr:`BIG_BYTES`)."""
+        return seg.size > self.BIG_BYTES and (
+            self._payloads - seg.needed_at > self.KEEP_PAYLOADS or now - seg.needed > self.KEEP_S
+        )
+
+    def drop_idle(self) -> bool:
+        """Give back the free big segments no recent payload needed (:attr:`BIG_BYTES`), after reading
+        the notices that came; True while it still holds a big segment (any thread)."""
+        heed_notices()
+        with self._lock:
+            now = time.monotonic()
+            dropped = [s for s in self._segments.values() if not s.busy and self._idle(s, now)]
+            for seg in dropped:
+                del self._segments[seg.ident]
+            big = any(s.size > self.BIG_BYTES for s in self._segments.values())
+        for seg in dropped:
+            seg.close()
+        self._retired_when_empty()
+        return big
 
     def _retired_when_empty(self) -> None:
         if self.closed and not self._segments:
@@ -264,6 +301,8 @@ class SegmentPool:
             fitting = [seg for seg in free if seg.size >= nbytes]
             if fitting:  # the best fit: the smallest that holds it, its pages already touched
                 seg = min(fitting, key=lambda s: s.size)
+                if seg.size < 2 * nbytes:
+                    seg.needed, seg.needed_at = time.monotonic(), self._payloads
             else:
                 if len(self._segments) >= self.LIMIT:
                     if not free:
@@ -275,9 +314,12 @@ class SegmentPool:
                     return None
                 fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
                 seg = Segment(secrets.token_hex(8), fd, os.fstat(fd).st_ino)
+                seg.needed, seg.needed_at = time.monotonic(), self._payloads
                 self._segments[seg.ident] = seg
             seg.busy, seg.looked = True, time.monotonic()
-            return seg
+        if nbytes > self.BIG_BYTES:
+            process_owned(BigSegmentWatch).start()
+        return seg
 
     def _fits(self, nbytes: int) -> bool:
         with self._lock:
@@ -344,10 +386,9 @@ class SegmentPool:
 NOTICE_NAME = re.compile(r"[0-9a-f]{16}")
 
 
-def _notice_address(name: str) -> bytes:
-    """The abstract address of notice socket ``name`` (this package's: a second copy in one process,
-    as the benchmark's ``--against`` loads it, has sockets of its own)."""
-    return f"\0{__package__}/freed/{name}".encode()
+def _notice_socket(name: str) -> str:
+    """The socket name of notice socket ``name`` in this user's private directory (:mod:`..host_dir`)."""
+    return f"freed-{name}"
 
 
 class Notices:
@@ -356,8 +397,9 @@ class Notices:
 
     A receiver's report that its views of a segment are gone otherwise reaches the sender in the
     verdict of their next gather: a round late, so meanwhile the sender writes its other segment, and
-    keeps two. So a receiver sends the report straight here when it can (an abstract Unix datagram
-    address, named in the receipt), and keeps it for a verdict only when it cannot: each report goes
+    keeps two. So a receiver sends the report straight here when it can (a Unix datagram socket in
+    this user's private directory, :mod:`..host_dir`, named in the receipt), and keeps it for a
+    verdict only when it cannot: each report goes
     one way, never twice. The sender reads its notices, never waiting, at every send
     (:meth:`SegmentPool.note_payload`), when no free segment fits a payload, and when it releases its
     pool; it heeds one only from the process the segment was lent to (the kernel names a datagram's
@@ -368,6 +410,7 @@ class Notices:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._name = ""
+        self._path = ""
         self._tried = False
         self._teller: socket.socket | None = None  # for sending notices (unbound)
 
@@ -385,12 +428,21 @@ class Notices:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             name = secrets.token_hex(8)
-            sock.bind(_notice_address(name))
+            path = host_dir.bind(sock, _notice_socket(name))
         except OSError as exc:
             sock.close()
             logger.debug("pooled segments are reported freed in verdicts only: %s", exc)
             return
-        self._sock, self._name = sock, name
+        self._sock, self._name, self._path = sock, name, path
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop listening and remove the socket's file (at exit; a forked child's copy is closed by
+        :meth:`forked`, its file left to the parent)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+            host_dir.unbind(self._path)
 
     def take(self) -> list[tuple[int, str]]:
         """``(receiver pid, segment id)`` of the notices that came (never waits)."""
@@ -416,7 +468,7 @@ class Notices:
         try:
             if self._teller is None:
                 self._teller = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._teller.sendto(ident.encode(), _NO_WAIT, _notice_address(notice))
+            self._teller.sendto(ident.encode(), _NO_WAIT, host_dir.socket_path(_notice_socket(notice)))
         except OSError:
             return False
         return True
@@ -444,6 +496,51 @@ class Pools:
         for pool in self:
             pool.forked()
         self.retiring.clear()
+
+
+class BigSegmentWatch:
+    """Gives back big pooled segments in a process that no longer sends (process-wide:
+    ``process_owned(BigSegmentWatch)``): a daemon thread that, while any pool holds a segment of over
+    :attr:`SegmentPool.BIG_BYTES`, calls :meth:`SegmentPool.drop_idle` every ``KEEP_S / 2`` seconds;
+    it ends when none is left (started again by the next big payload) and at exit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._wanted = False  # a big segment came since the thread last looked
+        self._stop = threading.Event()
+        atexit.register(lambda: self._stop.set())  # (the child's own after a fork: see forked)
+
+    def start(self) -> None:
+        """A big segment was taken: make sure the thread runs."""
+        with self._lock:
+            self._wanted = True
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="distribute-utils-pool-watch", daemon=True
+                )
+                self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether its thread runs."""
+        return self._thread is not None
+
+    def _run(self) -> None:
+        while not self._stop.wait(SegmentPool.KEEP_S / 2):
+            with self._lock:
+                self._wanted = False
+            held = False
+            for pool in process_owned(Pools):
+                held = pool.drop_idle() or held
+            with self._lock:
+                if not held and not self._wanted:
+                    self._thread = None
+                    return
+
+    def forked(self) -> None:
+        """A forked child starts without the thread (its parent's pools are closed there)."""
+        self._lock, self._thread, self._wanted, self._stop = threading.Lock(), None, False, threading.Event()
 
 
 def heed_notices() -> None:

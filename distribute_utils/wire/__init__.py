@@ -27,7 +27,7 @@ This package re-exports their public names: use ``wire.X``.
 from __future__ import annotations
 
 from .decoding import decode, decode_split, head_known, tensor_buffer, unusable_device
-from .encoding import encode, nesting_error
+from .encoding import encode, nesting_error, unsupported_type_error
 from .format import (
     ALIGN,
     DEFAULT_MAX_HEADER_BYTES,
@@ -78,5 +78,6 @@ __all__ = [
     "read_prefix",
     "stated_length",
     "tensor_buffer",
+    "unsupported_type_error",
     "unusable_device",
 ]

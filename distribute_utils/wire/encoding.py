@@ -122,6 +122,16 @@ def nesting_error(root: str, path: Sequence[Any], containers: Sequence[object]) 
     return _too_deep_error(root, path, containers[-1] if containers else None)
 
 
+def unsupported_type_error(root: str, path: Sequence[Any], obj: object) -> UnsupportedTypeError:
+    """The ``TypeError`` :func:`encode` raises for a value of a type it does not carry (a subclass of a
+    built-in among them), at ``path`` (as :func:`nesting_error`'s), for code that walks a config tree
+    without encoding it (the first rank's own value)."""
+    tp = type(obj)
+    return UnsupportedTypeError(
+        f"{_path_text(root, path)}: cannot encode a value of type {type_name(tp)}; {_SUPPORTED_TEXT}{_hint(tp)}"
+    )
+
+
 class _Encoder:
     """Turns a config tree into msgpack-native values, collecting tensors and checking types."""
 
@@ -201,9 +211,7 @@ class _Encoder:
         typed = self._typed(obj, tp)
         if typed is not None:
             return typed
-        raise UnsupportedTypeError(
-            f"{self.path()}: cannot encode a value of type {type_name(tp)}; {_SUPPORTED_TEXT}{_hint(tp)}"
-        )
+        raise unsupported_type_error(self._root, self._path, obj)
 
     def _typed(self, obj: Any, tp: type) -> list[Any] | None:
         """Enum members, ``OrderedDict`` and numpy values (as ``torch.save`` / JSON carry them)."""

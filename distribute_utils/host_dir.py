@@ -1,0 +1,176 @@
+"""This user's private directory on this host: ``/dev/shm/.distribute-utils-<uid>`` (mode 0700, checked).
+
+It holds what other local users must never reach: the records of temporary files
+(:mod:`distribute_utils.temporaries`) and the Unix sockets that processes of one host send each other
+claims, verdicts and notices through (:mod:`distribute_utils.mailbox`, the segment pool's notices).
+A socket here can be bound, read or sent to only by this user (and root): the directory lets nobody
+else in, where an abstract socket name would carry no permissions at all. Its name is predictable, so
+another user may make it first: then :func:`private_dir` refuses it (``PermissionError``), naming its owner, and what needs
+it goes without (temporaries are not recorded; the process gathers through the job's store).
+
+Sockets are named ``*.sock``. A socket whose process died stays as a file (no memory, one inode) until
+:func:`remove_dead_sockets` (``distribute-utils clean``; every process once when it starts listening)
+finds that nothing listens on it any more. The directory is removed when it is found empty.
+
+Call order: :func:`bind` a socket (it makes and checks the directory), :func:`unbind` it when done;
+senders name a peer's socket with :func:`socket_path`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import stat
+
+from .processes import SHM_DIR
+
+__all__ = [
+    "PRIVATE_DIR",
+    "SOCKET_SUFFIX",
+    "bind",
+    "check",
+    "dead_sockets",
+    "private_dir",
+    "remove_dead_sockets",
+    "socket_path",
+    "unbind",
+]
+
+logger = logging.getLogger(__name__)
+
+#: This user's private directory on this host (per host, as pids and ``/dev/shm`` are).
+PRIVATE_DIR = os.path.join(SHM_DIR, f".distribute-utils-{os.geteuid()}")
+SOCKET_SUFFIX = ".sock"
+
+
+def _owner_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, ImportError):
+        return "unknown user"
+
+
+def private_dir(directory: str = PRIVATE_DIR) -> str:
+    """``directory``, made (0700) if needed, once checked to be a real directory of this user that no
+    other user can enter.
+
+    Raises:
+        PermissionError: naming the directory, what is wrong (another user made it, it is a link, it is
+            open to others) and how to fix it.
+    """
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    check(directory)
+    return directory
+
+
+def check(directory: str = PRIVATE_DIR) -> None:
+    """Refuse ``directory`` unless it is a real directory of this user that no other user can enter
+    (as :func:`private_dir`, making nothing).
+
+    Raises:
+        PermissionError: as :func:`private_dir`.
+        FileNotFoundError: it does not exist.
+    """
+    info = os.lstat(directory)
+    problem = None
+    if stat.S_ISLNK(info.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory"
+    elif info.st_uid != os.geteuid():
+        problem = f"belongs to uid {info.st_uid} ({_owner_name(info.st_uid)}), not to this user (uid {os.geteuid()})"
+    elif info.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(info.st_mode):o}, not 700"
+    if problem is not None:
+        raise PermissionError(
+            errno.EPERM,
+            f"{directory} {problem}: another user could reach what this process keeps there, so it is not "
+            "used; remove it (as its owner or root)",
+        )
+
+
+def socket_path(name: str, directory: str = PRIVATE_DIR) -> str:
+    """The path of socket ``name`` (letters, digits, ``-``; at most 64) in this user's private directory."""
+    return os.path.join(directory, name + SOCKET_SUFFIX)
+
+
+def _listening(path: str) -> bool:
+    """Whether a socket is bound at ``path`` (a datagram connect is refused where none is)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    try:
+        probe.connect(path)
+        return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:  # not a socket, gone, or not ours to reach: leave it
+        return True
+    finally:
+        probe.close()
+
+
+def bind(sock: socket.socket, name: str, directory: str = PRIVATE_DIR) -> str:
+    """Bind ``sock`` (``AF_UNIX``) to :func:`socket_path` ``name``, making and checking the directory.
+    A socket file left there by a process that died is replaced; a live one is not.
+
+    Returns:
+        The path bound.
+
+    Raises:
+        PermissionError: the directory is another user's or open to others.
+        OSError: the address is in use by a live socket, or the kernel refused.
+    """
+    path = socket_path(name, directory)
+    for attempt in range(3):
+        private_dir(directory)
+        try:
+            sock.bind(path)
+            return path
+        except FileNotFoundError:  # another process removed the directory when it was empty: make it again
+            continue
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or attempt == 2 or _listening(path):
+                raise
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a dead process's socket (nothing listens there)
+    raise FileNotFoundError(errno.ENOENT, f"{directory} keeps disappearing", path)
+
+
+def unbind(path: str) -> None:
+    """Remove the socket file at ``path`` (after its socket is closed), then the directory if empty."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    with contextlib.suppress(OSError):  # not empty: other processes' sockets or records
+        os.rmdir(os.path.dirname(path))
+
+
+def dead_sockets(directory: str = PRIVATE_DIR) -> list[str]:
+    """Socket files in ``directory`` that nothing listens on any more (their processes died)."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if not name.endswith(SOCKET_SUFFIX):
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode) and not _listening(path):
+                found.append(path)
+    return found
+
+
+def remove_dead_sockets(directory: str = PRIVATE_DIR) -> list[str]:
+    """Remove :func:`dead_sockets` (never a live one); returns the paths removed."""
+    removed = []
+    for path in dead_sockets(directory):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
