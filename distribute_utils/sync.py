@@ -174,7 +174,11 @@ class Call:
         (a failure) replaces the earlier one."""
         sync = self.sync
         records = sync.records  # (replaced, never changed: the answering thread reads it)
-        kept = records[1:_RECORDS_KEPT] if records and records[0][0] == self.number else records[: _RECORDS_KEPT - 1]
+        kept = (
+            records[1:_RECORDS_KEPT]
+            if records and records[0][0] == self.number
+            else records[: _RECORDS_KEPT - 1]
+        )
         sync.records = [[self.number, *entry], *kept]
 
     def send_direct(

@@ -269,7 +269,9 @@ def _claim_fails_on_rank_2(transport: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("transport", ["auto", "collective"])
-def test_a_sender_whose_claim_cannot_be_built_tells_everyone_at_once(ranks4: RankPool, transport: str) -> None:
+def test_a_sender_whose_claim_cannot_be_built_tells_everyone_at_once(
+    ranks4: RankPool, transport: str
+) -> None:
     results = ranks4.run(_claim_fails_on_rank_2, transport)
     for rank, r in enumerate(results):
         assert r["error"] is not None and "no notes today" in r["error"], (rank, r)

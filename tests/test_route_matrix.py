@@ -228,4 +228,6 @@ def test_the_single_host_matrix_on_the_cpu(fresh_job: Callable[[int], RankPool],
     assert left == set(), f"left in /dev/shm while the job runs: {sorted(left)}"
     job.close()  # (politely: the ranks leave as a finished job does)
     assert job_leftovers(set(job.pids)) == set(), "left in /dev/shm by the finished job"
-    assert [p.name for p in workspace.iterdir() if not p.name.startswith(".du-")] == [], "left in the workspace"
+    assert [p.name for p in workspace.iterdir() if not p.name.startswith(".du-")] == [], (
+        "left in the workspace"
+    )
