@@ -102,3 +102,48 @@ def test_forced_workspace_transport_is_flat(tmp_path: Path) -> None:
     _check_clean(reports, backing)
     routes = {k for r in reports for k in r["routes"]}
     assert routes == {"workspace"}
+
+
+def _matrix(tmp_path: Path, every: int) -> None:
+    """The two-host combinations of tests/test_route_matrix.py (every ``every``-th), checked there."""
+    import test_route_matrix as matrix
+
+    reason = sn.require_simulation_support("sshfs")
+    if reason is not None:
+        pytest.skip(f"simulated nodes unavailable: {reason}")
+    results = tmp_path / "results"
+    results.mkdir()
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    outcome = sn.run_simulated(
+        JOB,
+        ["--mode", "matrix", "--every", str(every)],
+        nodes=2,
+        nproc_per_node=2,
+        workspace="sshfs",
+        timeout=400,
+        backing_dir=backing,
+        env={"DU_RESULTS": str(results)},
+    )
+    assert outcome.returncode == 0, outcome.format_outputs()[-6000:]
+    reports = [json.loads((results / f"rank{r}.json").read_text()) for r in range(4)]
+    chosen = [tuple(c) for c in reports[0]["combos"]]
+    assert chosen == matrix.combos("two hosts")[::every]
+    failures = matrix.check("two hosts", chosen, reports)
+    assert failures == [], "\n".join(map(str, failures[:10])) + f"\n({len(failures)} failures)"
+    assert reports[0]["claim_keys"] <= matrix.claim_keys_bound(4), reports[0]["claim_keys"]
+    assert all(r["shm_left"] == [] for r in reports), [r["shm_left"] for r in reports]
+    left = sorted(str(p.relative_to(backing)) for p in backing.rglob("*"))
+    assert left == [] or all(name.startswith(".du-") for name in left), left
+
+
+def test_the_two_host_matrix_sampled(tmp_path: Path) -> None:
+    """Every fifth two-host combination of the route matrix (the whole of it is slow-marked): a remote
+    host's bundle over the workspace and over the collective, flat workspace and collective; CPU and meta
+    senders; nothing, the CPU or another device asked for (meta: a bundle decoded there part by part)."""
+    _matrix(tmp_path, 5)
+
+
+@pytest.mark.slow
+def test_the_two_host_matrix(tmp_path: Path) -> None:
+    _matrix(tmp_path, 1)

@@ -2,7 +2,9 @@
 
 Every rank writes a JSON report to ``$DU_RESULTS/rank<r>.json``: wrong results seen (on
 receivers), the routes the gathers took, and any segment of ours left in its /dev/shm.
-Arguments: ``--rounds N --mode auto|collective|workspace``.
+Arguments: ``--rounds N --mode auto|collective|workspace``; ``--mode matrix [--every K]`` runs the
+two-host combinations of tests/test_route_matrix.py instead (every K-th of them) and reports each
+rank's results for that module to check.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import argparse
 import json
 import logging
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -51,9 +55,22 @@ class Routes(logging.Handler):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=100)
-    parser.add_argument("--mode", choices=["auto", "collective", "workspace"], default="auto")
+    parser.add_argument("--mode", choices=["auto", "collective", "workspace", "matrix"], default="auto")
+    parser.add_argument("--every", type=int, default=1)
     args = parser.parse_args()
     dist.init_process_group("gloo")
+    if args.mode == "matrix":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the matrix's module
+        import test_route_matrix as matrix
+
+        chosen = matrix.combos("two hosts")[:: args.every]
+        report = matrix.run_matrix("two hosts", os.environ.get("DU_WORKSPACE"), chosen)
+        report["combos"] = chosen
+        report["shm_left"] = sorted(n for n in os.listdir("/dev/shm") if n.startswith("du_"))
+        with open(os.path.join(os.environ["DU_RESULTS"], f"rank{dist.get_rank()}.json"), "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()
+        return
     rank, world = dist.get_rank(), dist.get_world_size()
     routes = Routes()
     logger = logging.getLogger("distribute_utils.roles")
