@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import importlib.util
 import multiprocessing as mp
 import os
@@ -149,6 +150,12 @@ class RankPool:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+    def stop_store(self) -> None:
+        """Stop the rendezvous store's server (held by this process): the ranks' store calls fail from
+        now on, as when the process hosting a job's store dies. The pool cannot run again after it."""
+        self._store = None
+        gc.collect()
 
     def run(
         self,

@@ -132,6 +132,16 @@ def _matrix(tmp_path: Path, every: int) -> None:
     failures = matrix.check("two hosts", chosen, reports)
     assert failures == [], "\n".join(map(str, failures[:10])) + f"\n({len(failures)} failures)"
     assert reports[0]["claim_keys"] <= matrix.claim_keys_bound(4), reports[0]["claim_keys"]
+    # A bundle short of a part: refused on the first rank before any verdict, named; then all is well.
+    refused, again = reports[0]["short_bundle"]
+    assert refused.startswith("PayloadError: the bundle of rank 2's host holds ranks [2] with 1 parts"), (
+        refused
+    )
+    assert "the plan sends ranks [2, 3]" in refused, refused
+    assert again == "got [0.0, 1.0, 2.0, 3.0]", again
+    for r in reports[1:]:
+        assert "rank 2's host holds ranks [2]" in r["short_bundle"][0], r["short_bundle"]
+        assert r["short_bundle"][1] == "got []", r["short_bundle"]
     assert all(r["shm_left"] == [] for r in reports), [r["shm_left"] for r in reports]
     left = sorted(str(p.relative_to(backing)) for p in backing.rglob("*"))
     assert left == [] or all(name.startswith(".du-") for name in left), left

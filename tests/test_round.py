@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -21,6 +22,7 @@ import signal
 import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -1000,3 +1002,62 @@ def test_a_later_record_of_a_call_replaces_the_earlier_one() -> None:
         call.record(["send", "failed"])
     assert [r[0] for r in group.records] == [2, 1, 0], group.records
     assert group.entry(2) == ["send", "failed"] and group.entry(0) == ["send", "failed"]
+
+
+def _first_rank_fails_once_the_store_is_gone(fifo: str, workspace: str) -> dict[str, Any]:
+    """Rank 0, receiving, waits at the carriers' "fetching" point until the store is gone (the test
+    stops it when told through ``fifo``), then fails while reading (a payload error)."""
+    from distribute_utils import PayloadError
+
+    rank = dist.get_rank()
+
+    def fail_without_store(point: str, sender: int, carrier: Any, receipt: Any) -> None:
+        if point == "fetching":
+            with open(fifo, "w") as told:
+                told.write("now\n")
+            with contextlib.suppress(Exception):  # ends when the store's server does
+                job_store().wait(["never posted"], datetime.timedelta(seconds=60))
+            with contextlib.suppress(Exception):  # the round's own client finds it gone too
+                sync.companion(None).store.check(["never posted"])
+            raise PayloadError("planted: the payload is unusable")
+
+    kept = carriers.inject(fail_without_store if rank == 0 else None)
+    try:
+        with get_tensors_parallel(
+            torch.full((1000,), float(rank)),
+            [0, 1, 2],
+            transport="workspace",
+            workspace_path=workspace,
+            timeout=30,
+        ):
+            return {"error": None}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    finally:
+        carriers.inject(kept)
+
+
+def test_a_first_rank_that_fails_once_the_store_is_gone_says_why_and_removes_what_it_took(
+    fresh_job: Any, tmp_path: Path
+) -> None:
+    """The store's server goes away while the first rank reads, and then the read fails: the first rank
+    raises its own error (before, telling its partners through the gone store raised instead, skipping
+    what it keeps back and the removal of what senders published for it), and no payload file is left."""
+    job = fresh_job(3)
+    fifo, workspace = tmp_path / "told", tmp_path / "ws"
+    os.mkfifo(fifo)
+    workspace.mkdir()
+
+    def stop_when_told() -> None:
+        with open(fifo) as told:
+            told.read()
+        job.stop_store()
+
+    stopper = threading.Thread(target=stop_when_told, daemon=True)
+    stopper.start()
+    results = job.run(_first_rank_fails_once_the_store_is_gone, str(fifo), str(workspace), timeout=120)
+    stopper.join(30)
+    assert results[0] == {"error": "PayloadError", "message": "planted: the payload is unusable"}, results[0]
+    assert all(r["error"] in ("PeerLostError", "GatherError") for r in results[1:]), results
+    files = [p.name for p in workspace.rglob("*") if p.is_file() and p.parent.name.startswith("du-job-")]
+    assert [f for f in files if not f.startswith("owner-")] == [], f"payload files left: {files}"

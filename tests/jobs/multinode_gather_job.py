@@ -52,6 +52,38 @@ class Routes(logging.Handler):
             self.seen[route] = self.seen.get(route, 0) + 1
 
 
+def short_bundle(workspace: str | None) -> list[str]:
+    """A gather of all four ranks whose remote host's bundle (rank 2's, for ranks 2 and 3) reaches rank 0
+    short of rank 3's part (replaced at the carriers' "fetched" point, as a leader running other code
+    would send it); then the same gather again. What each of the two said on this rank."""
+    from distribute_utils import wire
+    from distribute_utils.transports import carriers
+
+    rank = dist.get_rank()
+
+    def shorten(point: str, sender: int, carrier: object, buffer: object) -> object:
+        if point != "fetched" or sender != 2:
+            return None
+        raw = buffer.numpy().tobytes() if isinstance(buffer, torch.Tensor) else bytes(memoryview(buffer))
+        bundle = wire.decode(raw)
+        short = {"ranks": bundle["ranks"][:1], "parts": [p.clone() for p in bundle["parts"][:1]]}
+        return wire.encode(short, root="bundle", checksum=True).to_bytes()
+
+    said = []
+    for hook in (shorten, None):
+        kept = carriers.inject(hook if rank == 0 else None)
+        try:
+            with get_tensors_parallel(
+                torch.full((8,), float(rank)), [0, 1, 2, 3], workspace_path=workspace, timeout=60
+            ) as got:
+                said.append(f"got {[float(t[0]) for t in got]}")
+        except Exception as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            carriers.inject(kept)
+    return said
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=100)
@@ -66,6 +98,7 @@ def main() -> None:
         chosen = matrix.combos("two hosts")[:: args.every]
         report = matrix.run_matrix("two hosts", os.environ.get("DU_WORKSPACE"), chosen)
         report["combos"] = chosen
+        report["short_bundle"] = short_bundle(os.environ.get("DU_WORKSPACE"))
         report["shm_left"] = sorted(n for n in os.listdir("/dev/shm") if n.startswith("du_"))
         with open(os.path.join(os.environ["DU_RESULTS"], f"rank{dist.get_rank()}.json"), "w") as f:
             json.dump(report, f)
