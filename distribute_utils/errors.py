@@ -44,6 +44,7 @@ __all__ = [
     "WorkspaceError",
     "one_line",
     "plural_list",
+    "rebuilt",
 ]
 
 
@@ -208,3 +209,31 @@ class ConsolidationError(DistributeError, RuntimeError):
 
     def __str__(self) -> str:
         return self.cause if self.rank is None else f"{self.cause} (on rank {self.rank})"
+
+
+def _ours() -> dict[str, type[Exception]]:
+    """Every error class of this module by name (DistributeError and all its subclasses)."""
+    found: dict[str, type[Exception]] = {}
+    todo: list[type[Exception]] = [DistributeError]
+    while todo:
+        cls = todo.pop()
+        found[cls.__name__] = cls
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+_REBUILT: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError, **_ours()}
+
+
+def rebuilt(kind: str, message: str, missing: Sequence[int] = ()) -> Exception | None:
+    """The error another rank reported, by its type's name ``kind`` and its ``message`` (naming that
+    rank), rebuilt as that very type where it is one of this package's (every :class:`DistributeError`
+    subclass: the same ``except`` catches it on every rank) or a plain ``TypeError`` / ``ValueError``;
+    None for any other type (the caller raises :class:`GatherError` naming it). ``missing``: the ranks
+    a :class:`PeerLostError` names."""
+    cls = _REBUILT.get(kind)
+    if cls is None:
+        return None
+    if cls is PeerLostError:
+        return PeerLostError(message, tuple(missing))
+    return cls(message)

@@ -10,6 +10,7 @@ import inspect
 import pickle
 import pkgutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -179,3 +180,63 @@ def test_no_plain_builtin_is_raised_on_purpose() -> None:
     assert not plain, f"raise an errors.py class (derived from the same built-in) instead: {plain}"
     stale = sorted(allowed - found)
     assert not stale, f"rows of the allow-lists whose raise is gone: delete them: {stale}"
+
+
+# -- every error of ours, raised on one rank of a gather, is raised as the same type on the others ----
+OURS = sorted(
+    (c for c in vars(errors).values() if inspect.isclass(c) and issubclass(c, errors.DistributeError)),
+    key=lambda c: c.__name__,
+)
+
+
+def _each_error_raised_on_rank_2(names: list[str]) -> dict[str, tuple[str, str]]:
+    """For each error class named, one gather of the world in which rank 2 raises it (a fault at the
+    carriers' "published" point, once its payload is out): what each rank raised."""
+    import torch
+    import torch.distributed as dist
+
+    from distribute_utils import get_tensors_parallel
+    from distribute_utils.transports import carriers
+
+    rank = dist.get_rank()
+    raised: dict[str, tuple[str, str]] = {}
+    for name in names:
+        cls = getattr(errors, name)
+
+        def planted(point: str, sender: int, carrier: object, receipt: object, cls: type = cls) -> None:
+            if point == "published":
+                raise _sample(cls)
+
+        kept = carriers.inject(planted if rank == 2 else None)
+        try:
+            with get_tensors_parallel(torch.full((64,), float(rank)), [0, 1, 2, 3], timeout=60):
+                raised[name] = ("no error", "")
+        except Exception as exc:
+            raised[name] = (type(exc).__name__, str(exc))
+        finally:
+            carriers.inject(kept)
+    return raised
+
+
+@pytest.fixture(scope="module")
+def raised_by_rank(pools: Any) -> list[dict[str, tuple[str, str]]]:
+    return pools.get(4).run(_each_error_raised_on_rank_2, [c.__name__ for c in OURS], timeout=240)
+
+
+@pytest.mark.parametrize("cls", OURS, ids=lambda c: c.__name__)
+def test_an_error_raised_on_one_rank_is_raised_as_its_type_on_the_others(
+    raised_by_rank: list[dict[str, tuple[str, str]]], cls: type[errors.DistributeError]
+) -> None:
+    """Rank 2 raises ``cls`` while it sends: the first rank raises ``cls`` naming rank 2, the other
+    senders ``cls`` naming the first rank, so one ``except`` serves every rank (before, 7 types were
+    rebuilt and the rest came as GatherError: a sender's SpaceError reached the first rank as that)."""
+    name, message = cls.__name__, str(_sample(cls))
+    assert raised_by_rank[2][name] == (name, message), raised_by_rank[2][name]
+    kind, text = raised_by_rank[0][name]
+    assert kind == name and text.startswith("rank 2 cannot take part in the gather: ") and message in text
+    for rank in (1, 3):
+        kind, text = raised_by_rank[rank][name]
+        assert kind == name and text.startswith("the first rank (0) failed: ") and message in text, (
+            rank,
+            text,
+        )

@@ -27,15 +27,7 @@ import torch.distributed as dist
 from .. import sync
 from ..caches import Recent
 from ..channel import Channel, MailboxChannel, StoreChannel
-from ..errors import (
-    ArgumentError,
-    DeviceUnavailableError,
-    GatherError,
-    PayloadError,
-    PeerLostError,
-    TransportUnavailableError,
-    UnsupportedTypeError,
-)
+from ..errors import ArgumentError, GatherError, PayloadError, PeerLostError, rebuilt
 from ..transports import carriers
 from ..transports.base import Carrier, Context
 
@@ -58,20 +50,6 @@ logger = logging.getLogger(__name__)
 ATTACHED_MAX_BYTES = 288 * 2**10
 """In a direct round, payloads up to this size travel in the claim's message (no file; copied once by
 the receiving process, not at all by the sender's); larger ones as :data:`~distribute_utils.transports.host.INLINE_MAX_BYTES` says."""
-
-
-_RAISABLE: dict[str, type[Exception]] = {
-    cls.__name__: cls
-    for cls in (
-        TypeError,
-        ValueError,
-        ArgumentError,
-        UnsupportedTypeError,
-        TransportUnavailableError,
-        PeerLostError,
-        DeviceUnavailableError,
-    )
-}
 
 
 class RankList:
@@ -152,16 +130,15 @@ def error_of(exc: BaseException) -> tuple[Any, ...]:
 
 
 def raise_from(error: Sequence[Any], prefix: str) -> NoReturn:
-    """Raise an error another rank posted: as its own type when it is one of ours to raise,
-    else as :class:`GatherError` naming the type."""
-    kind, message = error[0], error[1]
-    exc_type = _RAISABLE.get(kind)
-    if exc_type is None:
+    """Raise an error another rank posted (``prefix`` names that rank): as its own type when it is one
+    of ours or a plain ``TypeError`` / ``ValueError`` (:func:`~distribute_utils.errors.rebuilt`), else as
+    :class:`GatherError` naming the type."""
+    kind, message = str(error[0]), str(error[1])
+    exc = rebuilt(kind, f"{prefix}{message}", error[2] if len(error) > 2 else ())
+    if exc is None:
         prefix = prefix.replace("cannot take part in the gather: ", "failed: ")
         raise GatherError(f"{prefix}{kind}: {message}" if prefix else f"{kind}: {message}")
-    if exc_type is PeerLostError:
-        raise PeerLostError(f"{prefix}{message}", error[2] if len(error) > 2 else ())
-    raise exc_type(f"{prefix}{message}")
+    raise exc
 
 
 def mismatch(me: int, mine: list[int] | None, other: int, theirs: list[int] | None) -> ArgumentError:
