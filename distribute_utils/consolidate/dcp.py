@@ -54,7 +54,7 @@ from .unreadable import describe_unreadable
 from .writer_base import CheckpointWriter
 
 if TYPE_CHECKING:
-    from .plan import RuleChoice
+    from .rule_table import RuleChoice
 
 __all__ = ["DcpCheckpoint", "byte_runs", "read_dcp_metadata"]
 

@@ -26,8 +26,8 @@ from .own_layout import MESH_FILE, OwnLayout
 if TYPE_CHECKING:
     from ..mesh_layout import MeshLayout
     from .merge_plan import MergePlanEntry
-    from .plan import RuleChoice
     from .reading import ShardReader
+    from .rule_table import RuleChoice
     from .writer_base import CheckpointWriter
 
 __all__ = ["Checkpoint", "open_checkpoint"]

@@ -32,7 +32,7 @@ from .specs import TensorSpec
 from .writer_base import CheckpointWriter
 
 if TYPE_CHECKING:
-    from .plan import RuleChoice
+    from .rule_table import RuleChoice
 
 __all__ = [
     "CheckpointLayout",

@@ -4,17 +4,35 @@ its merged spec (:func:`plan_merge`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 from ..errors import LayoutError
 from .merge_rules import MergeRule
 from .rule_table import RuleTable
 from .specs import TensorSpec
 
-if TYPE_CHECKING:
-    from .grid import CheckpointLayout
+__all__ = ["MergePlanEntry", "PlannedLayout", "plan_merge"]
 
-__all__ = ["MergePlanEntry", "plan_merge"]
+
+class PlannedLayout(Protocol):
+    """What :func:`plan_merge` reads of a checkpoint (:class:`~.grid.CheckpointLayout` is one)."""
+
+    tp: int
+    gated_mlp: bool | None
+
+    @property
+    def stages(self) -> int: ...
+
+    def shard_specs(self, tp_rank: int, stage: int) -> list[TensorSpec]: ...
+
+    def describe_stage(self, stage: int) -> str: ...
+
+    def file_for(self, tp_rank: int, stage: int) -> Path: ...
+
+    def is_replica(self, local: str, stage: int) -> bool: ...
+
+    def global_name(self, name: str, stage: int) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -23,7 +41,7 @@ class MergePlanEntry:
 
     Attributes:
         name: global (renumbered) name in the output.
-        pp_rank: the stage (grid row, see :class:`CheckpointLayout`) holding it.
+        pp_rank: the stage (grid row, see :class:`~.grid.CheckpointLayout`) holding it.
         local_name: its name inside that stage's shard files.
         rule: the merge rule over the stage's TP shards.
         spec: the merged tensor's spec (``spec.name == name``).
@@ -36,12 +54,12 @@ class MergePlanEntry:
     spec: TensorSpec
 
 
-def plan_merge(layout: CheckpointLayout, rules: RuleTable | None = None) -> list[MergePlanEntry]:
+def plan_merge(layout: PlannedLayout, rules: RuleTable | None = None) -> list[MergePlanEntry]:
     """Plans a consolidation from metadata alone, stage by stage, in file order.
 
     Checks that every TP rank of a stage holds the same names, that the rule accepts their dtypes and
     shapes, and that no global name comes from two stages. What a stage holds as a replica of another
-    stage's tensor (:meth:`CheckpointLayout.is_replica`) is left out.
+    stage's tensor (:meth:`~.grid.CheckpointLayout.is_replica`) is left out.
 
     Args:
         layout: the opened checkpoint.

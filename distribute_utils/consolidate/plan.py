@@ -20,10 +20,10 @@ from pathlib import Path
 
 import msgpack
 
-from ..errors import SpaceError, UnsupportedTypeError
+from ..errors import SpaceError
 from .formats import Checkpoint, open_checkpoint
 from .merge_plan import MergePlanEntry
-from .rule_table import RuleTable
+from .rule_table import RuleChoice, RuleTable, resolve_rules
 from .writer_base import CheckpointWriter
 from .writers import open_writer
 
@@ -38,61 +38,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_rules(
-    rules: RuleTable | str | os.PathLike[str] | None = None,
-    quant_format: str | None = None,
-    gated: bool | None = False,
-) -> RuleTable:
-    """The rule table to use.
-
-    Args:
-        rules: a table (used as is), a rules file (its patterns first, then the defaults, then its catch-all
-            ``*`` line if any: :meth:`RuleTable.then`), or ``None``
-            (the defaults).
-        quant_format: ``None``, ``"fp8"``, ``"int8_sq"`` or ``"int4_awq"``: picks the default table.
-        gated: whether the MLP is gated (SwiGLU), ``None`` if unknown (see :meth:`RuleTable.default`).
-
-    Raises:
-        RuleSyntaxError: a malformed rules file (``path:line:`` in the message).
-        FileNotFoundError: no such rules file.
-    """
-    default = RuleTable.default(quant_format, gated)
-    if rules is None:
-        return default
-    if isinstance(rules, RuleTable):
-        return rules
-    if isinstance(rules, (str, os.PathLike)):
-        return RuleTable.from_file(rules).then(default)
-    raise UnsupportedTypeError(
-        f"rules must be a RuleTable, a rules file path or None; got {type(rules).__name__}"
-    )
-
-
-@dataclass(frozen=True)
-class RuleChoice:
-    """The merge rules a consolidation was asked for, resolved by a checkpoint that merges TP shards
-    (:meth:`table`, with what it knows of its MLP) and ignored by one of global tensors.
-
-    Attributes:
-        rules: a table, a rules file, or ``None`` (the defaults); see :func:`resolve_rules`.
-        quant_format: picks the default table's scales.
-        swiglu: whether the MLP is gated; ``None``: as the checkpoint says.
-    """
-
-    rules: RuleTable | str | os.PathLike[str] | None = None
-    quant_format: str | None = None
-    swiglu: bool | None = None
-
-    @property
-    def given(self) -> bool:
-        """Whether rules or a quantization format were asked for (not only the defaults)."""
-        return self.rules is not None or self.quant_format is not None
-
-    def table(self, gated: bool | None) -> RuleTable:
-        """The table, for a checkpoint whose MLP is ``gated`` (unless :attr:`swiglu` says otherwise)."""
-        return resolve_rules(self.rules, self.quant_format, gated if self.swiglu is None else self.swiglu)
 
 
 def plan_checkpoint(

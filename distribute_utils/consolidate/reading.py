@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from .grid import CheckpointLayout
     from .merge_plan import MergePlanEntry
 
-__all__ = ["BatchReads", "MappedShard", "ShardReader"]
+__all__ = ["BatchReads", "MappedShard", "ShardFiles", "ShardReader"]
 
 # A memory-mapped shard is remapped after _REMAP_FACTOR * batch_bytes were read from it, so that pages already
 # sent leave the resident set: re-parsing a safetensors header costs ~1 ms, re-unpickling a Megatron file
@@ -37,6 +36,14 @@ class ShardReader(Protocol):
         ...
 
 
+class ShardFiles(Protocol):
+    """What :class:`MappedShard` reads of a grid layout (:class:`~.grid.CheckpointLayout` is one)."""
+
+    file_format: str
+
+    def load_shard(self, tp_rank: int, stage: int) -> dict[str, torch.Tensor]: ...
+
+
 class MappedShard:
     """One file of a grid layout, memory-mapped on first use.
 
@@ -44,7 +51,7 @@ class MappedShard:
     it, so that pages already sent or written leave this process's resident set.
     """
 
-    def __init__(self, layout: CheckpointLayout, tp_rank: int, stage: int, batch_bytes: int) -> None:
+    def __init__(self, layout: ShardFiles, tp_rank: int, stage: int, batch_bytes: int) -> None:
         self._layout, self._tp, self._stage = layout, tp_rank, stage
         factor = _REMAP_FACTOR if layout.file_format == "safetensors" else _REMAP_FACTOR * _TORCH_REMAP_FACTOR
         self._window = batch_bytes * factor

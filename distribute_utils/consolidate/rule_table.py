@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from ..errors import RuleSyntaxError
+from ..errors import RuleSyntaxError, UnsupportedTypeError
 from .merge_rules import Concat, MergeRule, Same, Unknown, parse_rule
 from .quant_rules import SCALE_SUFFIXES, check_quant_format, quantized_rule
 
@@ -21,8 +21,10 @@ __all__ = [
     "COLUMN_PARALLEL_LAYERS",
     "REPLICATED",
     "ROW_PARALLEL_LAYERS",
+    "RuleChoice",
     "RuleTable",
     "is_catch_all",
+    "resolve_rules",
 ]
 
 #: Column-parallel layers (output features split across TP): weight/bias concat on dim 0.
@@ -268,3 +270,58 @@ class RuleTable:
         entries.extend((p, Same()) for p in REPLICATED)
         entries += _default_entries(quant_format)
         return cls(entries, fallback=Unknown())
+
+
+def resolve_rules(
+    rules: RuleTable | str | os.PathLike[str] | None = None,
+    quant_format: str | None = None,
+    gated: bool | None = False,
+) -> RuleTable:
+    """The rule table to use.
+
+    Args:
+        rules: a table (used as is), a rules file (its patterns first, then the defaults, then its catch-all
+            ``*`` line if any: :meth:`RuleTable.then`), or ``None``
+            (the defaults).
+        quant_format: ``None``, ``"fp8"``, ``"int8_sq"`` or ``"int4_awq"``: picks the default table.
+        gated: whether the MLP is gated (SwiGLU), ``None`` if unknown (see :meth:`RuleTable.default`).
+
+    Raises:
+        RuleSyntaxError: a malformed rules file (``path:line:`` in the message).
+        FileNotFoundError: no such rules file.
+    """
+    default = RuleTable.default(quant_format, gated)
+    if rules is None:
+        return default
+    if isinstance(rules, RuleTable):
+        return rules
+    if isinstance(rules, (str, os.PathLike)):
+        return RuleTable.from_file(rules).then(default)
+    raise UnsupportedTypeError(
+        f"rules must be a RuleTable, a rules file path or None; got {type(rules).__name__}"
+    )
+
+
+@dataclass(frozen=True)
+class RuleChoice:
+    """The merge rules a consolidation was asked for, resolved by a checkpoint that merges TP shards
+    (:meth:`table`, with what it knows of its MLP) and ignored by one of global tensors.
+
+    Attributes:
+        rules: a table, a rules file, or ``None`` (the defaults); see :func:`resolve_rules`.
+        quant_format: picks the default table's scales.
+        swiglu: whether the MLP is gated; ``None``: as the checkpoint says.
+    """
+
+    rules: RuleTable | str | os.PathLike[str] | None = None
+    quant_format: str | None = None
+    swiglu: bool | None = None
+
+    @property
+    def given(self) -> bool:
+        """Whether rules or a quantization format were asked for (not only the defaults)."""
+        return self.rules is not None or self.quant_format is not None
+
+    def table(self, gated: bool | None) -> RuleTable:
+        """The table, for a checkpoint whose MLP is ``gated`` (unless :attr:`swiglu` says otherwise)."""
+        return resolve_rules(self.rules, self.quant_format, gated if self.swiglu is None else self.swiglu)

@@ -56,9 +56,7 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
-    from .carriers import Sent
-
-__all__ = ["Carrier", "Context", "Route", "Transport"]
+__all__ = ["Carrier", "Context", "Route", "Sent", "Transport"]
 
 
 @dataclass
@@ -114,6 +112,23 @@ class Carrier(Protocol):
 
 Transport = Carrier
 """The former name of :class:`Carrier`."""
+
+
+class Sent:
+    """A sender's publication, until it releases it: ``data`` is what ``carrier``'s publish returned;
+    :attr:`receipt`, what travels in the claim (the data tagged with its carrier's kind)."""
+
+    __slots__ = ("carrier", "data", "rank", "receipt", "token")
+
+    def __init__(self, carrier: Carrier, token: str, data: Any, rank: int) -> None:
+        self.carrier, self.token, self.data, self.rank = carrier, token, data, rank
+        self.receipt: list[Any] = [carrier.kind, data]
+
+    def release(self, taken: bool, answered: bool = False) -> None:
+        """Remove what was published, once the receiver is done (``taken``) or gave up; ``answered``: a
+        verdict came, failed or not (enough for a carrier :attr:`Carrier.done_when_answered`)."""
+        done = taken or (answered and self.carrier.done_when_answered)
+        self.carrier.release(self.token, self.rank, self.data, taken=done)
 
 
 class Route(ABC):

@@ -33,7 +33,7 @@ from typing import Any
 from ..errors import PayloadError
 from ..fault_points import FaultPoint
 from ..wire import EncodedPayload
-from .base import Carrier, Context
+from .base import Carrier, Context, Sent
 from .collective import CollectiveTransport
 from .cuda_ipc import CudaIpcTransport
 from .inline import AttachedCarrier, InlineCarrier
@@ -79,23 +79,6 @@ def inject(hook: FaultHook | None) -> FaultHook | None:
     """Call ``hook`` at this process's carrier fault points (see module doc; None: no hook). Returns
     the hook it replaces, to put back."""
     return _FAULTS.inject(hook)
-
-
-class Sent:
-    """A sender's publication, until it releases it: ``data`` is what ``carrier``'s publish returned;
-    :attr:`receipt`, what travels in the claim (the data tagged with its carrier's kind)."""
-
-    __slots__ = ("carrier", "data", "rank", "receipt", "token")
-
-    def __init__(self, carrier: Carrier, token: str, data: Any, rank: int) -> None:
-        self.carrier, self.token, self.data, self.rank = carrier, token, data, rank
-        self.receipt: list[Any] = [carrier.kind, data]
-
-    def release(self, taken: bool, answered: bool = False) -> None:
-        """Remove what was published, once the receiver is done (``taken``) or gave up; ``answered``: a
-        verdict came, failed or not (enough for a carrier :attr:`~.base.Carrier.done_when_answered`)."""
-        done = taken or (answered and self.carrier.done_when_answered)
-        self.carrier.release(self.token, self.rank, self.data, taken=done)
 
 
 def publish(through: Carrier, token: str, rank: int, payload: EncodedPayload) -> Sent:
