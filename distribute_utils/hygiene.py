@@ -39,7 +39,7 @@ from typing import Any, TextIO, cast
 from . import host_dir
 from .errors import DistributeError
 from .processes import SHM_DIR, pid_alive, process_alive, this_process
-from .temporaries import RECORD_DIR, find_abandoned, remove_abandoned
+from .temporaries import RECORD_DIR, find_abandoned, remove_abandoned, remove_file
 
 __all__ = [
     "PROBE_BYTES",
@@ -323,12 +323,31 @@ def _temporaries_section(rep: _Report, shm_dir: str) -> None:
         rep.note(f"unusable private directory {_record_dir(shm_dir)}")
     except OSError:  # not made yet: the first gather makes it
         pass
+    left = carrier_leftovers()
+    rep.data["carrier_leftovers"] = [{"path": p, "owner_pid": pid, "bytes": n} for p, pid, n in left]
+    rep.line(f"payload files of dead senders (local disk): {len(left)}, {_size(sum(n for *_, n in left))}")
+    for path, pid, _ in left:
+        rep.line(f"{path}  owner pid {pid} dead  -> stale: `distribute-utils clean` removes it", 2)
+        rep.note(f"stale payload {path}")
     dead = host_dir.dead_sockets(_record_dir(shm_dir))
     rep.data["dead_sockets"] = dead
     rep.line(f"sockets of processes that died: {len(dead)}")
     for path in dead:
         rep.line(f"{path}  nothing listens  -> stale: `distribute-utils clean` removes it", 2)
         rep.note(f"stale socket {path}")
+
+
+def carrier_leftovers() -> list[tuple[str, int, int]]:
+    """``(path, owner pid, bytes)`` of what dead senders left in every carrier that says how to find it
+    (``leftovers``, see :class:`.transports.base.Carrier`; shared-memory segments have their own section)."""
+    from .transports.carriers import KINDS
+
+    found: list[tuple[str, int, int]] = []
+    for cls in KINDS.values():
+        leftovers = getattr(cls, "leftovers", None)
+        if leftovers is not None:
+            found += leftovers()
+    return found
 
 
 def _record_dir(shm_dir: str) -> str:
@@ -516,6 +535,9 @@ def clean(
         gone = item.paths if dry_run else remove_abandoned(item)
         for path in gone:
             done("temporary", path, None, f"an unfinished output of pid {item.owner.pid}, which has exited")
+    for path, pid, nbytes in carrier_leftovers():
+        if dry_run or remove_file(path):
+            done("payload", path, nbytes, f"owner pid {pid} has exited")
     record_dir = _record_dir(shm_dir)
     dead = host_dir.dead_sockets(record_dir) if dry_run else host_dir.remove_dead_sockets(record_dir)
     for path in dead:
@@ -527,6 +549,7 @@ def clean(
         f"{verb} {len(segs)} segment(s) ({_size(sum(r['bytes'] for r in segs))}), "
         f"kept {live} segment(s) of live processes",
         f"{verb} {len(temps)} temporary file(s)",
+        f"{verb} {sum(r['kind'] == 'payload' for r in removed)} payload file(s) on local disk",
         f"{verb} {len(dead)} socket(s)",
     ]
     if workspace is not None and not os.path.isdir(workspace):

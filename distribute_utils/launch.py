@@ -32,7 +32,7 @@ from . import interrupts
 from .errors import ArgumentError, LaunchError
 from .processes import ProcessInfo, process_alive, this_process
 from .temporaries import remove_abandoned_by
-from .transports.shm import remove_segments_of
+from .transports import carriers
 
 __all__ = ["LaunchError", "run_local", "under_torchrun"]
 
@@ -134,7 +134,7 @@ class _Ranks:
                         os.kill(proc.pid, signal.SIGKILL)
                     proc.join()
                 if proc.exitcode == -signal.SIGKILL:
-                    remove_segments_of(None, proc.pid)
+                    carriers.remove_left_by(None, proc.pid)
                     remove_abandoned_by(proc.pid)
 
 

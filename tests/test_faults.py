@@ -512,12 +512,19 @@ def _torchrun_in_namespace(
 
 @needs_root
 def test_small_dev_shm_falls_back_to_the_workspace(tmp_path: Path, row: Row) -> None:
-    # 4 ranks x 32 MiB = 128 MiB to gather through a 64 MiB /dev/shm, with a workspace given.
+    # 4 ranks x 32 MiB = 128 MiB to gather through a 64 MiB /dev/shm, with a workspace given and a local
+    # disk (the local-disk carrier's directory, tried first) of 1 MiB.
     row.case, row.kind = "dev_shm_too_small_with_workspace", "fault"
-    results, workspace = tmp_path / "results", tmp_path / "ws"
+    results, workspace, disk = tmp_path / "results", tmp_path / "ws", tmp_path / "disk"
     results.mkdir()
-    env = {"DU_RESULTS": str(results), "DU_WORKSPACE": str(workspace), "DU_PER_RANK_MIB": "32"}
-    mounts = "mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm"
+    disk.mkdir()
+    env = {
+        "DU_RESULTS": str(results),
+        "DU_WORKSPACE": str(workspace),
+        "DU_PER_RANK_MIB": "32",
+        "DISTRIBUTE_UTILS_LOCAL_DIR": str(disk),
+    }
+    mounts = f"mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm && mount -t tmpfs -o size=1m tmpfs {disk}"
     proc = _torchrun_in_namespace(mounts, "shm_fallback", 4, env)
     assert "SIGBUS" not in proc.stderr and "Bus error" not in proc.stderr, proc.stderr[-3000:]
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -157,7 +157,8 @@ def test_clean_removes_dead_jobs_leftovers_only(scene: Scene) -> None:
     assert f"removed {scene.dead_segment}" in text and f"removed namespace {scene.dead_ns}" in text
     assert (
         "clean: removed 1 segment(s) (3.0 MiB), kept 1 segment(s) of live processes; "
-        "removed 0 temporary file(s); removed 0 socket(s); removed 1 namespace(s)" in text
+        "removed 0 temporary file(s); removed 0 payload file(s) on local disk; removed 0 socket(s); "
+        "removed 1 namespace(s)" in text
     )
     assert not scene.dead_segment.exists() and not scene.dead_ns.exists()
     assert scene.live_segment.exists() and scene.foreign.exists(), "live and unknown segments are kept"

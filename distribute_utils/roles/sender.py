@@ -145,6 +145,7 @@ class Sender(Part):
             info,
             pool=pool,
             cuda=self.cuda_wanted and receiver == self.first,
+            spill=self.transport != "shm",
             workspace=self._workspace_now if fallback else None,
             workspace_path=str(self.workspace_path),
             what=self.what,

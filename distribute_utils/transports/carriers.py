@@ -37,6 +37,7 @@ from .base import Carrier, Context, Sent
 from .collective import CollectiveTransport
 from .cuda_ipc import CudaIpcTransport
 from .inline import AttachedCarrier, InlineCarrier
+from .local_disk import LocalDiskCarrier
 from .shm import REPORTS, FreedReports, SharedMemoryTransport
 from .workspace import WorkspaceTransport
 
@@ -64,6 +65,7 @@ KINDS: dict[str, type[Carrier]] = {
         WorkspaceTransport,
         CollectiveTransport,
         CudaIpcTransport,
+        LocalDiskCarrier,
     )
 }
 """Every carrier, by the tag of its receipts."""
@@ -148,7 +150,13 @@ class Receiving:
         self._carrier(rank, receipt).discard(token, rank, receipt[1])
 
 
-def remove_left_by(rank: int, pid: int) -> list[str]:
-    """Remove what sender ``rank`` (process ``pid``, dead before it claimed: its token was never told)
-    left half-published on this host; the paths removed."""
-    return SharedMemoryTransport.remove_left_by(rank, pid)
+def remove_left_by(rank: int | None, pid: int) -> list[str]:
+    """Remove what sender ``rank`` (any rank: None) of process ``pid`` (dead before it claimed: its token was never told)
+    left half-published on this host, in every carrier that leaves something a dead process cannot
+    remove (``remove_left_by``, see :class:`.base.Carrier`); the paths removed."""
+    removed: list[str] = []
+    for cls in KINDS.values():
+        remove = getattr(cls, "remove_left_by", None)
+        if remove is not None:
+            removed += remove(rank, pid)
+    return removed

@@ -9,8 +9,10 @@
   more than sending the bytes; the sizes were measured, see ``docs/performance.md``;
 - **segment** (:class:`.shm.SharedMemoryTransport`): larger ones, pooled when the receiver can open the
   sender's descriptors;
-- **workspace**: when ``/dev/shm`` has no room and a workspace was given, a file there (logged as
-  a warning).
+- **local disk** (:class:`.local_disk.LocalDiskCarrier`): when ``/dev/shm`` has no room for a payload
+  (a container's small one) and the route may leave shared memory (``spill``), a file on this host's
+  disk (logged as a warning);
+- **workspace**: when neither has room and a workspace was given, a file there (logged as a warning).
 
 Each payload's receipt is tagged by the carrier that took it (:mod:`.carriers`), so the receiving side
 needs no route: it fetches from whichever carrier the receipt names.
@@ -29,12 +31,15 @@ from . import carriers
 from .base import Carrier, Route
 from .cuda_ipc import CudaIpcTransport
 from .inline import INLINE
+from .local_disk import LocalDiskCarrier
 from .segment_pool import SegmentPool
 from .shm import SharedMemoryTransport
 
 __all__ = ["DIRECT_INLINE_MAX_BYTES", "INLINE_MAX_BYTES", "HostRoute"]
 
 logger = logging.getLogger(__name__)
+
+LOCAL_DISK = LocalDiskCarrier()
 
 INLINE_MAX_BYTES = 64 * 2**10
 """Payloads up to this size travel inside the sender's claim in the store, not through a file."""
@@ -50,8 +55,10 @@ class HostRoute(Route):
             process's pid namespace (``pool``), and given back if it dies holding one.
         pool: the receiver can open this process's descriptors (``ProcessInfo.can_watch``).
         cuda: try CUDA IPC first for a payload all on one GPU (only with ``pool``).
-        workspace: makes the workspace carrier when ``/dev/shm`` cannot hold a payload (None:
-            raise :class:`SpaceError` instead).
+        spill: a payload ``/dev/shm`` cannot hold may go through the local disk (False: shared memory
+            only, as ``transport="shm"`` asks).
+        workspace: makes the workspace carrier when neither ``/dev/shm`` nor the local disk can hold a
+            payload (None: raise :class:`SpaceError` instead).
         workspace_path: the workspace's directory, named in the warning when a payload goes there.
         what: names the gather in log messages.
 
@@ -65,6 +72,7 @@ class HostRoute(Route):
         *,
         pool: bool = False,
         cuda: bool = False,
+        spill: bool = False,
         workspace: Callable[[], Carrier] | None = None,
         workspace_path: str = "",
         what: str = "gather",
@@ -73,6 +81,7 @@ class HostRoute(Route):
         self._receiver = receiver
         self._segments = SharedMemoryTransport(pool=pool, receiver=receiver)
         self._cuda = cuda and pool
+        self._spill = spill
         self._inline_max = inline_max
         self._workspace = workspace
         self._workspace_path = workspace_path
@@ -91,9 +100,17 @@ class HostRoute(Route):
             return carriers.publish(INLINE, token, rank, payload)
         try:
             return carriers.publish(self._segments, token, rank, payload)
-        except SpaceError:
+        except SpaceError as full:
+            if self._spill:
+                try:
+                    return self._spilled(token, rank, payload)
+                except (SpaceError, PermissionError) as exc:
+                    logger.debug(
+                        "%s: the local disk cannot take rank %d's payload: %s", self._what, rank, exc
+                    )
             if self._workspace is None:
-                raise
+                raise full from None
+            workspace = self._workspace
         logger.warning(
             "%s: /dev/shm cannot hold rank %d's payload of %d bytes; it goes through the workspace %s",
             self._what,
@@ -101,4 +118,16 @@ class HostRoute(Route):
             payload.nbytes,
             self._workspace_path,
         )
-        return carriers.publish(self._workspace(), token, rank, payload.to_cpu().with_checksum())
+        return carriers.publish(workspace(), token, rank, payload.to_cpu().with_checksum())
+
+    def _spilled(self, token: str, rank: int, payload: EncodedPayload) -> carriers.Sent:
+        """``payload`` through the local disk (``/dev/shm`` had no room), said in a warning."""
+        sent = carriers.publish(LOCAL_DISK, token, rank, payload)
+        logger.warning(
+            "%s: /dev/shm cannot hold rank %d's payload of %d bytes; it goes through the local disk (%s)",
+            self._what,
+            rank,
+            payload.nbytes,
+            sent.data[0],
+        )
+        return sent

@@ -55,6 +55,7 @@ __all__ = [
     "SegmentPool",
     "SharedMemoryTransport",
     "kept_maps",
+    "map_named",
     "pooled_bytes",
     "release_shared_memory",
     "remove_segments_of",
@@ -112,8 +113,9 @@ class SharedMemoryTransport:
         return cls(pin=context.pin)
 
     @staticmethod
-    def remove_left_by(rank: int, pid: int) -> list[str]:
-        """Remove what sender ``rank`` (process ``pid``, dead) left half-published; the paths removed."""
+    def remove_left_by(rank: int | None, pid: int) -> list[str]:
+        """Remove what sender ``rank`` (or any rank) of process ``pid`` (dead) left half-published: its
+        named segments (pooled ones die with it); the paths removed."""
         return remove_segments_of(rank, pid)
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> str:
@@ -168,7 +170,7 @@ class SharedMemoryTransport:
                 kept.pin()
             buf: Any = kept.lend(nbytes, (pid, ident), notice, keeper)
         else:
-            buf = _map_named(segment_path(token, rank, pid), rank, nbytes)
+            buf = map_named(segment_path(token, rank, pid), rank, nbytes)
         total = stated_length(buf)
         if total != nbytes:
             raise PayloadError(f"the segment of rank {rank} holds a payload of {total} bytes, not {nbytes}")
@@ -220,8 +222,9 @@ def _parse_receipt(receipt: str, rank: int) -> tuple[str, int, str, str, int, in
     raise PayloadError(f"rank {rank} sent a malformed shared-memory receipt {receipt!r}")
 
 
-def _map_named(path: str, rank: int, nbytes: int) -> mmap.mmap:
-    """Map a named segment copy-on-write, and unlink it."""
+def map_named(path: str, rank: int, nbytes: int) -> mmap.mmap:
+    """Map a named segment (or any file a carrier names so) copy-on-write, checked to be this user's
+    and private, and unlink it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError as exc:
