@@ -36,6 +36,7 @@ from .errors import ArgumentError, UnsupportedTypeError
 from .mesh import ProcessGroupMesh
 from .roles import ATTACHED_MAX_BYTES, CheckIn, FirstRank, RankList, Round, Sender, error_of, raise_from
 from .transports.host import INLINE_MAX_BYTES
+from .transports.router import REQUESTS, Request, request
 
 __all__ = [
     "ATTACHED_MAX_BYTES",
@@ -51,7 +52,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "shm", "workspace", "collective")
+TRANSPORTS = tuple(REQUESTS)
 
 
 def _checked(ranks: Sequence[int], companion: sync.GroupSync, world: int | None) -> RankList:
@@ -201,7 +202,11 @@ def gather_on(
     seconds, error = (timeout, None) if type(timeout) is float and timeout > 0 else _resolved(timeout)
     with companion.exclusive("a gather"):
         call = companion.new_call(seconds)
-        this_call: Round = (companion, call, transport, workspace_path, seconds, group, root)
+        try:
+            asked = request(transport)
+        except ArgumentError as exc:  # (posted: its partners raise it too)
+            asked, error = Request(str(transport)), error or error_of(exc)
+        this_call: Round = (companion, call, asked, workspace_path, seconds, group, root)
         try:
             listed = _checked(ranks, companion, world_size)
         except ValueError as exc:
@@ -210,8 +215,6 @@ def gather_on(
                 error_of(exc)
             )
             raise
-        if error is None and transport not in TRANSPORTS:
-            error = error_of(ArgumentError(f"unknown transport {transport!r}; valid: {list(TRANSPORTS)}"))
         if error is None and root == "tensor" and not isinstance(value, torch.Tensor):
             error = error_of(
                 UnsupportedTypeError(
@@ -237,7 +240,7 @@ def gather_on(
         # rank wants received tensors on a GPU: ``device`` a CUDA device, or a config gather restoring
         # senders' devices. A wrong guess costs speed only: a GPU buffer bound for the CPU is moved there
         # in ``decode``. (device=None, nearly every gather's, is answered without a call.)
-        cuda_wanted = transport == "auto" and (
+        cuda_wanted = asked.free and (
             root == "config" and received_on is None if device is None else _is_cuda(device)
         )
         sender = Sender(this_call, listed, cuda_wanted=cuda_wanted)

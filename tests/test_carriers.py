@@ -112,3 +112,24 @@ def test_fetching_and_fetched_hooks_see_each_payload_and_may_replace_it() -> Non
     assert seen == [("fetching", 2, "inline"), ("fetched", 2, "inline")]
     with pytest.raises(PayloadError, match="magic"):
         wire.decode(buffer)
+
+
+def test_every_carrier_declares_what_it_can_do() -> None:
+    """Each carrier says where its receiver may run, what it does with GPU tensors, whether it needs the
+    first rank's go or checksums, and what it reads; the router reads these, never a carrier's name."""
+    from distribute_utils.transports import router
+
+    for kind, cls in carriers.KINDS.items():
+        assert cls.kind == kind
+        assert cls.scope in ("host", "any"), (kind, cls.scope)
+        assert cls.devices in ("keeps_gpu", "to_cpu"), (kind, cls.devices)
+        assert isinstance(cls.needs_go, bool) and isinstance(cls.checksums, bool), kind
+        assert isinstance(cls.settings, tuple) and all(isinstance(s, str) for s in cls.settings), kind
+    # Between hosts: only carriers whose receivers may run anywhere; what the roles do around each.
+    for name, asked in router.REQUESTS.items():
+        if asked.forced is not None:
+            assert asked.forced.scope == "any" and router.across(asked, True) is asked.forced, name
+    auto = router.REQUESTS["auto"]
+    assert router.across(auto, True).checksums and not router.across(auto, True).needs_go
+    assert router.across(auto, False).needs_go, "a collective send waits for the first rank's go"
+    assert router.cross_carrier(router.across(auto, False).kind) is router.across(auto, False)

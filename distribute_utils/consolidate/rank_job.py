@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 from .. import sync
-from ..errors import ConsolidationError, plural_list
+from ..errors import ArgumentError, ConsolidationError, TransportUnavailableError, plural_list
 from ..gather import gather_configs
 from ..mesh import ProcessGroupMesh
+from ..roles.plan import make_plan
+from ..transports.router import request
 from .failures import Failure, Failures
 from .job import Item, Job, write_item
 from .merge_plan import MergePlanEntry
@@ -103,13 +105,15 @@ def merge_for_forward(entry: MergePlanEntry, shards: list[torch.Tensor], ranks: 
     return entry.rule.merge(entry.name, shards, ranks)
 
 
-def describe_transport(domains: set[str], requested: str, has_workspace: bool) -> str:
-    """The report's ``transport``: the one requested, or what ``"auto"`` picks for these shm domains."""
-    if requested != "auto":
-        return requested
-    if len(domains) <= 1:
-        return "shm"
-    return f"shm within hosts + {'workspace' if has_workspace else 'collective'} across {len(domains)} hosts"
+def describe_transport(domains: list[str], requested: str, has_workspace: bool) -> str:
+    """The report's ``transport``: the route of a gather of every rank (``domains``: each rank's
+    shared-memory domain, in rank order), in the plan's words (:attr:`~distribute_utils.roles.plan.Plan.description`)."""
+    ranks = list(range(len(domains)))
+    try:
+        plan = make_plan(request(requested), ranks, dict(zip(ranks, domains)), has_workspace)
+    except (ArgumentError, TransportUnavailableError):
+        return requested  # (the gathers themselves say what is wrong)
+    return plan.description
 
 
 def start_rank_job(
@@ -183,12 +187,13 @@ class RankJob(Job):
         mesh = ProcessGroupMesh(plan.stages, plan.tp, axis_names=("pp", "tp"), timeout=seconds)
         rank = failures.rank
         # Only rank 0 reports how shards travelled: only it reads where every rank runs (never all-to-all).
-        peers = sync.companion(None).peers(seconds) if rank == 0 else []
-        used = describe_transport(
-            {p.shm_domain for p in peers},
-            gather_options["transport"],
-            gather_options["workspace_path"] is not None,
-        )
+        used = ""
+        if rank == 0:
+            used = describe_transport(
+                [p.shm_domain for p in sync.companion(None).peers(seconds)],
+                gather_options["transport"],
+                gather_options["workspace_path"] is not None,
+            )
         world = dist.get_world_size()
         super().__init__(
             start, input_dir, output, options, plan, writer, rank=rank, world=world, transport=used

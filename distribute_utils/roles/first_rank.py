@@ -25,6 +25,7 @@ from ..channel import Buffer
 from ..errors import DeviceUnavailableError, PayloadError, PeerLostError
 from ..processes import process_alive
 from ..transports import carriers
+from ..transports.router import REQUESTS, Request, cross_carrier
 from .part import Claim, Part, RankList, Round, Verdict, error_of, mismatch, not_direct, raise_from
 from .placing import CPU, place_own
 from .plan import Plan, make_plan
@@ -155,7 +156,7 @@ class FirstRank(Part):
         try:
             plan = self.plan()
         except BaseException as exc:
-            if self.transport not in ("workspace", "collective"):
+            if not self.request.flat:  # (flat senders wait for no plan)
                 self.call.post_shared("plan", msgpack.packb([self.digest, list(error_of(exc)), None]))
             raise
         self._cross = plan.cross
@@ -170,20 +171,20 @@ class FirstRank(Part):
         """The route of this gather, worked out by the first rank from where ranks run (the same lists
         come back call after call: a route is kept for the incarnation, as are the infos it comes from)."""
         routes = self.companion.routes
-        key = (tuple(self.ranks), self.transport, self.workspace_path is not None)
+        key = (tuple(self.ranks), self.request, self.workspace_path is not None)
         found = routes.get(key)
         if found is None:
             found = routes.put(key, self._plan_now())
         return found
 
     def _plan_now(self) -> Plan:
-        if self.transport in ("workspace", "collective"):
-            return make_plan(self.transport, self.ranks, {}, self.workspace_path is not None)
+        if self.request.flat:
+            return make_plan(self.request, self.ranks, {}, self.workspace_path is not None)
         directory = self.companion.directory
         assert directory is not None
         infos = directory.infos(self.ranks, self.companion.store, self.seconds, self.what)
         domains = {r: i.shm_domain for r, i in zip(self.ranks, infos)}
-        return make_plan(self.transport, self.ranks, domains, self.workspace_path is not None)
+        return make_plan(self.request, self.ranks, domains, self.workspace_path is not None)
 
     def take_claims(
         self,
@@ -226,19 +227,16 @@ class FirstRank(Part):
         return True
 
     def tell_go(self, error: tuple[Any, ...] | None, claims: dict[int, Claim]) -> None:
-        """Let collective senders send (or tell them why not); once, only where some may wait."""
-        if self._go_posted or (error is None and "collective" not in (self._cross, self.transport)):
+        """Let senders whose carrier needs the first rank's "go" send (or tell them why not); once, only
+        where some may wait (see :attr:`.base.Carrier.needs_go`)."""
+        cross = cross_carrier(self._cross)
+        go_here = self.request.needs_go or (cross is not None and cross.needs_go)
+        if self._go_posted or (error is None and not go_here):
             return  # every claim was checked: they all asked for this rank's transport
-        # Who sends by collective waits for "go": by this rank's plan, or by its own request.
-        waiting = any(
-            c.body and (self._cross == "collective" or c.mode.startswith("collective:"))
-            for c in claims.values()
-        )
-        # A failed direct round cannot tell who waits: a sender that asked for the collective may.
-        if waiting or (
-            error is not None
-            and (not self.channel.hears_all or "collective" in (self.transport, self._cross))
-        ):
+        # Who waits for "go": by this rank's plan, or by its own request (the name in its claim's mode).
+        waiting = any(c.body and (go_here or _asked(c.mode).needs_go) for c in claims.values())
+        # A failed direct round cannot tell who waits: a sender that asked for such a carrier may.
+        if waiting or (error is not None and (not self.channel.hears_all or go_here)):
             self.call.post_shared("go", msgpack.packb(list(error) if error else None))
             self._go_posted = True
 
@@ -262,6 +260,11 @@ class FirstRank(Part):
             if info is not None and not process_alive(info):
                 for path in carriers.remove_left_by(rank, info.pid):
                     logger.info("%s: removed %s, left by rank %d, which died", self.what, path, rank)
+
+
+def _asked(mode: str) -> Request:
+    """The request a claim's mode (``"<transport>:<has workspace>"``) names (unknown: as ``"auto"``)."""
+    return REQUESTS.get(mode.partition(":")[0], REQUESTS["auto"])
 
 
 def _on_cpu(target: torch.device | str | None) -> bool:

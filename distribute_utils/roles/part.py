@@ -30,6 +30,7 @@ from ..channel import Channel, MailboxChannel, StoreChannel
 from ..errors import ArgumentError, GatherError, PayloadError, PeerLostError, rebuilt
 from ..transports import carriers
 from ..transports.base import Carrier, Context
+from ..transports.router import Request
 
 __all__ = [
     "ATTACHED_MAX_BYTES",
@@ -167,7 +168,7 @@ def not_direct(me: int, other: int) -> ArgumentError:
 Round = tuple[
     sync.GroupSync,  # companion
     sync.Call,  # call
-    str,  # transport
+    Request,  # transport (router.request: parsed at the API's edge)
     "str | PathLike[str] | None",  # workspace_path
     float,  # seconds
     "dist.ProcessGroup | Sequence[int] | None",  # group
@@ -185,12 +186,12 @@ class Part:
     per call, as the role the rank has in it."""
 
     def __init__(self, round_: Round, listed: RankList) -> None:
-        companion, call, transport, workspace_path, seconds, group, root = round_
+        companion, call, asked, workspace_path, seconds, group, root = round_
         self.companion, self.call, self.listed, self.ranks = companion, call, listed, listed.ranks
         self.me, self.first = companion.rank, listed.first
         self.digest, self.shown = listed.digest, listed.shown
-        self.transport, self.workspace_path = transport, workspace_path
-        self.mode = f"{transport}:{workspace_path is not None}"
+        self.request, self.workspace_path = asked, workspace_path
+        self.mode = f"{asked.name}:{workspace_path is not None}"
         self.seconds, self.group, self.root = seconds, group, root
         self.what = listed.what
         self._attached_in: dict[int, memoryview] = {}  # the first rank's: each sender's, as it came
@@ -259,9 +260,7 @@ class Part:
         transport are told by the records. Returns ``error`` (this rank's so far), or else the error of
         deciding (the store, where the ranks posted where they run, is gone: the store round is left)."""
         try:
-            if self.transport in ("auto", "shm") and self.companion.direct(
-                self.ranks, self.seconds, self.what
-            ):
+            if self.request.direct and self.companion.direct(self.ranks, self.seconds, self.what):
                 self.channel = MailboxChannel(
                     self.call, self.ranks, self.seconds, self.store_channel, ATTACHED_MAX_BYTES
                 )

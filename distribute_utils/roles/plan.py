@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from ..errors import ArgumentError, TransportUnavailableError
+from ..errors import TransportUnavailableError
+from ..transports.router import Request, across
 
 __all__ = ["Plan", "make_plan"]
 
@@ -29,7 +30,7 @@ class Plan:
     """
 
     ranks: tuple[int, ...]
-    cross: str | None  # "workspace" | "collective" | None (everyone on one host)
+    cross: str | None  # the kind of the carrier across hosts (router.cross_carrier), None: one host
     hosts: dict[int, list[int]]  # leader -> participants on its host, leader first
 
     @property
@@ -72,23 +73,21 @@ class Plan:
         return cls(tuple(ranks), cross, {k: v for k, v in hosts})
 
 
-def make_plan(requested: str, ranks: list[int], domains: dict[int, str], has_workspace: bool) -> Plan:
-    """Choose the route of every payload (raises before the first rank reads anything)."""
+def make_plan(asked: Request, ranks: list[int], domains: dict[int, str], has_workspace: bool) -> Plan:
+    """Choose the route of every payload (raises before the first rank reads anything): with a forced
+    carrier every sender is its own leader (``domains`` unread); else the ranks of each shared-memory
+    domain (host) send to its first, which forwards one bundle across (:func:`.router.across`)."""
     first, order = ranks[0], tuple(ranks)
-    if requested in ("workspace", "collective"):
-        if requested == "workspace" and not has_workspace:
-            raise ArgumentError(
-                "transport='workspace' needs a workspace_path (a directory every rank can reach)"
-            )
-        return Plan(order, requested, {r: [r] for r in ranks})
+    if asked.flat:
+        return Plan(order, across(asked, has_workspace).kind, {r: [r] for r in ranks})
     by_domain: dict[str, list[int]] = {}
     for r in ranks:
         by_domain.setdefault(domains[r], []).append(r)
     if len(by_domain) == 1:
         return Plan(order, None, {first: list(ranks)})
-    if requested == "shm":
+    if asked.host_only:
         raise TransportUnavailableError(
             f"transport='shm' needs every participant on one host with one /dev/shm, but ranks {ranks} "
             f"span {len(by_domain)} shared-memory domains; use transport='auto'"
         )
-    return Plan(order, "workspace" if has_workspace else "collective", {h[0]: h for h in by_domain.values()})
+    return Plan(order, across(asked, has_workspace).kind, {h[0]: h for h in by_domain.values()})

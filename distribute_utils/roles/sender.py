@@ -27,6 +27,7 @@ from ..transports.base import Carrier, Route
 from ..transports.collective import message_device
 from ..transports.host import HostRoute
 from ..transports.inline import AttachedCarrier
+from ..transports.router import cross_carrier
 from .part import (
     Claim,
     Part,
@@ -112,8 +113,8 @@ class Sender(Part):
 
     def my_plan(self) -> Plan | None:
         """A sender's view: None when it sends straight to the first rank through this host."""
-        if self.transport in ("workspace", "collective"):
-            return make_plan(self.transport, self.ranks, {}, self.workspace_path is not None)
+        if self.request.flat:
+            return make_plan(self.request, self.ranks, {}, self.workspace_path is not None)
         key = ("first here", self.first)  # kept for the incarnation, as the infos it comes from
         here: bool | None = self.companion.routes.get(key)
         if here is None:
@@ -140,12 +141,12 @@ class Sender(Part):
         info = directory.info(receiver, self.companion.store, self.seconds, self.what)
         pool = directory.me.can_watch(info)
         # A sender may fall back to the workspace when /dev/shm is full, unless told "shm" only.
-        fallback = self.workspace_path is not None and self.transport != "shm"
+        fallback = self.workspace_path is not None and self.request.spill
         return HostRoute(
             info,
             pool=pool,
             cuda=self.cuda_wanted and receiver == self.first,
-            spill=self.transport != "shm",
+            spill=self.request.spill,
             workspace=self._workspace_now if fallback else None,
             workspace_path=str(self.workspace_path),
             what=self.what,
@@ -179,10 +180,10 @@ class Sender(Part):
         """A remote host's leader: collect its host's payloads and send one bundle across."""
         host = plan.hosts[self.me]
         flat = len(host) == 1
-        keep_device = flat and plan.cross == "collective" and message_device(self.group, True) != "cpu"
-        own = wire.encode(
-            value, root=self.root, checksum=flat and plan.cross == "workspace", keep_device=keep_device
-        )
+        cross = cross_carrier(plan.cross)
+        assert cross is not None  # (a leader forwards across hosts)
+        keep_device = flat and cross.devices == "keeps_gpu" and message_device(self.group, True) != "cpu"
+        own = wire.encode(value, root=self.root, checksum=flat and cross.checksums, keep_device=keep_device)
         if flat:
             return self.publish_across(plan, own)
         others = host[1:]
@@ -201,13 +202,16 @@ class Sender(Part):
                 self.discard(rank, claim.body)
             raise
         bundle = {"ranks": [self.me, *others], "parts": parts}
-        payload = wire.encode(bundle, root="bundle", checksum=plan.cross == "workspace")
+        payload = wire.encode(bundle, root="bundle", checksum=cross.checksums)
         return self.publish_across(plan, payload)
 
     def publish_across(self, plan: Plan, payload: wire.EncodedPayload) -> list[Any]:
-        if plan.cross == "workspace":
+        """A leader (or flat sender): ``payload`` through the carrier across hosts; one that needs the
+        first rank's "go" sends only then (a send cannot be taken back: see send())."""
+        cross = cross_carrier(plan.cross)
+        assert cross is not None
+        if not cross.needs_go:
             return self.publish(self.workspace, payload)
-        # A send cannot be taken back: it goes only after the first rank's "go" (see send()).
         device = message_device(self.group, payload.device_resident)
         self._deferred = (device, payload.to_cpu() if device == "cpu" else payload)
         token = secrets.token_hex(8)

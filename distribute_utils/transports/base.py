@@ -30,9 +30,11 @@ alive); nothing the carrier made may stay visible to other processes once ``fetc
 ``release`` has run.
 
 Adding a carrier: write one class with the attributes and methods of :class:`Carrier` (``kind``, a
-name no other carrier has; ``publish`` / ``fetch`` / ``discard`` / ``release``; the classmethod
-``receiving``), list it in :data:`.carriers.KINDS`, and choose it where the round publishes (a
-:class:`Route`, e.g. :class:`.host.HostRoute`). Test it with one test that publishes through it and
+name no other carrier has; what it can do: ``scope``, ``devices``, ``needs_go``, ``checksums``,
+``settings``, and how its leftovers are found; ``publish`` / ``fetch`` / ``discard`` / ``release``; the
+classmethod ``receiving``), list it in :data:`.carriers.KINDS`, and choose it where the round publishes
+(a :class:`Route`, e.g. :class:`.host.HostRoute`: the local-disk carrier, :mod:`.local_disk`, was added
+so). Test it with one test that publishes through it and
 fetches with :meth:`.carriers.Receiving.fetch`; :func:`.carriers.inject` lets that test kill a rank
 or corrupt a buffer at the carriers' fault points (``"published"``, ``"fetching"``, ``"fetched"``)
 without patching private code.
@@ -40,7 +42,7 @@ without patching private code.
 Carriers today: inline (in the store claim) and attached (in a direct round's claim datagram),
 :mod:`.inline`; named and pooled shared-memory segments, registered with CUDA when copied to a GPU,
 :mod:`.shm`; workspace files, :mod:`.workspace`; point-to-point collectives, :mod:`.collective`;
-CUDA IPC, :mod:`.cuda_ipc`.
+CUDA IPC, :mod:`.cuda_ipc`; files on this host's disk when ``/dev/shm`` has no room, :mod:`.local_disk`.
 """
 
 from __future__ import annotations
@@ -81,6 +83,27 @@ class Carrier(Protocol):
     done_when_answered: bool
     """True when a receiver that sent any verdict no longer reads what was published (``release``
     then gets ``taken=True``); False when only a successful one says so."""
+    scope: str
+    """Where its receiver may run: ``"host"`` (this host: a segment, a file on local disk, a datagram,
+    CUDA IPC) or ``"any"`` (any host: the store's claim, the workspace, a collective)."""
+    devices: str
+    """What it does with a payload's GPU tensors: ``"keeps_gpu"`` (they arrive in device memory: CUDA
+    IPC, NCCL) or ``"to_cpu"`` (they travel through host memory and are copied to a GPU after)."""
+    needs_go: bool
+    """Whether the sender may send only once its first rank said "go" (what is sent cannot be taken
+    back: the collective)."""
+    checksums: bool
+    """Whether its payloads carry a checksum, checked on fetch (where bytes may be stale or torn)."""
+    settings: tuple[str, ...]
+    """The options and environment variables it reads (``workspace_path``, ``$DISTRIBUTE_UTILS_...``)."""
+    # Leftovers: a carrier whose publication can outlive a process killed outright (a file with a name)
+    # says how to find and remove it, as static methods read with getattr (absent: nothing to leave):
+    # ``remove_left_by(rank, pid)`` removes what sender ``rank`` (any: None) of dead process ``pid`` left,
+    # returning the paths (the first rank that sees a sender die, a launcher after killing a rank:
+    # :func:`.carriers.remove_left_by`); ``leftovers()`` lists ``(path, owner pid, bytes)`` of dead
+    # owners (``distribute-utils doctor`` / ``clean``). Shared-memory segments, named ``du_*`` in
+    # ``/dev/shm``, are listed by :mod:`distribute_utils.hygiene` itself; workspace namespaces by their
+    # owner records (:mod:`.namespace`).
     # Optional (read with getattr, False when absent): ``one_per_round = True`` says that what
     # ``receiving`` returns depends on the round's context only, not on the sender or its receipt, so
     # that :class:`.carriers.Receiving` makes it once per round and fetches every receipt of its kind

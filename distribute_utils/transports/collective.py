@@ -48,6 +48,11 @@ class CollectiveTransport:
 
     kind = "collective"
     done_when_answered = False
+    scope = "any"
+    devices = "keeps_gpu"  # (NCCL from GPU memory)
+    needs_go = True  # (a send cannot be taken back: it goes once the first rank says so)
+    checksums = False
+    settings: tuple[str, ...] = ()
 
     def __init__(
         self, group: dist.ProcessGroup | None, first: int, timeout: float, device: torch.device

@@ -117,6 +117,11 @@ class CudaIpcTransport:
 
     kind = KIND
     done_when_answered = True  # any verdict: the first rank no longer reads (see the module doc)
+    scope = "host"  # (and the receiver in this pid namespace)
+    devices = "keeps_gpu"
+    needs_go = False
+    checksums = False
+    settings: tuple[str, ...] = ()
 
     def __init__(self, receiver: ProcessInfo | None = None, device: torch.device | str | None = None) -> None:
         self._receiver = receiver

@@ -28,6 +28,11 @@ class InlineCarrier:
 
     kind = "inline"
     done_when_answered = False
+    scope = "any"  # (the claim is in the job's store)
+    devices = "to_cpu"
+    needs_go = False
+    checksums = False
+    settings: tuple[str, ...] = ()
     one_per_round = True  # (one instance for every round: see receiving)
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> bytes:
@@ -61,6 +66,11 @@ class AttachedCarrier:
 
     kind = "attached"
     done_when_answered = False
+    scope = "host"  # (a datagram between processes of one host)
+    devices = "to_cpu"
+    needs_go = False
+    checksums = False
+    settings: tuple[str, ...] = ()
     one_per_round = True  # (the receiving side's one reads the round's context.arrived)
     __slots__ = ("arrived", "outgoing")
 

@@ -58,7 +58,7 @@ class LocalDiskCarrier:
     devices = "to_cpu"
     needs_go = False
     checksums = False
-    settings = (LOCAL_DIR_ENV,)
+    settings: tuple[str, ...] = (LOCAL_DIR_ENV,)
 
     @classmethod
     def receiving(cls, context: Context, rank: int, receipt: Any) -> LocalDiskCarrier:

@@ -96,6 +96,11 @@ class SharedMemoryTransport:
 
     kind = "shm"
     done_when_answered = False
+    scope = "host"
+    devices = "to_cpu"  # (a GPU payload is copied from there into the segment, registered)
+    needs_go = False
+    checksums = False
+    settings: tuple[str, ...] = ()
     pooling = True
     """False: every segment is a named one, whatever ``pool`` says (a documented seam for tests of
     named segments: a dead sender's pooled segment dies with it)."""

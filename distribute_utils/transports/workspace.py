@@ -70,6 +70,11 @@ class WorkspaceTransport:
 
     kind = "workspace"
     done_when_answered = False
+    scope = "any"
+    devices = "to_cpu"
+    needs_go = False
+    checksums = True  # (a network filesystem may serve stale or torn bytes)
+    settings: tuple[str, ...] = ("workspace_path", "DISTRIBUTE_UTILS_JOB_TOKEN")
 
     def __init__(
         self,

@@ -1,0 +1,106 @@
+"""Internal. The router: which carriers a gather may use, decided in one place from the caller's
+``transport=`` (parsed once, at the API's edge, into a :class:`Request`) and what each carrier declares
+(:class:`.base.Carrier`: ``scope``, ``devices``, ``needs_go``, ``checksums``).
+
+The roles (:mod:`distribute_utils.roles`) ask the request and the carrier between hosts, never a
+transport's name:
+
+- :attr:`Request.direct`: ranks of one host may take the direct round (claims and verdicts through the
+  mailboxes), and payloads go through this host's carriers;
+- :attr:`Request.flat`: every sender sends straight to the first rank through :attr:`Request.forced`
+  (no shared-memory hop, no plan to wait for);
+- :attr:`Request.spill` / :attr:`Request.free`: a host's route may leave shared memory (the local disk,
+  the workspace) / may choose any carrier it likes (CUDA IPC);
+- :func:`across`: the carrier between hosts for a plan (the forced one, else the workspace when given,
+  else the collective), and :func:`cross_carrier` the class a plan names; its ``needs_go``,
+  ``checksums`` and ``devices`` say what the roles do around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ArgumentError
+from .base import Carrier
+from .collective import CollectiveTransport
+from .workspace import WorkspaceTransport
+
+__all__ = ["REQUESTS", "Request", "across", "cross_carrier", "request"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A gather's ``transport=``, as every rank of it must ask (its :attr:`name` travels in claims)."""
+
+    name: str
+    forced: type[Carrier] | None = None
+    """The one carrier every sender uses (``"workspace"``, ``"collective"``), or None: the router chooses."""
+    host_only: bool = False
+    """Shared memory only (``"shm"``): across hosts it is an error; within a host, no other carrier."""
+
+    @property
+    def flat(self) -> bool:
+        """Every sender its own leader: straight to the first rank through :attr:`forced`."""
+        return self.forced is not None
+
+    @property
+    def direct(self) -> bool:
+        """Ranks of one host may take the direct round and this host's carriers."""
+        return self.forced is None
+
+    @property
+    def spill(self) -> bool:
+        """A host's route may leave shared memory when it is full (the local disk, the workspace)."""
+        return not self.host_only
+
+    @property
+    def free(self) -> bool:
+        """The router chooses among every carrier (CUDA IPC first for a GPU payload bound for a GPU)."""
+        return self.forced is None and not self.host_only
+
+    @property
+    def needs_go(self) -> bool:
+        """Its senders wait for the first rank's "go" whatever the plan (a forced collective)."""
+        return self.forced is not None and self.forced.needs_go
+
+
+REQUESTS = {
+    "auto": Request("auto"),
+    "shm": Request("shm", host_only=True),
+    "workspace": Request("workspace", forced=WorkspaceTransport),
+    "collective": Request("collective", forced=CollectiveTransport),
+}
+"""Every ``transport=`` a caller may pass."""
+
+
+def request(transport: str) -> Request:
+    """The request ``transport`` names.
+
+    Raises:
+        ArgumentError: an unknown name (the valid ones listed).
+    """
+    found = REQUESTS.get(transport) if isinstance(transport, str) else None
+    if found is None:
+        raise ArgumentError(f"unknown transport {transport!r}; valid: {list(REQUESTS)}")
+    return found
+
+
+def across(asked: Request, has_workspace: bool) -> type[Carrier]:
+    """The carrier between hosts: the forced one, else the workspace when one is given, else the
+    collective.
+
+    Raises:
+        ArgumentError: the workspace forced without a workspace_path.
+    """
+    if asked.forced is WorkspaceTransport and not has_workspace:
+        raise ArgumentError("transport='workspace' needs a workspace_path (a directory every rank can reach)")
+    if asked.forced is not None:
+        return asked.forced
+    return WorkspaceTransport if has_workspace else CollectiveTransport
+
+
+def cross_carrier(kind: str | None) -> type[Carrier] | None:
+    """The carrier class a plan names between hosts (None: everyone on one host)."""
+    if kind is None:
+        return None
+    return {WorkspaceTransport.kind: WorkspaceTransport, CollectiveTransport.kind: CollectiveTransport}[kind]
