@@ -1,4 +1,4 @@
-"""The one bounded cache of the package: recent results of a pure function, emptied when full.
+"""Internal. The one bounded cache of the package: recent results of a pure function, emptied when full.
 
 Gathers repeat the same shapes, rank lists and routes call after call; what is worked out from them
 (the encoder's layouts, the decoder's checked heads, a list's digest, a group's route, a peer's

@@ -1,4 +1,4 @@
-"""How one gather call's claims and verdicts travel: the store, or this host's mailboxes.
+"""Internal. How one gather call's claims and verdicts travel: the store, or this host's mailboxes.
 
 A gather call (:mod:`distribute_utils.roles`) is one hop each way: every sender posts one *claim*
 (what it sends and where its payload is), the first rank reads its own participants' claims and posts

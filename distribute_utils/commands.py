@@ -1,4 +1,4 @@
-"""What each ``distribute-utils`` command does, once :mod:`.cli` has parsed its arguments: ``demo``,
+"""Internal. What each ``distribute-utils`` command does, once :mod:`.cli` has parsed its arguments: ``demo``,
 ``consolidate`` (one process, local ranks, or one rank under torchrun; ``--dry-run``), ``doctor`` and
 ``clean`` (over :mod:`.hygiene`). Each ``cmd_*`` takes the parsed arguments and returns the exit code;
 :class:`~.errors.UsageError` (exit code 2) and :func:`fail` (the one-line error) are shared with :mod:`.cli`.

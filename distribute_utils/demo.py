@@ -1,4 +1,4 @@
-"""The built-in demo (``distribute-utils demo``): a mesh tour, then a real checkpoint consolidation.
+"""Internal. The built-in demo (``distribute-utils demo``): a mesh tour, then a real checkpoint consolidation.
 
 One spawn of ``nproc`` local ranks (gloo, shared memory) does both parts:
 

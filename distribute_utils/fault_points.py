@@ -1,4 +1,4 @@
-"""Fault-injection points: the one seam through which tests make a fault happen at a named step.
+"""Internal. Fault-injection points: the one seam through which tests make a fault happen at a named step.
 
 A module with fault points holds one :class:`FaultPoint` and calls its :attr:`~FaultPoint.hook`, when set,
 at each named step (its module doc says which steps, and what a hook may do there); a test sets the hook

@@ -1,4 +1,4 @@
-"""This user's private directory on this host: ``/dev/shm/.distribute-utils-<uid>`` (mode 0700, checked).
+"""Internal. This user's private directory on this host: ``/dev/shm/.distribute-utils-<uid>`` (mode 0700, checked).
 
 It holds what other local users must never reach: the records of temporary files
 (:mod:`distribute_utils.temporaries`) and the Unix sockets that processes of one host send each other

@@ -1,4 +1,4 @@
-"""Operator checks: what ``distribute-utils doctor`` reports and ``distribute-utils clean`` removes.
+"""Internal. Operator checks: what ``distribute-utils doctor`` reports and ``distribute-utils clean`` removes.
 
 ``doctor`` looks at everything a gather depends on and says what would make one fail:
 

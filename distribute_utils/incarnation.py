@@ -1,4 +1,4 @@
-"""One incarnation of the default process group: what lives and dies with it.
+"""Internal. One incarnation of the default process group: what lives and dies with it.
 
 Everything this package caches for a process group belongs to one :class:`Incarnation`, made on
 first use (:func:`incarnation`) and dropped when the default group is destroyed or replaced

@@ -1,4 +1,4 @@
-"""Interrupts: SIGINT and SIGTERM end a command at once and leave nothing behind.
+"""Internal. Interrupts: SIGINT and SIGTERM end a command at once and leave nothing behind.
 
 A Python signal handler runs only when the main thread gets back to the interpreter, and torch's store
 and gloo calls retry on ``EINTR``: a rank waiting for a peer would notice a Ctrl-C only at its timeout,

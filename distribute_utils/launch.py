@@ -1,4 +1,4 @@
-"""Run a function on N local ranks, or as one rank of a job started by ``torchrun``.
+"""Internal. Run a function on N local ranks, or as one rank of a job started by ``torchrun``.
 
 Used by the CLI: ``distribute-utils demo`` and ``consolidate --nproc N`` spawn their own
 ranks (gloo over a ``TCPStore`` on 127.0.0.1 hosted by the launching process, so a dying rank

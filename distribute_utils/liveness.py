@@ -1,4 +1,4 @@
-"""Liveness of peers: noticing dead local ranks while waiting, and removing finished calls' keys.
+"""Internal. Liveness of peers: noticing dead local ranks while waiting, and removing finished calls' keys.
 
 - The **watchdog** (:class:`Watchdog`, one daemon thread per process, started by the first wait that
   outlasts :data:`GRACE_S`) checks the pids of the local peers a wait depends on, and posts a

@@ -1,4 +1,4 @@
-"""Direct messages between the processes of one host: Unix datagram sockets, no store hop.
+"""Internal. Direct messages between the processes of one host: Unix datagram sockets, no store hop.
 
 A gather whose ranks all run on one host (same kernel, ``/dev/shm``, pid and network namespace)
 sends its claims and verdicts through these sockets instead of the job's store: a datagram goes

@@ -1,4 +1,4 @@
-"""Outputs of the command line: never mix two checkpoints, never delete what a command did not write.
+"""Internal. Outputs of the command line: never mix two checkpoints, never delete what a command did not write.
 
 A command that writes files calls :func:`prepare_output` before anything is written, with the exact
 paths it will write (for a consolidation: :func:`~.consolidate.writers.output_paths`) and the naming

@@ -1,4 +1,4 @@
-"""Who owns the package's mutable state: the default process group's scope, or the process's.
+"""Internal. Who owns the package's mutable state: the default process group's scope, or the process's.
 
 A module that keeps state for a group asks for it by class, ``owned(Kind)``, rather than holding it
 in a global of its own. :class:`Owner` makes the one instance of ``Kind`` on first use (``Kind()``) and calls its

@@ -1,4 +1,4 @@
-"""Facts about this process and its host: identity, shared-memory domain, liveness of peers.
+"""Internal. Facts about this process and its host: identity, shared-memory domain, liveness of peers.
 
 Two processes can share POSIX shared memory when they run on the same kernel (boot id) and
 see the same ``/dev/shm`` mount (its device number); the hostname alone is not enough

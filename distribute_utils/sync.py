@@ -1,4 +1,4 @@
-"""Synchronisation of a set of ranks on the CPU, through the job's rendezvous store.
+"""Internal. Synchronisation of a set of ranks on the CPU, through the job's rendezvous store.
 
 Every set of ranks gets one :class:`GroupSync`, its CPU companion, made on first use and
 cached for the life of the default process group: its own client of the ``TCPStore`` that

@@ -1,4 +1,4 @@
-"""Temporary files a process must remove unless it finishes, and a record of them for ``clean``.
+"""Internal. Temporary files a process must remove unless it finishes, and a record of them for ``clean``.
 
 Output files are written under temporary names and renamed into place once complete. A
 :class:`Temporaries` is made *before* its files exist: it registers an undo with :mod:`.interrupts`

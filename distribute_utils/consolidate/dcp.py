@@ -1,4 +1,4 @@
-"""torch.distributed.checkpoint (DCP) directories, read tensor by tensor: plain DCP and Megatron's torch_dist.
+"""Internal. torch.distributed.checkpoint (DCP) directories, read tensor by tensor: plain DCP and Megatron's torch_dist.
 
 A DCP directory holds ``.metadata`` (every tensor's global shape and where its chunks are) and
 ``__<rank>_<n>.distcp`` files. :class:`DcpCheckpoint` plans the output from the metadata alone and reads

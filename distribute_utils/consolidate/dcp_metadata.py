@@ -1,4 +1,4 @@
-"""Reading a DCP directory's metadata without running any of it: ``.metadata`` (:func:`read_dcp_metadata`)
+"""Internal. Reading a DCP directory's metadata without running any of it: ``.metadata`` (:func:`read_dcp_metadata`)
 and, for Megatron's torch_dist, ``metadata.json`` and the ``args`` in ``common.pt``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The output tensors of a DCP directory: plain DCP keys as they are, Megatron's torch_dist keys renamed to
+"""Internal. The output tensors of a DCP directory: plain DCP keys as they are, Megatron's torch_dist keys renamed to
 Megatron's own TP1 x PP1 x EP1 state dict names (the rules are in :mod:`.dcp`'s docstring)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reading the planned output tensors of a DCP directory from its ``.distcp`` files: a batch at a time
+"""Internal. Reading the planned output tensors of a DCP directory from its ``.distcp`` files: a batch at a time
 through DCP's own storage reader (:meth:`DcpReader.read`), or streamed chunk by chunk straight into a
 safetensors file (:meth:`DcpReader.stream_into`)."""
 

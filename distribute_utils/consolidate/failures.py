@@ -1,4 +1,4 @@
-"""A rank's first error in a consolidation, how it travels, and the error the other ranks raise.
+"""Internal. A rank's first error in a consolidation, how it travels, and the error the other ranks raise.
 
 A failure on any rank (a ``same`` tensor that differs, a full disk, a bad shard) must not leave the others
 hanging: the rank's :class:`Failures` records it (:meth:`Failures.guard`) and the rank keeps taking part in

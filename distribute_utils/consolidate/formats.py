@@ -1,4 +1,4 @@
-"""Recognising a checkpoint directory: :func:`open_checkpoint` is the one place that knows every format.
+"""Internal. Recognising a checkpoint directory: :func:`open_checkpoint` is the one place that knows every format.
 
 * ``mesh.json``: the own layout (:class:`~.own_layout.OwnLayout`);
 * ``.metadata``: torch.distributed.checkpoint, which Megatron-LM and NeMo write as ``torch_dist``

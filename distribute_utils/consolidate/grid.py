@@ -1,4 +1,4 @@
-"""Sharded checkpoints as a grid of files: the interface every grid format implements.
+"""Internal. Sharded checkpoints as a grid of files: the interface every grid format implements.
 
 :class:`CheckpointLayout` says where each (TP rank, stage) shard lives and how its local names map to
 global ones; formats are subclasses (:class:`~.own_layout.OwnLayout`, Megatron-LM legacy in

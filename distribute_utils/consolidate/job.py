@@ -1,4 +1,4 @@
-"""What both ways of running a consolidation share: the plan, rank 0's writer, the progress bar, the report.
+"""Internal. What both ways of running a consolidation share: the plan, rank 0's writer, the progress bar, the report.
 
 :class:`~.local_job.LocalJob` runs the whole consolidation in one process; :class:`~.rank_job.RankJob`
 is one rank's part of a job of one rank per shard. Each is built ready to run (planned, the output

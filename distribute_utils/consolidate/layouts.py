@@ -1,4 +1,4 @@
-"""Where the grid interface, the own layout and merge planning were defined before they got modules of
+"""Internal. Where the grid interface, the own layout and merge planning were defined before they got modules of
 their own; kept for the names imported from here: :mod:`.grid` (the interface every grid format
 implements), :mod:`.own_layout` (``mesh.json`` plus one file per rank) and :mod:`.merge_plan`
 (:func:`plan_merge`).

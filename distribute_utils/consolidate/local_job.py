@@ -1,4 +1,4 @@
-"""The whole consolidation in one process (no process group, or a world of one).
+"""Internal. The whole consolidation in one process (no process group, or a world of one).
 
 Every stage in turn, each batch read from all of the stage's TP shards and written in this thread (one
 stage's shard windows mapped at a time, so memory stays near one batch); a checkpoint that can stream

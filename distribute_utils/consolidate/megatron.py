@@ -1,4 +1,4 @@
-"""Megatron-LM's legacy (``--ckpt-format torch``) checkpoints, as its ``save_checkpoint`` writes them.
+"""Internal. Megatron-LM's legacy (``--ckpt-format torch``) checkpoints, as its ``save_checkpoint`` writes them.
 
 Directory layout (``checkpointing.get_checkpoint_name``)::
 

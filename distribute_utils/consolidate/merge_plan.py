@@ -1,4 +1,4 @@
-"""Planning a consolidation from metadata alone: every output tensor, where its shards are, its rule and
+"""Internal. Planning a consolidation from metadata alone: every output tensor, where its shards are, its rule and
 its merged spec (:func:`plan_merge`)."""
 
 from __future__ import annotations

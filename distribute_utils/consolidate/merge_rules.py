@@ -1,4 +1,4 @@
-"""Merge rules: how the tensor-parallel shards of one tensor become one tensor.
+"""Internal. Merge rules: how the tensor-parallel shards of one tensor become one tensor.
 
 A rule is a small frozen object with three operations:
 

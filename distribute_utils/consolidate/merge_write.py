@@ -1,4 +1,4 @@
-"""Merging one tensor and writing it: where a merge rule meets a checkpoint writer."""
+"""Internal. Merging one tensor and writing it: where a merge rule meets a checkpoint writer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The project's own checkpoint layout: a directory with ``mesh.json`` and one file per rank
+"""Internal. The project's own checkpoint layout: a directory with ``mesh.json`` and one file per rank
 (:class:`OwnLayout`), and :func:`write_own_layout` to write one."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Planning a consolidation from metadata alone: the rules, the merge plan, its batches, the options.
+"""Internal. Planning a consolidation from metadata alone: the rules, the merge plan, its batches, the options.
 
 Any process may call these; no collective. :func:`plan_checkpoint` opens a checkpoint and asks it for its
 plan (:meth:`~.formats.Checkpoint.plan`: a grid of TP shards merges by the rules, a checkpoint of global

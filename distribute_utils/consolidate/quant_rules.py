@@ -1,4 +1,4 @@
-"""ModelOpt's merge rules for the tensors of a (possibly quantized) linear layer.
+"""Internal. ModelOpt's merge rules for the tensors of a (possibly quantized) linear layer.
 
 :func:`quantized_rule` says how the TP shards of a column- or row-parallel layer's weight, bias and
 quantization scales (weight, activation and pre-quant scales of ``fp8``, ``int8_sq`` and ``int4_awq``)

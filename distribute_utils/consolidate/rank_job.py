@@ -1,4 +1,4 @@
-"""One rank's part of a consolidation with one rank per shard file (see :mod:`.tp_pp` for the rounds).
+"""Internal. One rank's part of a consolidation with one rank per shard file (see :mod:`.tp_pp` for the rounds).
 
 :func:`start_rank_job` (every rank, collectively) plans, opens rank 0's output and agrees with every rank
 on the plan before anything moves; :meth:`RankJob.run` then plays this rank's role round by round: rank 0

@@ -1,4 +1,4 @@
-"""Reading one shard's tensors batch by batch, with a bounded resident set: what
+"""Internal. Reading one shard's tensors batch by batch, with a bounded resident set: what
 :meth:`~.formats.Checkpoint.open_shard` returns.
 
 Call order (one reader per shard and process, one thread): :meth:`ShardReader.get` a batch's tensors, drop

@@ -1,4 +1,4 @@
-"""What a consolidation did: :class:`ConsolidationReport` (the same on every rank) and rank 0's peak memory.
+"""Internal. What a consolidation did: :class:`ConsolidationReport` (the same on every rank) and rank 0's peak memory.
 
 Built by the jobs (:mod:`.job`) once the output is published; read by the command line and the demo.
 """

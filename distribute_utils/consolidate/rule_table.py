@@ -1,4 +1,4 @@
-"""Rule tables: which merge rule applies to which tensor, by ordered ``fnmatch`` globs (first match wins).
+"""Internal. Rule tables: which merge rule applies to which tensor, by ordered ``fnmatch`` globs (first match wins).
 
 :meth:`RuleTable.default` knows Megatron-style GPT names and ModelOpt's quantization scales
 (:func:`~.quant_rules.quantized_rule`); the plain-text rules file format is described in

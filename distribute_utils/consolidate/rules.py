@@ -1,4 +1,4 @@
-"""Where merge rules were defined before they got modules of their own; kept for the names imported from
+"""Internal. Where merge rules were defined before they got modules of their own; kept for the names imported from
 here: the rule classes are in :mod:`.merge_rules`, rule tables in :mod:`.rule_table`, ModelOpt's
 quantization rules in :mod:`.quant_rules`, and :func:`~.merge_write.write_merged` merges and writes.
 """

@@ -1,4 +1,4 @@
-"""Reading ``torch.save`` files without running any pickled code.
+"""Internal. Reading ``torch.save`` files without running any pickled code.
 
 :func:`safe_torch_load` is ``torch.load(weights_only=True)`` with one addition: the objects that Megatron-LM,
 NeMo and TransformerEngine write beside the weights (``args`` holding their enums, an ``OptimizerConfig``,

@@ -1,4 +1,4 @@
-"""Reading safetensors files through ``safetensors.safe_open``: metadata, tensor specs (header only),
+"""Internal. Reading safetensors files through ``safetensors.safe_open``: metadata, tensor specs (header only),
 tensors (memory-mapped)."""
 
 from __future__ import annotations

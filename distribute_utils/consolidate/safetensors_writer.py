@@ -1,4 +1,4 @@
-"""The safetensors writer: each file's header written up front, each tensor (or part of one) ``pwrite``-n
+"""Internal. The safetensors writer: each file's header written up front, each tensor (or part of one) ``pwrite``-n
 at its offset, nothing kept in memory."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a tensor is on disk, before its data exists: :class:`TensorSpec` (name, dtype, shape), the
+"""Internal. What a tensor is on disk, before its data exists: :class:`TensorSpec` (name, dtype, shape), the
 safetensors names of torch dtypes, byte sizes (``"5GB"``) and a tensor's bytes as a buffer."""
 
 from __future__ import annotations

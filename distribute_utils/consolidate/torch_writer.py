@@ -1,4 +1,4 @@
-"""The ``torch.save`` writer: it keeps the tensors of each incomplete output file and saves a file as soon
+"""Internal. The ``torch.save`` writer: it keeps the tensors of each incomplete output file and saves a file as soon
 as its last tensor arrives."""
 
 from __future__ import annotations

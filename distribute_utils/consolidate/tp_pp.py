@@ -1,4 +1,4 @@
-"""Distributed consolidation of a TP x PP checkpoint into one checkpoint, streamed to rank 0.
+"""Internal. Distributed consolidation of a TP x PP checkpoint into one checkpoint, streamed to rank 0.
 
 The job has ``tp * pp`` ranks laid out as ``ProcessGroupMesh(pp, tp, axis_names=("pp", "tp"))``, so
 ``rank = pp_rank * tp + tp_rank`` (TP fastest, as Megatron numbers ranks), and rank ``(pp_i, tp_j)`` reads

@@ -1,4 +1,4 @@
-"""What is wrong with a checkpoint file a reader failed on, judged from its bytes (empty, truncated, not
+"""Internal. What is wrong with a checkpoint file a reader failed on, judged from its bytes (empty, truncated, not
 the format expected, corrupt), for errors that name the file and the fault."""
 
 from __future__ import annotations

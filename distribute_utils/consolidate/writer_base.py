@@ -1,4 +1,4 @@
-"""The base of the streaming checkpoint writers: spec validation, the split into files, temporaries,
+"""Internal. The base of the streaming checkpoint writers: spec validation, the split into files, temporaries,
 close and abort.
 
 A writer is created from the full, ordered list of :class:`~.specs.TensorSpec` (known from metadata before

@@ -1,4 +1,4 @@
-"""Streaming checkpoint writers, chosen by format name: :func:`open_writer`, and :func:`output_paths` (the
+"""Internal. Streaming checkpoint writers, chosen by format name: :func:`open_writer`, and :func:`output_paths` (the
 files it would write).
 
 * :class:`~.safetensors_writer.SafetensorsWriter` writes each tensor straight to its offset with

@@ -1,4 +1,4 @@
-"""One gather call, rank by rank: the round under :mod:`distribute_utils.gather`, as three roles.
+"""Internal. One gather call, rank by rank: the round under :mod:`distribute_utils.gather`, as three roles.
 
 :func:`~distribute_utils.gather.gather_on` checks the call's options, then makes this rank's part in the
 call once, as the role the rank has in it; each role's main method reads top to bottom:

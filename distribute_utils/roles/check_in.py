@@ -1,4 +1,4 @@
-"""The check-in role in a gather call: a rank its own list does not name.
+"""Internal. The check-in role in a gather call: a rank its own list does not name.
 
 Every rank of the group enters every gather call; one that its list does not name only checks in
 (so that a rank that wrongly takes it for a sender or its receiver hears why at once) and returns

@@ -1,4 +1,4 @@
-"""The first rank's role in a gather call: read its senders' claims, fetch and decode, post the verdict.
+"""Internal. The first rank's role in a gather call: read its senders' claims, fetch and decode, post the verdict.
 
 :meth:`FirstRank.receive` reads top to bottom. It posts its own claim and record, works out where
 received tensors go (:meth:`~FirstRank.placement`; a GPU target pins maps and is where CUDA IPC copies

@@ -1,4 +1,4 @@
-"""What every rank's part in one gather call shares: the list, the messages, the channel, the records.
+"""Internal. What every rank's part in one gather call shares: the list, the messages, the channel, the records.
 
 A gather call (see :mod:`distribute_utils.roles`) gives each rank one of three roles
 (:class:`~.sender.Sender`, :class:`~.first_rank.FirstRank`, :class:`~.check_in.CheckIn`), each a

@@ -1,4 +1,4 @@
-"""The first rank's own value, placed where its received ones go (:meth:`FirstRank.placement`).
+"""Internal. The first rank's own value, placed where its received ones go (:meth:`FirstRank.placement`).
 
 Received tensors are decoded straight to their device; the first rank's own value is never encoded,
 so its tensors are moved here: :func:`place_own` copies containers only along the paths to tensors

@@ -1,4 +1,4 @@
-"""Who sends to whom in one gather: the first rank works the plan out and tells remote senders.
+"""Internal. Who sends to whom in one gather: the first rank works the plan out and tells remote senders.
 
 :func:`make_plan` chooses the route of every payload from where the ranks run (their shared-memory
 domains) and the transport asked for; :class:`Plan` is what it chooses, packed for the senders that

@@ -1,4 +1,4 @@
-"""The sender's role in a gather call: publish, claim, wait for the verdict, release.
+"""Internal. The sender's role in a gather call: publish, claim, wait for the verdict, release.
 
 :meth:`Sender.send` reads top to bottom. A sender on its first rank's host (``my_plan`` is None)
 encodes its value and attaches it to its claim when the channel takes it that way (a direct round,

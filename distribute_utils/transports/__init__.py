@@ -1,4 +1,4 @@
-"""Carriers: how payload bytes travel from a sender to the first rank of a gather round.
+"""Internal. Carriers: how payload bytes travel from a sender to the first rank of a gather round.
 
 One protocol (``base``: :class:`Carrier`, with the call order and how to add one) and one registry
 (``carriers``: receipts tagged by kind, the receiving side's dispatch, the fault-injection point).

@@ -1,4 +1,4 @@
-"""The carrier protocol: how the payload of one sender travels to the first rank of a gather round.
+"""Internal. The carrier protocol: how the payload of one sender travels to the first rank of a gather round.
 
 A carrier only moves bytes. The round (:mod:`distribute_utils.roles`) owns the rest: it
 checks agreement, plans the route, signals through the CPU companion of the group

@@ -1,4 +1,4 @@
-"""The carriers by kind: receipts tagged and dispatched, publishing, and the fault-injection point.
+"""Internal. The carriers by kind: receipts tagged and dispatched, publishing, and the fault-injection point.
 
 The round (:mod:`distribute_utils.roles`) goes through this module only:
 

@@ -1,4 +1,4 @@
-"""Collective transport: point-to-point sends over a ``torch.distributed`` group.
+"""Internal. Collective transport: point-to-point sends over a ``torch.distributed`` group.
 
 The fallback when ranks share neither a host nor a workspace. Each sender sends its payload
 to the first rank as a few messages, sizes first (so ragged payloads need no padding):

@@ -1,4 +1,4 @@
-"""The CUDA driver API through ``ctypes`` (``libcuda.so.1``): the few calls the GPU carriers make.
+"""Internal. The CUDA driver API through ``ctypes`` (``libcuda.so.1``): the few calls the GPU carriers make.
 
 Driver calls, not the runtime's: a failed runtime call (``cudaHostRegister`` of a range already
 registered, say) stays as the runtime's "last error", and torch's next kernel launch reports it as its

@@ -1,4 +1,4 @@
-"""CUDA IPC transport: a sender's CUDA tensors copied device to device into the first rank's GPU.
+"""Internal. CUDA IPC transport: a sender's CUDA tensors copied device to device into the first rank's GPU.
 
 For ranks of one host (one pid namespace) whose payload tensors are all on one CUDA device and whose
 first rank wants them on a GPU. Nothing goes through host memory but the payload's head (its prefix

@@ -1,4 +1,4 @@
-"""File primitives of the shared workspace: atomic writes with an exact reservation, a reader that
+"""Internal. File primitives of the shared workspace: atomic writes with an exact reservation, a reader that
 survives a network filesystem's stale caches, the mount table.
 
 - :func:`atomic_write` writes ``.<name>.tmp-<pid>-<random>`` (``O_EXCL``, 0600; through

@@ -1,4 +1,4 @@
-"""Host route: a sender's payload to a rank of its own host, through the cheapest carrier it fits.
+"""Internal. Host route: a sender's payload to a rank of its own host, through the cheapest carrier it fits.
 
 - **CUDA IPC** (:class:`.cuda_ipc.CudaIpcTransport`), past the inline size, when asked (``cuda``: the
   first rank likely wants the tensors on a GPU), the payload is all on one GPU and the receiver runs in

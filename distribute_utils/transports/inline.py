@@ -1,4 +1,4 @@
-"""Carriers with no medium of their own: the payload travels inside the sender's claim.
+"""Internal. Carriers with no medium of their own: the payload travels inside the sender's claim.
 
 - :class:`InlineCarrier` (``"inline"``): the bytes are the receipt, in the claim the store holds (up
   to :data:`.host.INLINE_MAX_BYTES`).

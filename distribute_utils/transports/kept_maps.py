@@ -1,4 +1,4 @@
-"""The first rank's maps of its senders' pooled segments: mapped, lent as views, kept between rounds.
+"""Internal. The first rank's maps of its senders' pooled segments: mapped, lent as views, kept between rounds.
 
 A receiver maps a sender's pooled segment (:func:`map_pooled`, through ``/proc/<pid>/fd``), lends
 the payload as a buffer of its own (:meth:`SegmentMap.lend`), and, once every view is gone, tells

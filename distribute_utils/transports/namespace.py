@@ -1,4 +1,4 @@
-"""Job namespaces in a shared workspace: private directories, owner records, the job token, the sweep.
+"""Internal. Job namespaces in a shared workspace: private directories, owner records, the job token, the sweep.
 
 Every job gets its own namespace ``<workspace>/du-job-<job_token>/`` (mode 0700, inside a directory
 private to the user), created by every rank (never by one rank for the others: that is a race on the

@@ -1,4 +1,4 @@
-"""ModelOpt's ``NFSWorkspace``: the same shared directory, with ModelOpt's names and call shapes.
+"""Internal. ModelOpt's ``NFSWorkspace``: the same shared directory, with ModelOpt's names and call shapes.
 
 Files are written with ``torch.save`` and read with ``torch.load(weights_only=True)`` (nothing is
 unpickled from a shared place), atomically (:func:`.files.atomic_write`), in the job's namespace

@@ -1,4 +1,4 @@
-"""Page-locking host memory for the CUDA runtime: a shared-memory map registered once, copied at pinned speed.
+"""Internal. Page-locking host memory for the CUDA runtime: a shared-memory map registered once, copied at pinned speed.
 
 A copy between a GPU and pageable host memory goes through the driver's staging buffers (on an H100:
 about 8.5 GiB/s device to host into an existing buffer, 5.3 host to device); the same copy from or into

@@ -1,4 +1,4 @@
-"""The sender's pooled shared-memory segments, and the receivers' word that they are free again.
+"""Internal. The sender's pooled shared-memory segments, and the receivers' word that they are free again.
 
 :class:`SegmentPool` keeps a sender's warm segments (one pool per default process group, closed with
 it: :func:`distribute_utils.owners.owned`); a receiver that lets a segment go tells its sender at once

@@ -1,4 +1,4 @@
-"""Shared-memory transport: one POSIX segment per sender and round, mapped zero-copy.
+"""Internal. Shared-memory transport: one POSIX segment per sender and round, mapped zero-copy.
 
 Segment ``/dev/shm/du_<token>_<rank>_<pid>``: ``token`` is unguessable and fresh per round
 (so two jobs, or a crashed run's leftovers, never collide), ``pid`` is the sender's, so

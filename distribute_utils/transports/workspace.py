@@ -1,4 +1,4 @@
-"""Workspace transport: payloads as files in a directory every rank can reach (NFS, Lustre, ...).
+"""Internal. Workspace transport: payloads as files in a directory every rank can reach (NFS, Lustre, ...).
 
 Ranks on different hosts cannot share memory, so they meet in the job's namespace of a shared directory
 (:mod:`.namespace`).

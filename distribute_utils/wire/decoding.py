@@ -1,4 +1,4 @@
-"""Decoding: a payload back into its config tree, its tensors zero-copy views of the caller's buffer.
+"""Internal. Decoding: a payload back into its config tree, its tensors zero-copy views of the caller's buffer.
 
 :func:`decode` (a bytes-like buffer, or a flat uint8 tensor on any device) and :func:`decode_split`
 (the head on the host, the bytes in a tensor) check the head through :mod:`.header` (checked heads

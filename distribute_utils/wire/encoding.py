@@ -1,4 +1,4 @@
-"""Encoding: a config tree (tensors anywhere in it) into an :class:`~.payload.EncodedPayload`.
+"""Internal. Encoding: a config tree (tensors anywhere in it) into an :class:`~.payload.EncodedPayload`.
 
 :func:`encode` walks the tree (:class:`_Encoder`: the supported types, paths in error messages, the
 depth limit and reference cycles), lays the header and tensors out (:func:`_layout`, recent layouts

@@ -1,4 +1,4 @@
-"""The wire format itself: the prefix and its fields, the header's constants and ext codes, the dtype
+"""Internal. The wire format itself: the prefix and its fields, the header's constants and ext codes, the dtype
 table, and the small helpers that :mod:`.payload`, :mod:`.encoding`, :mod:`.header`, :mod:`.tree` and
 :mod:`.decoding` share (all of them import this module; it imports none of them).
 

@@ -1,4 +1,4 @@
-"""Reading a payload's head: the 32-byte prefix (:func:`read_prefix`, :func:`stated_length`), the
+"""Internal. Reading a payload's head: the 32-byte prefix (:func:`read_prefix`, :func:`stated_length`), the
 header map (:func:`parse_header`: where the tree and the tensor table are) and the tensor table
 (:func:`tensor_table`: every entry checked against the payload's bounds, at a memory cost bounded per
 payload byte, recent tables kept). Everything here trusts no byte; :mod:`.decoding` builds tensors

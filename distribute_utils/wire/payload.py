@@ -1,4 +1,4 @@
-"""An encoded payload and how it is written: :class:`EncodedPayload` (exact length, head, tensor chunks)
+"""Internal. An encoded payload and how it is written: :class:`EncodedPayload` (exact length, head, tensor chunks)
 into a file descriptor (``pwritev``), into a writable buffer (plain copies, or straight from device
 memory), as one ``bytes`` or as buffers for a gathering write; :func:`pwrite_all`, the package's one
 write loop. :mod:`.encoding` builds payloads; transports write them.

@@ -1,4 +1,4 @@
-"""Decoding a payload's config tree: the ``"v"`` span of its header in one msgpack pass
+"""Internal. Decoding a payload's config tree: the ``"v"`` span of its header in one msgpack pass
 (:func:`decode_tree`), with tensor references resolved, tuples, big ints, dataclasses, enums,
 ``OrderedDict`` and numpy values rebuilt, and classes looked up only in modules already imported
 (nothing is unpickled, nothing imported).
