@@ -15,7 +15,11 @@ import torch
 import torch.distributed as dist
 
 from distribute_utils import barrier as store_barrier
-from distribute_utils import get_configs_parallel, get_tensors_parallel
+from distribute_utils import get_configs_parallel, get_tensors_parallel, wire
+from distribute_utils.transports import carriers
+from distribute_utils.transports.base import Context
+from distribute_utils.transports.local_disk import LocalDiskCarrier, local_dir
+from distribute_utils.transports.shm import SharedMemoryTransport
 from gatherbench.common import (
     MADV_POPULATE_READ,
     MIB,
@@ -448,7 +452,30 @@ def write_costs(nbytes: int, repeats: int) -> list[dict[str, Any]]:
         read_all([source])
         times.append(time.perf_counter() - start)
     record("reader: read of pages already mapped (anonymous tensor)", times)
+    payload = wire.encode(source)
+    for name, carrier in (
+        ("shared memory, a named segment", SharedMemoryTransport()),
+        (f"the local disk ({local_dir()})", LocalDiskCarrier()),
+    ):
+        record(f"carrier: {name}: publish + fetch + read every byte", carrier_round(carrier, payload, repeats))
     return results
+
+
+def carrier_round(carrier: Any, payload: wire.EncodedPayload, repeats: int) -> list[float]:
+    """Seconds of one carrier's whole round, ``repeats`` times: the sender publishes ``payload`` (a new
+    file each time), the first rank fetches it through the carriers' registry, decodes it and reads
+    every byte, the sender releases what is left."""
+    times = []
+    for i in range(repeats):
+        token = f"{os.getpid() & 0xFFFF:04x}{i:012x}"
+        start = time.perf_counter()
+        sent = carriers.publish(carrier, token, 1, payload)
+        buffer = carriers.Receiving(Context(first=0, seconds=60)).fetch(token, 1, sent.receipt)
+        read_all([wire.decode(buffer)])
+        sent.release(taken=True)
+        times.append(time.perf_counter() - start)
+        del buffer
+    return times
 
 
 def format_write_costs(results: list[dict[str, Any]], nbytes: int, where: str = f"through {SHM_DIR}") -> str:
