@@ -363,3 +363,33 @@ def test_plan_errors_outside_a_job(own_st: Path, tmp_path: Path) -> None:
     with pytest.raises(MergeError):
         # concat along a dim the norms do not have
         plan_checkpoint(own_st, RuleTable([("*layernorm.weight", "concat:1")]))
+
+
+def _infos_read_in_a_consolidation(inp: str, out: str, tag: str) -> list[int]:
+    """On a fresh default group (a new incarnation, nothing read yet), with the watchdog kept from reading
+    local peers (its grace longer than the run): one consolidation; the ranks whose infos this rank read."""
+    import torch.distributed as dist
+
+    from distribute_utils import liveness, sync
+
+    from harness import remake_group
+
+    remake_group(dist.get_rank(), tag)
+    grace, liveness.GRACE_S = liveness.GRACE_S, 1e9
+    try:
+        consolidate_checkpoint(inp, out, progress=False, timeout=60)
+        directory = sync.companion(None).directory
+        assert directory is not None
+        return sorted(directory.known())
+    finally:
+        liveness.GRACE_S = grace
+
+
+def test_only_rank_0_reads_where_every_rank_runs(ranks4: RankPool, own_st: Path, tmp_path: Path) -> None:
+    """A consolidation of TP 2 x PP 2 on 4 ranks: rank 0 reads every rank's info (it reports the route),
+    every other rank only its gather partners' (its TP group's first rank, or its members): never all-to-all
+    (before, every rank read every rank's info to describe the transport)."""
+    known = ranks4.run(_infos_read_in_a_consolidation, str(own_st), str(tmp_path / "out"), "infos-read/")
+    assert known[0] == [0, 1, 2, 3], known
+    assert known[1] == [0, 1] and known[3] == [2, 3], known
+    assert 1 not in known[2] and 3 in known[2], known  # (rank 2: its TP member 3, and rank 0 of the stages)
