@@ -33,6 +33,7 @@ __all__ = [
     "bind",
     "check",
     "dead_sockets",
+    "not_private",
     "private_dir",
     "remove_dead_sockets",
     "socket_path",
@@ -77,22 +78,31 @@ def check(directory: str = PRIVATE_DIR) -> None:
         PermissionError: as :func:`private_dir`.
         FileNotFoundError: it does not exist.
     """
-    info = os.lstat(directory)
-    problem = None
-    if stat.S_ISLNK(info.st_mode):
-        problem = "is a symbolic link"
-    elif not stat.S_ISDIR(info.st_mode):
-        problem = "is not a directory"
-    elif info.st_uid != os.geteuid():
-        problem = f"belongs to uid {info.st_uid} ({_owner_name(info.st_uid)}), not to this user (uid {os.geteuid()})"
-    elif info.st_mode & 0o077:
-        problem = f"has mode {stat.S_IMODE(info.st_mode):o}, not 700"
+    problem = not_private(directory, (os.geteuid(),))
     if problem is not None:
         raise PermissionError(
             errno.EPERM,
             f"{directory} {problem}: another user could reach what this process keeps there, so it is not "
             "used; remove it (as its owner or root)",
         )
+
+
+def not_private(directory: str, owners: tuple[int, ...]) -> str | None:
+    """What makes ``directory`` unfit to keep a job's files ("is a symbolic link (to ...)", "belongs to
+    uid ...", "has mode ..."), or None when it is a real directory of one of ``owners``'s uids (the first:
+    this user's) with no group or other permission bits."""
+    info = os.lstat(directory)
+    if stat.S_ISLNK(info.st_mode):
+        return f"is a symbolic link (to {os.readlink(directory)!r})"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if info.st_uid not in owners:
+        return (
+            f"belongs to uid {info.st_uid} ({_owner_name(info.st_uid)}), not to this user (uid {owners[0]})"
+        )
+    if info.st_mode & 0o077:
+        return f"has mode {stat.S_IMODE(info.st_mode):o}, not 700"
+    return None
 
 
 def socket_path(name: str, directory: str = PRIVATE_DIR) -> str:

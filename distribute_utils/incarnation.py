@@ -309,13 +309,29 @@ def wait_values(
         store.set_timeout(timedelta(seconds=timeout))
         return store.multi_get(keys)
     except Exception as exc:
-        try:
-            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
-        except Exception:
-            raise store_lost(what, exc, store) from None
-        if missing:
-            raise late(what, missing, timeout, generation, mine) from None
+        raise_unless_arrived(exc, store, keys, ranks, timeout, what, generation, mine)
     return store.multi_get(keys)  # they arrived just as the wait gave up
+
+
+def raise_unless_arrived(
+    exc: Exception,
+    store: dist.Store,
+    keys: Sequence[str],
+    ranks: Sequence[int],
+    timeout: float,
+    what: str,
+    generation: Callable[[int], int | None] | None = None,
+    mine: int | None = None,
+) -> None:
+    """After a wait for ``keys`` (of ``ranks``) failed with ``exc``: raise :class:`PeerLostError` naming
+    the ranks whose key is still missing, or naming the store when it does not answer; return when
+    every key arrived just as the wait gave up."""
+    try:
+        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+    except Exception:
+        raise store_lost(what, exc, store) from None
+    if missing:
+        raise late(what, missing, timeout, generation, mine) from None
 
 
 def late(
@@ -400,12 +416,7 @@ class PeerDirectory:
             try:
                 store.wait(keys, timedelta(seconds=timeout))
             except Exception as exc:
-                try:
-                    missing = [r for r, k in zip(unlisted, keys) if not store.check([k])]
-                except Exception:
-                    raise store_lost(what, exc, store) from None
-                if missing:
-                    raise late(what, missing, timeout, None, None) from None
+                raise_unless_arrived(exc, store, keys, unlisted, timeout, what)
             listed = self._direct_list(store, what)
         return all(r in listed for r in ranks)
 

@@ -33,7 +33,9 @@ sn = _load()
 pytestmark = pytest.mark.root
 
 
-def _run(tmp_path: Path, workspace: str, mode: str, rounds: int) -> tuple[list[dict], Path]:
+def _run(tmp_path: Path, workspace: str, args: list[str], timeout: float = 240) -> tuple[list[dict], Path]:
+    """The job on 2 simulated nodes x 2 ranks with ``args``: every rank's report, and the workspace's
+    backing directory."""
     reason = sn.require_simulation_support(workspace)
     if reason is not None:
         pytest.skip(f"simulated nodes unavailable: {reason}")
@@ -43,11 +45,11 @@ def _run(tmp_path: Path, workspace: str, mode: str, rounds: int) -> tuple[list[d
     backing.mkdir()
     outcome = sn.run_simulated(
         JOB,
-        ["--rounds", str(rounds), "--mode", mode],
+        args,
         nodes=2,
         nproc_per_node=2,
         workspace=workspace,
-        timeout=240,
+        timeout=timeout,
         backing_dir=backing,
         env={"DU_RESULTS": str(results)},
     )
@@ -67,7 +69,7 @@ def _check_clean(reports: list[dict], backing: Path) -> None:
 
 @pytest.mark.parametrize("workspace", [pytest.param("dir", marks=pytest.mark.slow), "sshfs"])
 def test_hierarchical_gather_over_workspace(tmp_path: Path, workspace: str) -> None:
-    reports, backing = _run(tmp_path, workspace, "auto", rounds=100)
+    reports, backing = _run(tmp_path, workspace, ["--rounds", "100", "--mode", "auto"])
     _check_clean(reports, backing)
     routes: dict[str, int] = {}
     for r in reports:
@@ -90,7 +92,7 @@ def test_hierarchical_gather_over_workspace(tmp_path: Path, workspace: str) -> N
 
 
 def test_collective_fallback_without_workspace(tmp_path: Path) -> None:
-    reports, backing = _run(tmp_path, "none", "collective", rounds=30)
+    reports, backing = _run(tmp_path, "none", ["--rounds", "30", "--mode", "collective"])
     _check_clean(reports, backing)
     routes = {k for r in reports for k in r["routes"]}
     assert "shm within hosts + collective across 1 remote host(s)" in routes
@@ -98,7 +100,7 @@ def test_collective_fallback_without_workspace(tmp_path: Path) -> None:
 
 
 def test_forced_workspace_transport_is_flat(tmp_path: Path) -> None:
-    reports, backing = _run(tmp_path, "sshfs", "workspace", rounds=30)
+    reports, backing = _run(tmp_path, "sshfs", ["--rounds", "30", "--mode", "workspace"])
     _check_clean(reports, backing)
     routes = {k for r in reports for k in r["routes"]}
     assert routes == {"workspace"}
@@ -108,25 +110,7 @@ def _matrix(tmp_path: Path, every: int) -> None:
     """The two-host combinations of tests/test_route_matrix.py (every ``every``-th), checked there."""
     import test_route_matrix as matrix
 
-    reason = sn.require_simulation_support("sshfs")
-    if reason is not None:
-        pytest.skip(f"simulated nodes unavailable: {reason}")
-    results = tmp_path / "results"
-    results.mkdir()
-    backing = tmp_path / "backing"
-    backing.mkdir()
-    outcome = sn.run_simulated(
-        JOB,
-        ["--mode", "matrix", "--every", str(every)],
-        nodes=2,
-        nproc_per_node=2,
-        workspace="sshfs",
-        timeout=400,
-        backing_dir=backing,
-        env={"DU_RESULTS": str(results)},
-    )
-    assert outcome.returncode == 0, outcome.format_outputs()[-6000:]
-    reports = [json.loads((results / f"rank{r}.json").read_text()) for r in range(4)]
+    reports, backing = _run(tmp_path, "sshfs", ["--mode", "matrix", "--every", str(every)], timeout=400)
     chosen = [tuple(c) for c in reports[0]["combos"]]
     assert chosen == matrix.combos("two hosts")[::every]
     failures = matrix.check("two hosts", chosen, reports)

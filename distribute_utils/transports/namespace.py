@@ -33,6 +33,7 @@ import torch.distributed as dist
 from .. import interrupts
 from ..caches import Recent
 from ..errors import ArgumentError, DistributeError, WorkspaceError
+from ..host_dir import not_private
 from ..owners import owned, process_owned
 from ..processes import ProcessInfo, process_alive, this_process
 from .files import atomic_write, filesystem_type, unlink, write_error
@@ -133,18 +134,9 @@ def check_private_dir(path: str, what: str, workspace: str) -> None:
     Raises:
         WorkspaceError: naming the path, its owner and mode, and how to fix it.
     """
-    st = os.lstat(path)
-    problem = None
-    if stat.S_ISLNK(st.st_mode):
-        problem = f"is a symbolic link (to {os.readlink(path)!r})"
-    elif not stat.S_ISDIR(st.st_mode):
-        problem = "is not a directory"
-    elif st.st_uid not in (os.geteuid(), _fs_uid(workspace) if st.st_uid != os.geteuid() else -1):
-        problem = (
-            f"belongs to uid {st.st_uid} ({_user_name(st.st_uid)}), not to this user (uid {os.geteuid()})"
-        )
-    elif st.st_mode & 0o077:
-        problem = f"has mode {stat.S_IMODE(st.st_mode):o}, not 700"
+    owner = os.lstat(path).st_uid
+    # (the uid the filesystem gives this user's files is learnt only when it matters: a root-squashed NFS)
+    problem = not_private(path, (os.geteuid(), _fs_uid(workspace) if owner != os.geteuid() else -1))
     if problem is not None:
         raise WorkspaceError(
             errno.EPERM,
@@ -152,15 +144,6 @@ def check_private_dir(path: str, what: str, workspace: str) -> None:
             "files, so it is not used. Remove it (as its owner or root); if the job token is "
             f"predictable, set ${JOB_TOKEN_ENV} to an unguessable value",
         )
-
-
-def _user_name(uid: int) -> str:
-    try:
-        import pwd
-
-        return pwd.getpwuid(uid).pw_name
-    except (KeyError, ImportError):
-        return "unknown user"
 
 
 def private_mkdir(path: str, what: str, workspace: str) -> None:
