@@ -121,3 +121,26 @@ def test_a_killed_senders_file_is_found_and_removed_by_clean(disk: Path) -> None
     names = [p.name for p in Path(local_dir()).iterdir()]
     assert names == [f"du_00000000000000a6_0_{os.getpid()}"], "only the live process's file is left"
     live.release(taken=False)
+
+
+def test_an_interrupted_sender_removes_its_file(disk: Path) -> None:
+    """SIGTERM to a process (its interrupts installed, as a rank's are) that published to the local disk
+    and waits: it removes its file before it exits (the carrier registered its undo before the file)."""
+    script = (
+        "import sys, torch\n"
+        "from distribute_utils import interrupts, wire\n"
+        "from distribute_utils.transports import carriers\n"
+        "from distribute_utils.transports.local_disk import LocalDiskCarrier\n"
+        "interrupts.install()\n"
+        "carriers.publish(LocalDiskCarrier(), '00000000000000a7', 1, wire.encode(torch.ones(10)))\n"
+        "print('published', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        ["python", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "published\n"
+    assert [p.name for p in Path(local_dir()).iterdir()] == [f"du_00000000000000a7_1_{proc.pid}"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    assert list(Path(local_dir()).iterdir()) == [], "the interrupted sender removed its file"

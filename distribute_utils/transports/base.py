@@ -47,18 +47,21 @@ CUDA IPC, :mod:`.cuda_ipc`; files on this host's disk when ``/dev/shm`` has no r
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .. import interrupts
+from ..owners import process_owned
 from ..wire import EncodedPayload
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
-__all__ = ["Carrier", "Context", "Route", "Sent", "Transport"]
+__all__ = ["Carrier", "Context", "Route", "Sent", "Transport", "removed_on_interrupt"]
 
 
 @dataclass
@@ -163,3 +166,22 @@ class Route(ABC):
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> Sent:
         """Publish ``payload`` through the carrier this route picks for it (each through
         :func:`.carriers.publish`)."""
+
+
+class _RemovedOnInterrupt:
+    """The carrier classes whose leftovers an interrupt of this process removes (process-wide: a forked
+    child starts with none registered)."""
+
+    def __init__(self) -> None:
+        self.classes: set[type] = set()
+
+
+def removed_on_interrupt(carrier: type[Carrier]) -> None:
+    """A carrier calls it before it first makes something a process interrupted mid-publish would leave
+    (a named file): from then on an interrupt of this process removes what it published that nobody
+    took, through the carrier's ``remove_left_by(None, pid)`` (see :class:`Carrier`). Once per class."""
+    registered = process_owned(_RemovedOnInterrupt).classes
+    if carrier not in registered:
+        registered.add(carrier)
+        remove = carrier.remove_left_by  # type: ignore[attr-defined]  # (a carrier that leaves files has it)
+        interrupts.on_interrupt(lambda: remove(None, os.getpid()))

@@ -30,10 +30,9 @@ from typing import Any
 
 from .. import host_dir, interrupts
 from ..errors import PayloadError, SpaceError
-from ..owners import process_owned
 from ..processes import pid_alive
 from ..wire import EncodedPayload, stated_length
-from .base import Context
+from .base import Context, removed_on_interrupt
 from .files import reserve_space, unlink
 from .shm import SEGMENT_PREFIX, map_named
 
@@ -73,7 +72,7 @@ class LocalDiskCarrier:
         """
         directory = host_dir.private_dir(local_dir())
         path = os.path.join(directory, f"{SEGMENT_PREFIX}{token}_{rank}_{os.getpid()}")
-        process_owned(_RemovedOnInterrupt)
+        removed_on_interrupt(LocalDiskCarrier)
         with interrupts.uninterruptible():  # an interrupt then sees the file and removes it
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
@@ -182,11 +181,3 @@ def _parse(receipt: Any, rank: int) -> tuple[str, int, int]:
     ):
         return receipt[0], receipt[1], receipt[2]
     raise PayloadError(f"rank {rank} sent a malformed local-disk receipt {receipt!r:.120}")
-
-
-class _RemovedOnInterrupt:
-    """Made (process-wide) before this process first publishes a file: an interrupted process then
-    removes the files it published that nobody took."""
-
-    def __init__(self) -> None:
-        interrupts.on_interrupt(lambda: LocalDiskCarrier.remove_left_by(None, os.getpid()))

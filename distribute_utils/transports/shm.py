@@ -41,7 +41,7 @@ from ..errors import PayloadError
 from ..owners import owned, process_owned
 from ..processes import SHM_DIR, ProcessInfo
 from ..wire import EncodedPayload, stated_length
-from .base import Context
+from .base import Context, removed_on_interrupt
 from .files import unlink
 from .kept_maps import KeptMaps, SegmentMap, checked, map_pooled
 from .segment_pool import NOTICE_NAME, FreedReports, Notices, Pools, SegmentPool, reserve, shm_space
@@ -139,7 +139,7 @@ class SharedMemoryTransport:
             notice = process_owned(Notices).name()
             return f"p:{os.getpid()}:{pooled.ident}:{pooled.fd}:{pooled.inode}:{payload.nbytes}:{notice}"
         path = segment_path(token, rank, os.getpid())
-        process_owned(_RemovedOnInterrupt)
+        removed_on_interrupt(SharedMemoryTransport)
         with interrupts.uninterruptible():  # an interrupt then sees the segment and removes it
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
@@ -273,12 +273,3 @@ def pooled_bytes() -> tuple[int, int]:
 REPORTS: FreedReports = process_owned(FreedReports)
 """This process's freed reports (process-wide: they outlive the group they were made in)."""
 SharedMemoryTransport.reports = REPORTS
-
-
-class _RemovedOnInterrupt:
-    """Made (process-wide) before this process first publishes a named segment: an interrupted process
-    then removes the named segments it published that nobody took (pooled ones have no name: the
-    kernel frees them at exit)."""
-
-    def __init__(self) -> None:
-        interrupts.on_interrupt(lambda: remove_segments_of(None, os.getpid()))
