@@ -27,7 +27,7 @@ from ..transports.base import Carrier, Route
 from ..transports.collective import message_device
 from ..transports.host import HostRoute
 from ..transports.inline import AttachedCarrier
-from ..transports.router import cross_carrier
+from ..transports.router import cross_carrier, host_route
 from .part import (
     Claim,
     Part,
@@ -134,20 +134,18 @@ class Sender(Part):
 
     # -- publishing ------------------------------------------------------------------------------
     def host(self, receiver: int) -> HostRoute:
-        """A sender's route to ``receiver`` (on this host): CUDA IPC first when it is the first rank and
-        likely wants tensors on a GPU (``cuda_wanted``); else inline, shared memory, the workspace."""
+        """A sender's route to ``receiver`` (on this host), as the router makes it (:func:`.router.host_route`):
+        CUDA IPC first when it is the first rank and likely wants tensors on a GPU (``cuda_wanted``); else
+        inline, shared memory, the local disk, the workspace."""
         directory = self.companion.directory
         assert directory is not None
         info = directory.info(receiver, self.companion.store, self.seconds, self.what)
-        pool = directory.me.can_watch(info)
-        # A sender may fall back to the workspace when /dev/shm is full, unless told "shm" only.
-        fallback = self.workspace_path is not None and self.request.spill
-        return HostRoute(
+        return host_route(
+            self.request,
             info,
-            pool=pool,
+            pool=directory.me.can_watch(info),
             cuda=self.cuda_wanted and receiver == self.first,
-            spill=self.request.spill,
-            workspace=self._workspace_now if fallback else None,
+            workspace=self._workspace_now if self.workspace_path is not None else None,
             workspace_path=str(self.workspace_path),
             what=self.what,
         )

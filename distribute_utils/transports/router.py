@@ -11,6 +11,8 @@ transport's name:
   (no shared-memory hop, no plan to wait for);
 - :attr:`Request.spill` / :attr:`Request.free`: a host's route may leave shared memory (the local disk,
   the workspace) / may choose any carrier it likes (CUDA IPC);
+- :func:`host_route`: a sender's route to a rank of its host (:class:`.host.HostRoute`: CUDA IPC, inline,
+  a segment, the local disk, the workspace), with what the request allows of it;
 - :func:`across`: the carrier between hosts for a plan (the forced one, else the workspace when given,
   else the collective), and :func:`cross_carrier` the class a plan names; its ``needs_go``,
   ``checksums`` and ``devices`` say what the roles do around it.
@@ -18,14 +20,17 @@ transport's name:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ArgumentError
+from ..processes import ProcessInfo
 from .base import Carrier
 from .collective import CollectiveTransport
+from .host import HostRoute
 from .workspace import WorkspaceTransport
 
-__all__ = ["REQUESTS", "Request", "across", "cross_carrier", "request"]
+__all__ = ["REQUESTS", "Request", "across", "cross_carrier", "host_route", "request"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +109,28 @@ def cross_carrier(kind: str | None) -> type[Carrier] | None:
     if kind is None:
         return None
     return {WorkspaceTransport.kind: WorkspaceTransport, CollectiveTransport.kind: CollectiveTransport}[kind]
+
+
+def host_route(
+    asked: Request,
+    receiver: ProcessInfo,
+    *,
+    pool: bool,
+    cuda: bool,
+    workspace: Callable[[], Carrier] | None,
+    workspace_path: str,
+    what: str,
+) -> HostRoute:
+    """A sender's route to ``receiver``, a rank of its host: CUDA IPC first when ``cuda`` (its first rank
+    likely wants a GPU) and the router may choose freely; pooled segments when ``pool`` (the receiver can
+    open this process's descriptors); past a full ``/dev/shm``, the local disk and then ``workspace`` (a
+    factory; None: no workspace_path) unless the request keeps to shared memory."""
+    return HostRoute(
+        receiver,
+        pool=pool,
+        cuda=cuda and asked.free,
+        spill=asked.spill,
+        workspace=workspace if asked.spill else None,
+        workspace_path=workspace_path,
+        what=what,
+    )
