@@ -140,7 +140,6 @@ def bind(sock: socket.socket, name: str, directory: str = PRIVATE_DIR) -> str:
         private_dir(directory)
         try:
             sock.bind(path)
-            return path
         except FileNotFoundError:  # another process removed the directory when it was empty: make it again
             continue
         except OSError as exc:
@@ -148,6 +147,11 @@ def bind(sock: socket.socket, name: str, directory: str = PRIVATE_DIR) -> str:
                 raise
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # a dead process's socket (nothing listens there)
+            continue
+        # Checked again now that the socket exists: between the check and the bind another user could have
+        # put a link or a directory of theirs at the name (after this process's own removed it, empty).
+        check(directory)
+        return path
     raise FileNotFoundError(errno.ENOENT, f"{directory} keeps disappearing", path)
 
 

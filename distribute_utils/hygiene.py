@@ -316,8 +316,10 @@ def _temporaries_section(rep: _Report, shm_dir: str) -> None:
     for path, item in files:
         rep.line(f"{path}  owner pid {item.owner.pid} dead  -> stale: `distribute-utils clean` removes it", 2)
         rep.note(f"stale temporary {path}")
+    dead: list[str] = []
     try:
         host_dir.check(_record_dir(shm_dir))
+        dead = host_dir.dead_sockets(_record_dir(shm_dir))
     except PermissionError as exc:
         rep.line(f"private directory: {exc}; this user's gathers on this host go through the store")
         rep.note(f"unusable private directory {_record_dir(shm_dir)}")
@@ -329,7 +331,6 @@ def _temporaries_section(rep: _Report, shm_dir: str) -> None:
     for path, pid, _ in left:
         rep.line(f"{path}  owner pid {pid} dead  -> stale: `distribute-utils clean` removes it", 2)
         rep.note(f"stale payload {path}")
-    dead = host_dir.dead_sockets(_record_dir(shm_dir))
     rep.data["dead_sockets"] = dead
     rep.line(f"sockets of processes that died: {len(dead)}")
     for path in dead:
@@ -539,7 +540,13 @@ def clean(
         if dry_run or remove_file(path):
             done("payload", path, nbytes, f"owner pid {pid} has exited")
     record_dir = _record_dir(shm_dir)
-    dead = host_dir.dead_sockets(record_dir) if dry_run else host_dir.remove_dead_sockets(record_dir)
+    dead: list[str] = []
+    try:
+        if os.path.lexists(record_dir):
+            host_dir.check(record_dir)  # (never act in a directory another user made or can reach)
+            dead = host_dir.dead_sockets(record_dir) if dry_run else host_dir.remove_dead_sockets(record_dir)
+    except OSError as exc:
+        failed(f"not looking for dead sockets: {exc}")
     for path in dead:
         done("socket", path, None, "nothing listens on it: its process has exited")
     live = sum(1 for s in segments if s.alive)

@@ -215,28 +215,38 @@ class _Rows(list):  # type: ignore[type-arg]  # a list subclass, as a user's con
     pass
 
 
-def _list_subclass_everywhere(device: str | None) -> tuple[str, str]:
+def _subclass_on_the_first_rank(device: str | None, kind: str) -> tuple[str, str]:
+    from collections import defaultdict
+
     from distribute_utils import get_configs_parallel
 
-    value = {"layers": [{"w": _Rows([torch.ones(2) * dist.get_rank()])}]}
+    rank = dist.get_rank()
+    tensors = [torch.ones(2) * rank]
+    held: Any = list(tensors)
+    if rank == 0:  # (only the first rank: its own value is never encoded, the senders' are fine)
+        held = _Rows(tensors) if kind == "list" else defaultdict(list, {"t": tensors})
     try:
-        with get_configs_parallel(value, [0, 1, 2, 3], device=device, timeout=60):
+        with get_configs_parallel({"layers": [{"w": held}]}, [0, 1, 2, 3], device=device, timeout=60):
             return ("no error", "")
     except Exception as exc:
         return (type(exc).__name__, str(exc))
 
 
+@pytest.mark.parametrize("kind", ["list", "dict"])
 @pytest.mark.parametrize("device", [None, "cpu", "meta"])
-def test_a_list_subclass_is_refused_on_the_first_rank_as_on_its_senders(
-    ranks4: RankPool, device: str | None
+def test_a_container_subclass_is_refused_on_the_first_rank_as_a_sender_would(
+    ranks4: RankPool, device: str | None, kind: str
 ) -> None:
-    """A subclass of ``list`` in a config: a sender's encode refuses it (no copy could keep its type);
-    the first rank, whose own value is never encoded, refuses it the same way, naming the path, whether
-    its tensors move (``device="meta"``: before, a TypeError from building the subclass, or a wrong
-    value) or not (before, it went through there alone)."""
-    results = ranks4.run(_list_subclass_everywhere, device)
-    kind, message = results[0]
-    assert kind == "UnsupportedTypeError", results[0]
-    assert "config['layers'][0]['w']: cannot encode a value of type" in message and "_Rows" in message
-    assert "convert with list(value)" in message
-    assert all(r[0] != "no error" for r in results), results
+    """A subclass of ``list`` (or a ``defaultdict``) in the first rank's own config: a sender's encode
+    would refuse it (no copy could keep its type); the first rank, whose own value is never encoded,
+    refuses it the same way, naming the path, whether its tensors move (``device="meta"``: before, a
+    TypeError from building the subclass, or a wrong value) or not (before, it went through), and every
+    sender hears that error as its own type."""
+    results = ranks4.run(_subclass_on_the_first_rank, device, kind)
+    error, message = results[0]
+    assert error == "UnsupportedTypeError", results[0]
+    assert "config['layers'][0]['w']: cannot encode a value of type" in message, message
+    assert ("_Rows" in message) if kind == "list" else ("defaultdict" in message), message
+    for rank in (1, 2, 3):
+        assert results[rank][0] == "UnsupportedTypeError", results[rank]
+        assert results[rank][1].startswith("the first rank (0) failed: "), results[rank]

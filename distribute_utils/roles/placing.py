@@ -3,11 +3,13 @@
 Received tensors are decoded straight to their device; the first rank's own value is never encoded,
 so its tensors are moved here: :func:`place_own` copies containers only along the paths to tensors
 that move, and raises as :func:`~distribute_utils.wire.encode` would on a value nested too deep or a
-subclass of ``list`` or ``tuple`` (which no copy could rebuild faithfully).
+subclass of ``list``, ``tuple`` or ``dict`` other than ``OrderedDict`` (which no copy could rebuild
+faithfully).
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 from typing import Any
@@ -17,6 +19,8 @@ import torch
 from .. import wire
 
 __all__ = ["CPU", "place_own"]
+
+_CONTAINERS = (list, tuple, dict, collections.OrderedDict)  # the containers the wire carries as they are
 
 CPU = torch.device("cpu")
 """The CPU device :func:`place_own` compares by identity (a CPU tensor bound for it stays as it is)."""
@@ -30,9 +34,9 @@ def place_own(value: Any, target: torch.device | None, root: str) -> Any:
 
     Raises:
         TypeError: as :func:`wire.encode` on a sender: containers nested deeper than
-            :data:`wire.MAX_DEPTH` or in a reference cycle, or a subclass of ``list`` or ``tuple`` (a
-            namedtuple among them), whether or not anything in it moves (the first rank's value is
-            never encoded).
+            :data:`wire.MAX_DEPTH` or in a reference cycle, or a subclass of ``list``, ``tuple`` (a
+            namedtuple among them) or ``dict`` (``defaultdict``, ``Counter``; ``OrderedDict`` is carried),
+            whether or not anything in it moves (the first rank's value is never encoded).
     """
     try:
         return _place(value, target, 0)
@@ -80,8 +84,8 @@ def _place(value: Any, target: torch.device | None, depth: int) -> Any:
     sequence = isinstance(value, (list, tuple))
     if not (sequence or isinstance(value, dict) or _is_dataclass_instance(value)):
         return value
-    if sequence and type(value) is not list and type(value) is not tuple:
-        raise _Refused(value, unsupported=True)
+    if type(value) not in _CONTAINERS and not _is_dataclass_instance(value):
+        raise _Refused(value, unsupported=True)  # (a subclass of one: no copy could keep its type)
     if depth >= wire.MAX_DEPTH:
         raise _Refused(value)
     depth += 1

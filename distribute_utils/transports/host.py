@@ -20,6 +20,7 @@ needs no route: it fetches from whichever carrier the receipt names.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable
 
@@ -81,7 +82,9 @@ class HostRoute(Route):
         self._receiver = receiver
         self._segments = SharedMemoryTransport(pool=pool, receiver=receiver)
         self._cuda = cuda and pool
-        self._spill = spill
+        self._spill = (
+            spill and pool
+        )  # (the local disk: only to a receiver in this pid namespace, see reaches)
         self._inline_max = inline_max
         self._workspace = workspace
         self._workspace_path = workspace_path
@@ -101,15 +104,18 @@ class HostRoute(Route):
         try:
             return carriers.publish(self._segments, token, rank, payload)
         except SpaceError as full:
-            if self._spill:
+            disk = ""  # why the local disk did not take it either
+            if self._spill and LocalDiskCarrier.reaches(self._receiver):
                 try:
                     return self._spilled(token, rank, payload)
-                except (SpaceError, PermissionError) as exc:
-                    logger.debug(
-                        "%s: the local disk cannot take rank %d's payload: %s", self._what, rank, exc
-                    )
+                except OSError as exc:  # (full, read-only, missing, another user's: the next carrier)
+                    disk = f"; the local disk cannot take it either: {exc}"
+            elif self._spill:
+                disk = "; the local disk is not used: the receiving process does not see this one's directory"
             if self._workspace is None:
-                raise full from None
+                raise SpaceError(errno.ENOSPC, f"{full.strerror}{disk}") from None
+            if disk:
+                logger.info("%s: rank %d's payload%s", self._what, rank, disk)
             workspace = self._workspace
         logger.warning(
             "%s: /dev/shm cannot hold rank %d's payload of %d bytes; it goes through the workspace %s",

@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import host_dir, interrupts
 from ..errors import PayloadError, SpaceError
-from ..processes import pid_alive
+from ..processes import ProcessInfo, pid_alive, process_alive
 from ..wire import EncodedPayload, stated_length
 from .base import Context, removed_on_interrupt
 from .files import reserve_space, unlink
@@ -62,6 +62,20 @@ class LocalDiskCarrier:
     @classmethod
     def receiving(cls, context: Context, rank: int, receipt: Any) -> LocalDiskCarrier:
         return cls()
+
+    @staticmethod
+    def reaches(receiver: ProcessInfo | None) -> bool:
+        """Whether ``receiver`` (a process of this host) sees this process's local directory: in this pid
+        namespace, its root's view of the directory's parent is the very directory this process sees
+        (containers may share ``/dev/shm`` and not ``/tmp``). False when that cannot be told."""
+        if receiver is None:
+            return False
+        base = os.path.dirname(local_dir())
+        try:
+            theirs, mine = os.stat(f"/proc/{receiver.pid}/root{base}"), os.stat(base)
+        except OSError:
+            return False
+        return (theirs.st_dev, theirs.st_ino) == (mine.st_dev, mine.st_ino) and process_alive(receiver)
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> list[Any]:
         """Write ``payload`` into a new file of the private local directory; returns the receipt.
@@ -119,7 +133,11 @@ class LocalDiskCarrier:
 
     @staticmethod
     def _path(directory: str, token: str, rank: int, pid: int) -> str:
+        """The file a receipt names: only in a private local directory of this user (named as
+        :func:`local_dir` names them, checked), never anywhere else a receipt could point."""
         try:
+            if os.path.basename(directory) != os.path.basename(local_dir()):
+                raise PermissionError(errno.EPERM, f"{directory} is not a local-disk carrier's directory")
             host_dir.check(directory)
         except OSError as exc:
             raise PayloadError(f"rank {rank} published its payload in an unusable directory: {exc}") from None

@@ -236,12 +236,17 @@ class SegmentPool:
         )
 
     def drop_idle(self) -> bool:
-        """Give back the free big segments no recent payload needed (:attr:`BIG_BYTES`), after reading
-        the notices that came; True while it still holds a big segment (any thread)."""
+        """Give back the free big segments no recent payload needed (:attr:`BIG_BYTES`), and busy ones
+        whose receiver died, after reading the notices that came; True while it still holds a big
+        segment (any thread)."""
         heed_notices()
         with self._lock:
             now = time.monotonic()
-            dropped = [s for s in self._segments.values() if not s.busy and self._idle(s, now)]
+            dropped = [
+                s
+                for s in self._segments.values()
+                if (self._receiver_gone(s, now) if s.busy else self._idle(s, now))
+            ]
             for seg in dropped:
                 del self._segments[seg.ident]
             big = any(s.size > self.BIG_BYTES for s in self._segments.values())
