@@ -169,8 +169,8 @@ class Route(ABC):
 
 
 class _RemovedOnInterrupt:
-    """The carrier classes whose leftovers an interrupt of this process removes (process-wide: a forked
-    child starts with none registered)."""
+    """The carrier classes whose leftovers an interrupt of this process removes (process-wide; the undo
+    runs with the pid of the process interrupted, a forked child's included)."""
 
     def __init__(self) -> None:
         self.classes: set[type] = set()
