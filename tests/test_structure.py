@@ -155,6 +155,26 @@ def uses_of_the_package() -> dict[str, set[str]]:
                     else:
                         used.add(full)
         for node in ast.walk(tree):
+            if (  # setattr(module, "name", ...) and monkeypatch.setattr(module, "name", ...): a patch of it
+                isinstance(node, ast.Call)
+                and (
+                    getattr(node.func, "attr", None) == "setattr"
+                    or getattr(node.func, "id", None) == "setattr"
+                )
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
+                chain, base = [], node.args[0]
+                while isinstance(base, ast.Attribute):
+                    chain.append(base.attr)
+                    base = base.value
+                if isinstance(base, ast.Name) and base.id in aliases:
+                    module = aliases[base.id]
+                    for step in reversed(chain):
+                        module = f"{module}.{step}"
+                    if module in modules:
+                        used.add(f"{module}.{node.args[1].value}")
             if isinstance(node, ast.Attribute):
                 chain, base = [], node
                 while isinstance(base, ast.Attribute):

@@ -457,7 +457,9 @@ def write_costs(nbytes: int, repeats: int) -> list[dict[str, Any]]:
         ("shared memory, a named segment", SharedMemoryTransport()),
         (f"the local disk ({local_dir()})", LocalDiskCarrier()),
     ):
-        record(f"carrier: {name}: publish + fetch + read every byte", carrier_round(carrier, payload, repeats))
+        record(
+            f"carrier: {name}: publish + fetch + read every byte", carrier_round(carrier, payload, repeats)
+        )
     return results
 
 
