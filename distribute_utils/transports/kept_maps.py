@@ -115,7 +115,7 @@ class SegmentMap:
 
         def gone(ref: weakref.ref[_View]) -> None:
             lent.pop(id(ref), None)
-            if not process_owned(Notices).tell(notice, report[1]):
+            if not process_owned(Notices).tell(notice, report[0], report[1]):
                 process_owned(FreedReports).add(report)
             keeper.keep(report, self, epoch)
 

@@ -391,9 +391,10 @@ class SegmentPool:
 NOTICE_NAME = re.compile(r"[0-9a-f]{16}")
 
 
-def _notice_socket(name: str) -> str:
-    """The socket name of notice socket ``name`` in this user's private directory (:mod:`..host_dir`)."""
-    return f"freed-{name}"
+def _notice_socket(pid: int, name: str) -> str:
+    """The socket name of process ``pid``'s notice socket ``name`` in this user's private directory
+    (:mod:`..host_dir`; named after its process, as every socket there is)."""
+    return f"{int(pid)}-freed-{name}"
 
 
 class Notices:
@@ -433,7 +434,7 @@ class Notices:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             name = secrets.token_hex(8)
-            path = host_dir.bind(sock, _notice_socket(name))
+            path = host_dir.bind(sock, _notice_socket(os.getpid(), name))
         except OSError as exc:
             sock.close()
             logger.debug("pooled segments are reported freed in verdicts only: %s", exc)
@@ -465,15 +466,16 @@ class Notices:
             if pid is not None and not flags & _TRUNCATED:
                 found.append((pid, data.decode("ascii", "replace")))
 
-    def tell(self, notice: str, ident: str) -> bool:
-        """Send the notice that this process's views of segment ``ident`` are gone to the sender's socket
-        ``notice``; False when there is none or it cannot take it now (the report then goes in a verdict)."""
+    def tell(self, notice: str, pid: int, ident: str) -> bool:
+        """Send the notice that this process's views of segment ``ident`` are gone to the socket ``notice``
+        of its sender, process ``pid``; False when there is none or it cannot take it now (the report
+        then goes in a verdict)."""
         if not notice:
             return False
         try:
             if self._teller is None:
                 self._teller = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._teller.sendto(ident.encode(), _NO_WAIT, host_dir.socket_path(_notice_socket(notice)))
+            self._teller.sendto(ident.encode(), _NO_WAIT, host_dir.socket_path(_notice_socket(pid, notice)))
         except OSError:
             return False
         return True
