@@ -181,10 +181,14 @@ def dead_sockets(directory: str = PRIVATE_DIR) -> list[str]:
 
 
 def remove_dead_sockets(directory: str = PRIVATE_DIR) -> list[str]:
-    """Remove :func:`dead_sockets` (never a live one); returns the paths removed."""
+    """Remove :func:`dead_sockets` (never a live one), then the directory if that left it empty (as
+    :func:`unbind` does); returns the paths removed."""
     removed = []
     for path in dead_sockets(directory):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             removed.append(path)
+    if removed:
+        with contextlib.suppress(OSError):  # not empty: live sockets, records
+            os.rmdir(directory)
     return removed

@@ -6,6 +6,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from distribute_utils import host_dir
+
 from harness import RankPool, shm_entries
 
 
@@ -34,6 +36,10 @@ def pools() -> Iterator[PoolCache]:
     cache = PoolCache()
     yield cache
     cache.close()
+    # Ranks the tests killed outright (fault injection, a fresh job's teardown) leave their socket files,
+    # as any process killed so does: removed as `distribute-utils clean` would (only sockets nothing
+    # listens on), so that the suite leaves nothing in /dev/shm.
+    host_dir.remove_dead_sockets()
 
 
 @pytest.fixture

@@ -541,8 +541,9 @@ def _big_then_small_then_idle(keep_s: float) -> dict:
                     pass
             out["after_small"] = shm.pooled_bytes()[1]
             out["rss_after_small_kib"] = _rss_shmem_kib()
-    with get_tensors_parallel(torch.full((8,), float(rank)), ranks):
-        pass  # (its verdict carries the first rank's word that its views are gone, if no notice did)
+    # (this gather's verdict carries the first rank's word that its views are gone, if no notice did)
+    with get_tensors_parallel(torch.full((8,), float(rank)), ranks) as got:
+        assert [float(t[0]) for t in got] == ([0.0, 1.0] if rank == 0 else [])
     deadline = time.monotonic() + 10 * keep_s + 30
     while shm.pooled_bytes()[1] > shm.SegmentPool.BIG_BYTES and time.monotonic() < deadline:
         time.sleep(0.05)  # (the watch thread's own period is keep_s / 2)
