@@ -5,9 +5,10 @@
 - ``/dev/shm``: present, writable, its size and free space. A gather on one host needs room
   for every sender's payload at once; below :data:`SHM_MIN_FREE_BYTES` (64 MiB, Docker's
   default ``--shm-size``) free, doctor reports a problem;
-- our segments in it (``du_<token>_<rank>_<pid>``): the owner pid from the name, alive or dead
-  in this pid namespace, the size. Segments of dead owners are notes, not problems (they only
-  take space, which the free-space check sees): ``clean`` removes them;
+- the files carriers name on this host (each carrier's ``files_on_host``: segments
+  ``du_<token>_<rank>_<pid>`` in ``/dev/shm``, payload files on local disk): the owner pid from the
+  name, alive or dead in this pid namespace, the size. Files of dead owners are notes, not problems
+  (they only take space, which the free-space check sees): ``clean`` removes them;
 - the workspace, when given: a directory, writable, its filesystem, free space, and the time
   of one small round trip through :class:`~distribute_utils.transports.WorkspaceTransport`
   (write, ``fsync``, rename, read, checksum), as a gather does it; its job namespaces with
@@ -15,7 +16,7 @@
   sweep will remove them;
 - torch: version, ``torch.distributed`` and its backends (gloo, nccl, mpi), CUDA.
 
-``clean`` removes what dead jobs left, and nothing else: segments whose owner pid does not run
+``clean`` removes what dead jobs left, and nothing else: carriers' files whose owner pid does not run
 in this pid namespace, and namespaces :func:`~distribute_utils.transports.sweep_stale_namespaces`
 judges stale (every owner on this host and exited, or untouched for 24 h with owners
 elsewhere). A live job's segments and namespaces are never touched. Caveat: a pid can only be
@@ -31,21 +32,23 @@ import json
 import os
 import re
 import secrets
-import stat
 import time
 from dataclasses import dataclass
-from typing import Any, TextIO, cast
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from . import host_dir
 from .errors import DistributeError
 from .processes import SHM_DIR, pid_alive, process_alive, this_process
-from .temporaries import RECORD_DIR, find_abandoned, remove_abandoned, remove_file
+from .temporaries import RECORD_DIR, find_abandoned, remove_abandoned
+
+if TYPE_CHECKING:
+    from .transports.named_files import HostFile
 
 __all__ = [
     "PROBE_BYTES",
     "SHM_MIN_FREE_BYTES",
     "NamespaceInfo",
-    "Segment",
+    "carrier_files",
     "clean",
     "doctor",
     "find_segments",
@@ -70,53 +73,26 @@ def _size(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-# -- segments ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Segment:
-    """One ``du_*`` entry of ``/dev/shm``.
+# -- files carriers name on this host ---------------------------------------------------------
+def find_segments(shm_dir: str = SHM_DIR) -> list[HostFile]:
+    """Every ``du_*`` entry of ``shm_dir``, sorted by name (empty when it does not exist): the
+    shared-memory carrier's files (see :func:`carrier_files`)."""
+    from .transports.shm import SharedMemoryTransport
 
-    Attributes:
-        name: file name, ``du_<token>_<rank>_<pid>`` when it is one of ours.
-        path: full path.
-        size: bytes it holds.
-        uid: owner user id.
-        pid: the owner process from the name, None when the name is not one of ours.
-        alive: whether that process runs in this pid namespace (None when ``pid`` is None).
-    """
-
-    name: str
-    path: str
-    size: int
-    uid: int
-    pid: int | None
-    alive: bool | None
-
-    @property
-    def stale(self) -> bool:
-        """Its owner has exited: ``clean`` removes it."""
-        return self.alive is False
+    return SharedMemoryTransport.files_on_host(shm_dir)
 
 
-def find_segments(shm_dir: str = SHM_DIR) -> list[Segment]:
-    """Every ``du_*`` entry of ``shm_dir``, sorted by name (empty when it does not exist)."""
-    found = []
-    try:
-        names = sorted(os.listdir(shm_dir))
-    except OSError:
-        return []
-    for name in names:
-        if not name.startswith("du_"):
-            continue
-        path = os.path.join(shm_dir, name)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            continue
-        m = _SEGMENT_RE.fullmatch(name)
-        pid = int(m["pid"]) if m else None
-        found.append(Segment(name, path, st.st_size, st.st_uid, pid, None if pid is None else pid_alive(pid)))
+def carrier_files(shm_dir: str = SHM_DIR) -> list[tuple[str, str, list[HostFile]]]:
+    """``(kind, label, files)`` of every carrier that names files on this host (``files_on_host``, see
+    :class:`.transports.base.Carrier`), in :data:`.transports.carriers.KINDS` order."""
+    from .transports.carriers import KINDS
+
+    found, seen = [], set()
+    for kind, cls in KINDS.items():
+        listing = getattr(cls, "files_on_host", None)
+        if listing is not None and cls not in seen:
+            seen.add(cls)
+            found.append((kind, cast(str, getattr(cls, "files_label", kind)), listing(shm_dir)))
     return found
 
 
@@ -254,14 +230,14 @@ def _torch_section(rep: _Report) -> None:
         rep.problem("torch.distributed is not available in this torch build: gathers cannot run")
 
 
-def _shm_section(rep: _Report, shm_dir: str) -> list[Segment]:
+def _shm_section(rep: _Report, shm_dir: str) -> None:
     rep.data["shm"] = shm = {"path": shm_dir, "exists": os.path.isdir(shm_dir)}
     if not os.path.isdir(shm_dir):
         rep.line(f"{shm_dir}: missing")
         rep.problem(
             f"{shm_dir} does not exist: ranks on one host cannot share memory (pass a workspace_path)"
         )
-        return []
+        return
     st = os.statvfs(shm_dir)
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     writable = os.access(shm_dir, os.W_OK | os.X_OK)
@@ -274,24 +250,9 @@ def _shm_section(rep: _Report, shm_dir: str) -> list[Segment]:
     if free < SHM_MIN_FREE_BYTES:
         rep.problem(
             f"{shm_dir} has {_size(free)} free, less than {_size(SHM_MIN_FREE_BYTES)}: gathers of larger "
-            "payloads fail with SpaceError (enlarge it, e.g. docker --shm-size, or pass a workspace_path)"
+            "payloads fail with SpaceError where transport='shm', and go through the local disk "
+            "(slower) with transport='auto' (enlarge it, e.g. docker --shm-size)"
         )
-    segments = find_segments(shm_dir)
-    shm["segments"] = [
-        {"path": s.path, "bytes": s.size, "owner_pid": s.pid, "alive": s.alive, "stale": s.stale}
-        for s in segments
-    ]
-    ours = [s for s in segments if s.pid is not None]
-    rep.line(f"segments (du_*): {len(ours)}, {_size(sum(s.size for s in ours))}")
-    for s in segments:
-        if s.pid is None:
-            rep.line(f"{s.name}  {_size(s.size)}  not a distribute_utils name: left alone", 2)
-            continue
-        state = "alive" if s.alive else "dead"
-        tail = "  -> stale: `distribute-utils clean` removes it" if s.stale else ""
-        rep.line(f"{s.name}  {_size(s.size)}  owner pid {s.pid} {state}{tail}", 2)
-        if s.stale:
-            rep.note(f"stale segment {s.path}")
     held = held_unnamed_files(shm_dir)
     total = sum(size for _, size in held)
     pids = sorted({pid for pid, _ in held})
@@ -301,7 +262,27 @@ def _shm_section(rep: _Report, shm_dir: str) -> list[Segment]:
         f"{len(held)}, {_size(total)}" + (f", by pids {pids[:8]}" if pids else "")
     )
     _temporaries_section(rep, shm_dir)
-    return segments
+
+
+def _carrier_files_section(rep: _Report, shm_dir: str) -> None:
+    """The files each carrier named on this host, their owners alive or dead."""
+    listed = rep.data["carrier_files"] = {}
+    for kind, label, files in carrier_files(shm_dir):
+        listed[kind] = [
+            {"path": f.path, "bytes": f.size, "owner_pid": f.pid, "alive": f.alive, "stale": f.stale}
+            for f in files
+        ]
+        ours = [f for f in files if f.pid is not None]
+        rep.line(f"{label}: {len(ours)}, {_size(sum(f.size for f in ours))}")
+        for f in files:
+            if f.pid is None:
+                rep.line(f"{f.name}  {_size(f.size)}  not a distribute_utils name: left alone", 2)
+                continue
+            state = "alive" if f.alive else "dead"
+            tail = "  -> stale: `distribute-utils clean` removes it" if f.stale else ""
+            rep.line(f"{f.name}  {_size(f.size)}  owner pid {f.pid} {state}{tail}", 2)
+            if f.stale:
+                rep.note(f"stale {kind} file {f.path}")
 
 
 def _temporaries_section(rep: _Report, shm_dir: str) -> None:
@@ -325,30 +306,11 @@ def _temporaries_section(rep: _Report, shm_dir: str) -> None:
         rep.note(f"unusable private directory {_record_dir(shm_dir)}")
     except OSError:  # not made yet: the first gather makes it
         pass
-    left = carrier_leftovers()
-    rep.data["carrier_leftovers"] = [{"path": p, "owner_pid": pid, "bytes": n} for p, pid, n in left]
-    rep.line(f"payload files of dead senders (local disk): {len(left)}, {_size(sum(n for *_, n in left))}")
-    for path, pid, _ in left:
-        rep.line(f"{path}  owner pid {pid} dead  -> stale: `distribute-utils clean` removes it", 2)
-        rep.note(f"stale payload {path}")
     rep.data["dead_sockets"] = dead
     rep.line(f"sockets of processes that died: {len(dead)}")
     for path in dead:
         rep.line(f"{path}  nothing listens  -> stale: `distribute-utils clean` removes it", 2)
         rep.note(f"stale socket {path}")
-
-
-def carrier_leftovers() -> list[tuple[str, int, int]]:
-    """``(path, owner pid, bytes)`` of what dead senders left in every carrier that says how to find it
-    (``leftovers``, see :class:`.transports.base.Carrier`; shared-memory segments have their own section)."""
-    from .transports.carriers import KINDS
-
-    found: list[tuple[str, int, int]] = []
-    for cls in KINDS.values():
-        leftovers = getattr(cls, "leftovers", None)
-        if leftovers is not None:
-            found += leftovers()
-    return found
 
 
 def _record_dir(shm_dir: str) -> str:
@@ -461,6 +423,7 @@ def doctor(workspace: str | None, out: TextIO, *, shm_dir: str = SHM_DIR, as_jso
     rep.line("distribute-utils doctor", 0)
     _torch_section(rep)
     _shm_section(rep, shm_dir)
+    _carrier_files_section(rep, shm_dir)
     if workspace is not None:
         _workspace_section(rep, os.fspath(workspace))
     else:
@@ -483,7 +446,8 @@ def doctor(workspace: str | None, out: TextIO, *, shm_dir: str = SHM_DIR, as_jso
 def clean(
     workspace: str | None, dry_run: bool, out: TextIO, *, shm_dir: str = SHM_DIR, as_json: bool = False
 ) -> int:
-    """Remove what dead jobs left: their segments in ``shm_dir``, the temporary output files of dead
+    """Remove what dead jobs left: the files carriers named on this host (segments in ``shm_dir``,
+    payload files on local disk: :func:`carrier_files`), dead processes' sockets, the temporary output files of dead
     consolidations (from their records, see :mod:`.temporaries`), and namespaces in ``workspace``.
 
     Never touches a live process's files or a live job's namespace (see the module doc).
@@ -493,7 +457,8 @@ def clean(
         dry_run: only print what would be removed.
         out: where the report goes.
         shm_dir: the shared-memory directory (``/dev/shm``).
-        as_json: write one JSON object (``removed``: kind, path, bytes, reason; ``kept_live_segments``;
+        as_json: write one JSON object (``removed``: kind (a carrier's, ``temporary``, ``socket``,
+            ``namespace``), path, bytes, reason; ``kept_live_files``;
             ``failures``; ``dry_run``; ``exit_code``) instead of lines.
 
     Returns:
@@ -509,8 +474,8 @@ def clean(
         removed.append({"kind": kind, "path": path, "bytes": nbytes, "reason": reason})
         if as_json:
             return
-        if kind == "segment":
-            out.write(f"{verb} {path} ({_size(nbytes or 0)}, {reason})\n")
+        if nbytes is not None:  # (a carrier's file)
+            out.write(f"{verb} {path} ({_size(nbytes)}, {reason})\n")
         else:
             out.write(f"{verb} {kind} {path}: {reason}\n")
 
@@ -519,26 +484,32 @@ def clean(
         if not as_json:
             out.write(text + "\n")
 
-    segments = find_segments(shm_dir)
-    for s in (s for s in segments if s.stale):
-        if pid_alive(s.pid or 0):  # started meanwhile (pid reuse): keep it
-            continue
-        if not dry_run:
-            try:
-                os.unlink(s.path)
-            except FileNotFoundError:
-                continue  # its reader took it meanwhile
-            except OSError as exc:
-                failed(f"could not remove {s.path}: {exc.strerror or exc}")
+    summary: list[str] = []
+    live = 0
+    for kind, label, files in carrier_files(shm_dir):
+        gone = []
+        for f in (f for f in files if f.stale):
+            if pid_alive(f.pid or 0):  # started meanwhile (pid reuse): keep it
                 continue
-        done("segment", s.path, s.size, f"owner pid {s.pid} has exited")
+            if not dry_run:
+                try:
+                    os.unlink(f.path)
+                except FileNotFoundError:
+                    continue  # its reader took it meanwhile
+                except OSError as exc:
+                    failed(f"could not remove {f.path}: {exc.strerror or exc}")
+                    continue
+            gone.append(f)
+            done(kind, f.path, f.size, f"owner pid {f.pid} has exited")
+        kept = sum(1 for f in files if f.alive)
+        live += kept
+        summary.append(
+            f"{verb} {len(gone)} {label} ({_size(sum(f.size for f in gone))}), kept {kept} of live processes"
+        )
     for item in find_abandoned(_record_dir(shm_dir)):
-        gone = item.paths if dry_run else remove_abandoned(item)
-        for path in gone:
+        gone_paths = item.paths if dry_run else remove_abandoned(item)
+        for path in gone_paths:
             done("temporary", path, None, f"an unfinished output of pid {item.owner.pid}, which has exited")
-    for path, pid, nbytes in carrier_leftovers():
-        if dry_run or remove_file(path):
-            done("payload", path, nbytes, f"owner pid {pid} has exited")
     record_dir = _record_dir(shm_dir)
     dead: list[str] = []
     try:
@@ -549,14 +520,8 @@ def clean(
         failed(f"not looking for dead sockets: {exc}")
     for path in dead:
         done("socket", path, None, "nothing listens on it: its process has exited")
-    live = sum(1 for s in segments if s.alive)
-    segs = [r for r in removed if r["kind"] == "segment"]
-    temps = [r for r in removed if r["kind"] == "temporary"]
-    summary = [
-        f"{verb} {len(segs)} segment(s) ({_size(sum(r['bytes'] for r in segs))}), "
-        f"kept {live} segment(s) of live processes",
-        f"{verb} {len(temps)} temporary file(s)",
-        f"{verb} {sum(r['kind'] == 'payload' for r in removed)} payload file(s) on local disk",
+    summary += [
+        f"{verb} {sum(r['kind'] == 'temporary' for r in removed)} temporary file(s)",
         f"{verb} {len(dead)} socket(s)",
     ]
     if workspace is not None and not os.path.isdir(workspace):
@@ -575,7 +540,7 @@ def clean(
         body = {
             "dry_run": dry_run,
             "removed": removed,
-            "kept_live_segments": live,
+            "kept_live_files": live,
             "failures": failures,
             "exit_code": code,
         }

@@ -148,7 +148,7 @@ def test_clean_removes_dead_jobs_leftovers_only(scene: Scene) -> None:
     text = out.getvalue()
     assert f"would remove {scene.dead_segment} (3.0 MiB, owner pid {scene.dead_pid} has exited)" in text
     assert f"would remove namespace {scene.dead_ns}: every owner ran on this host and has exited" in text
-    assert "would remove 1 segment(s) (3.0 MiB), kept 1 segment(s) of live processes" in text
+    assert "would remove 1 segment(s) (3.0 MiB), kept 1 of live processes" in text
     assert scene.dead_segment.exists() and scene.dead_ns.exists(), "a dry run removes nothing"
 
     out = io.StringIO()
@@ -156,8 +156,9 @@ def test_clean_removes_dead_jobs_leftovers_only(scene: Scene) -> None:
     text = out.getvalue()
     assert f"removed {scene.dead_segment}" in text and f"removed namespace {scene.dead_ns}" in text
     assert (
-        "clean: removed 1 segment(s) (3.0 MiB), kept 1 segment(s) of live processes; "
-        "removed 0 temporary file(s); removed 0 payload file(s) on local disk; removed 0 socket(s); "
+        "clean: removed 1 segment(s) (3.0 MiB), kept 1 of live processes; "
+        "removed 0 payload file(s) on local disk (0 B), kept 0 of live processes; "
+        "removed 0 temporary file(s); removed 0 socket(s); "
         "removed 1 namespace(s)" in text
     )
     assert not scene.dead_segment.exists() and not scene.dead_ns.exists()

@@ -111,13 +111,18 @@ def test_a_killed_senders_file_is_found_and_removed_by_clean(disk: Path) -> None
         gone.append(proc.pid)
     report = io.StringIO()
     hygiene.doctor(None, report)
-    assert f"owner pid {gone[0]} dead" in report.getvalue(), report.getvalue()
+    text = report.getvalue()
+    assert "payload file(s) on local disk: 3, " in text, text
+    assert f"du_00000000000000a5_1_{gone[0]}  104 B  owner pid {gone[0]} dead  -> stale" in text, text
+    assert f"du_00000000000000a6_0_{os.getpid()}  104 B  owner pid {os.getpid()} alive\n" in text, text
     assert carriers.remove_left_by(2, gone[1]) == [
         str(Path(local_dir()) / f"du_00000000000000a5_2_{gone[1]}")
     ]
     out = io.StringIO()
     assert hygiene.clean(None, False, out) == 0
-    assert f"removed payload {Path(local_dir()) / f'du_00000000000000a5_1_{gone[0]}'}" in out.getvalue()
+    removed = Path(local_dir()) / f"du_00000000000000a5_1_{gone[0]}"
+    assert f"removed {removed} (104 B, owner pid {gone[0]} has exited)" in out.getvalue(), out.getvalue()
+    assert "removed 1 payload file(s) on local disk (104 B), kept 1 of live processes" in out.getvalue()
     names = [p.name for p in Path(local_dir()).iterdir()]
     assert names == [f"du_00000000000000a6_0_{os.getpid()}"], "only the live process's file is left"
     live.release(taken=False)

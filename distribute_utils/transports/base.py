@@ -100,13 +100,15 @@ class Carrier(Protocol):
     settings: tuple[str, ...]
     """The options and environment variables it reads (``workspace_path``, ``$DISTRIBUTE_UTILS_...``)."""
     # Leftovers: a carrier whose publication can outlive a process killed outright (a file with a name)
-    # says how to find and remove it, as static methods read with getattr (absent: nothing to leave):
-    # ``remove_left_by(rank, pid)`` removes what sender ``rank`` (any: None) of dead process ``pid`` left,
-    # returning the paths (the first rank that sees a sender die, a launcher after killing a rank:
-    # :func:`.carriers.remove_left_by`); ``leftovers()`` lists ``(path, owner pid, bytes)`` of dead
-    # owners (``distribute-utils doctor`` / ``clean``). Shared-memory segments, named ``du_*`` in
-    # ``/dev/shm``, are listed by :mod:`distribute_utils.hygiene` itself; workspace namespaces by their
-    # owner records (:mod:`.namespace`).
+    # says how to find and remove it, as static methods and a label read with getattr (absent: nothing
+    # to leave): ``remove_left_by(rank, pid)`` removes what sender ``rank`` (any: None) of dead process
+    # ``pid`` left, returning the paths (the first rank that sees a sender die, a launcher after killing
+    # a rank, an interrupted process its own: :func:`.carriers.remove_left_by`); ``files_on_host(shm_dir)``
+    # lists every file it names on this host as :class:`.named_files.HostFile` (path, size, owner pid,
+    # alive), and ``files_label`` says what they are: ``distribute-utils doctor`` lists them, ``clean``
+    # removes those whose owner is gone (``shm_dir``: the host's shared-memory directory, for a carrier
+    # that keeps its files there). The workspace's leftovers are whole namespaces, found by their owner
+    # records (:mod:`.namespace`), in the workspace ``doctor`` and ``clean`` are given.
     # Optional (read with getattr, False when absent): ``one_per_round = True`` says that what
     # ``receiving`` returns depends on the round's context only, not on the sender or its receipt, so
     # that :class:`.carriers.Receiving` makes it once per round and fetches every receipt of its kind

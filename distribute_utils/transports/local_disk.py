@@ -21,20 +21,19 @@ own.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import stat
 import tempfile
 from typing import Any
 
 from .. import host_dir, interrupts
 from ..errors import PayloadError, SpaceError
-from ..processes import ProcessInfo, pid_alive, process_alive
+from ..processes import ProcessInfo, process_alive
 from ..wire import EncodedPayload, stated_length
 from .base import Context, removed_on_interrupt
 from .files import reserve_space, unlink
-from .shm import SEGMENT_PREFIX, map_named
+from .named_files import PREFIX, HostFile, named_files, remove_named
+from .shm import map_named
 
 __all__ = ["LOCAL_DIR_ENV", "LocalDiskCarrier", "local_dir"]
 
@@ -85,7 +84,7 @@ class LocalDiskCarrier:
             PermissionError: the private directory is another user's (named).
         """
         directory = host_dir.private_dir(local_dir())
-        path = os.path.join(directory, f"{SEGMENT_PREFIX}{token}_{rank}_{os.getpid()}")
+        path = os.path.join(directory, f"{PREFIX}{token}_{rank}_{os.getpid()}")
         removed_on_interrupt(LocalDiskCarrier)
         with interrupts.uninterruptible():  # an interrupt then sees the file and removes it
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -129,7 +128,7 @@ class LocalDiskCarrier:
 
     def release(self, token: str, rank: int, receipt: Any = None, *, taken: bool = True) -> None:
         """The sender: remove its file of ``token`` if the first rank never took it."""
-        unlink(os.path.join(local_dir(), f"{SEGMENT_PREFIX}{token}_{rank}_{os.getpid()}"))
+        unlink(os.path.join(local_dir(), f"{PREFIX}{token}_{rank}_{os.getpid()}"))
 
     @staticmethod
     def _path(directory: str, token: str, rank: int, pid: int) -> str:
@@ -141,50 +140,20 @@ class LocalDiskCarrier:
             host_dir.check(directory)
         except OSError as exc:
             raise PayloadError(f"rank {rank} published its payload in an unusable directory: {exc}") from None
-        return os.path.join(directory, f"{SEGMENT_PREFIX}{token}_{rank}_{pid}")
+        return os.path.join(directory, f"{PREFIX}{token}_{rank}_{pid}")
 
     @staticmethod
     def remove_left_by(rank: int | None, pid: int) -> list[str]:
         """Remove the files a sender (``rank``, or any rank, of process ``pid``) left; the paths removed."""
-        suffix = f"_{int(pid)}" if rank is None else f"_{int(rank)}_{int(pid)}"
-        return [path for path in _files() if path.endswith(suffix) and _removed(path)]
+        return remove_named(local_dir(), rank, pid)
+
+    files_label = "payload file(s) on local disk"
 
     @staticmethod
-    def leftovers() -> list[tuple[str, int, int]]:
-        """``(path, owner pid, bytes)`` of the files whose owner process is gone (this pid namespace)."""
-        found = []
-        for path in _files():
-            pid = int(path.rsplit("_", 1)[1])
-            with contextlib.suppress(OSError):
-                if not pid_alive(pid):
-                    found.append((path, pid, os.lstat(path).st_size))
-        return found
-
-
-def _files() -> list[str]:
-    """This user's payload files in the local directory (regular files named by the carrier)."""
-    directory = local_dir()
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    found = []
-    for name in names:
-        if name.startswith(SEGMENT_PREFIX) and name.rsplit("_", 1)[-1].isdigit():
-            path = os.path.join(directory, name)
-            with contextlib.suppress(OSError):
-                info = os.lstat(path)
-                if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
-                    found.append(path)
-    return found
-
-
-def _removed(path: str) -> bool:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    return True
+    def files_on_host(shm_dir: str = "") -> list[HostFile]:
+        """Every payload file in this user's local directory, with its owner's liveness (``shm_dir``:
+        not read, the files are in :func:`local_dir`)."""
+        return named_files(local_dir())
 
 
 def _parse(receipt: Any, rank: int) -> tuple[str, int, int]:

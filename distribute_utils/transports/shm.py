@@ -29,11 +29,9 @@ neither.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
-import stat
 from typing import Any
 
 from .. import interrupts
@@ -44,6 +42,7 @@ from ..wire import EncodedPayload, stated_length
 from .base import Context, removed_on_interrupt
 from .files import unlink
 from .kept_maps import KeptMaps, SegmentMap, checked, map_pooled
+from .named_files import PREFIX, HostFile, named_files, remove_named
 from .segment_pool import NOTICE_NAME, FreedReports, Notices, Pools, SegmentPool, reserve, shm_space
 
 __all__ = [
@@ -65,7 +64,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SEGMENT_PREFIX = "du_"
+SEGMENT_PREFIX = PREFIX
 
 
 def segment_path(token: str, rank: int, pid: int) -> str:
@@ -122,6 +121,14 @@ class SharedMemoryTransport:
         """Remove what sender ``rank`` (or any rank) of process ``pid`` (dead) left half-published: its
         named segments (pooled ones die with it); the paths removed."""
         return remove_segments_of(rank, pid)
+
+    files_label = "segment(s)"
+
+    @staticmethod
+    def files_on_host(shm_dir: str = SHM_DIR) -> list[HostFile]:
+        """Every ``du_*`` file in ``shm_dir`` (named segments; others' files of that name too, their
+        ``pid`` None), with its owner's liveness."""
+        return named_files(shm_dir)
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> str:
         """Write ``payload`` into a segment; returns the receipt the receiver needs."""
@@ -200,18 +207,7 @@ class SharedMemoryTransport:
 def remove_segments_of(rank: int | None, pid: int) -> list[str]:
     """Remove the named segments a dead sender (``rank``, or any rank, of process ``pid``) left: only
     regular files of this user whose name says so. Returns the paths removed."""
-    suffix = f"_{int(pid)}" if rank is None else f"_{int(rank)}_{int(pid)}"
-    removed = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir(SHM_DIR):
-            if name.startswith(SEGMENT_PREFIX) and name.endswith(suffix):
-                path = os.path.join(SHM_DIR, name)
-                with contextlib.suppress(OSError):
-                    info = os.lstat(path)
-                    if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
-                        os.unlink(path)
-                        removed.append(path)
-    return removed
+    return remove_named(SHM_DIR, rank, pid)
 
 
 def _parse_receipt(receipt: str, rank: int) -> tuple[str, int, str, str, int, int, str]:
