@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from . import __version__, interrupts
 from .commands import cmd_clean, cmd_consolidate, cmd_demo, cmd_doctor, fail
@@ -84,9 +85,16 @@ examples:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, with where the help is (not the usage block), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``distribute-utils`` (all subcommands)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="distribute-utils",
         description="Gather configs and tensor shards to one rank at the end of a distributed PyTorch job, "
         "and consolidate tensor/pipeline-parallel checkpoints.",
@@ -206,6 +214,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(input_layernorm.weight); default: the checkpoint's args.transformer_impl, else te",
     )
     cons.add_argument(
+        "--only",
+        metavar="PREFIX",
+        default=None,
+        help="write only the tensors whose names start with PREFIX, e.g. model. (a DCP checkpoint's model, "
+        "not its optimizer state); the rest is listed in the report as left out",
+    )
+    cons.add_argument(
+        "--strip-prefix",
+        metavar="PREFIX",
+        default=None,
+        help="remove PREFIX from the start of every name written, e.g. model. (so that the output loads "
+        "into the bare module)",
+    )
+    cons.add_argument(
         "--max-shard-size",
         type=_size_arg,
         default=None,
@@ -322,7 +344,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except UsageError as exc:
         fail(args, exc, code=2)
         subparser = _subparsers_of(parser).get(args.command, parser)
-        subparser.error(str(exc))  # the subcommand's usage; exits with code 2
+        subparser.error(str(exc))  # one line and where help is; exits with code 2
     except (LaunchError, OSError, ValueError, RuntimeError) as exc:
         fail(args, exc)
         return 1

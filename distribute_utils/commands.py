@@ -109,6 +109,8 @@ def _consolidate_options(args: argparse.Namespace) -> dict[str, Any]:
         "progress": not args.quiet,
         "swiglu": args.swiglu,
         "names": args.megatron_names,
+        "only": args.only,
+        "strip_prefix": args.strip_prefix,
     }
 
 
@@ -121,7 +123,7 @@ def _prepare_output(args: argparse.Namespace, plan: list[MergePlanEntry] | None)
     specs = None if plan is None else [e.spec for e in plan]
     try:
         files, scheme = output_paths(args.format, args.output, specs, args.max_shard_size)
-        target = prepare_output(args.output, args.overwrite, files, scheme)
+        target = prepare_output(args.output, args.overwrite, files, scheme, inside=args.input)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     args.target = target
@@ -133,7 +135,13 @@ def _plan(args: argparse.Namespace) -> tuple[Checkpoint, list[MergePlanEntry]]:
     from .consolidate.tp_pp import plan_checkpoint
 
     return plan_checkpoint(
-        args.input, args.rules, quant_format=args.quant_format, swiglu=args.swiglu, names=args.megatron_names
+        args.input,
+        args.rules,
+        quant_format=args.quant_format,
+        swiglu=args.swiglu,
+        names=args.megatron_names,
+        only=args.only,
+        strip_prefix=args.strip_prefix,
     )
 
 
@@ -205,9 +213,14 @@ def _print_plan(args: argparse.Namespace) -> int:
     """``--dry-run``: the rule, shape and dtype of every output tensor, and the output size; writes nothing."""
     layout, plan = _plan(args)
     total = sum(e.spec.nbytes for e in plan)
+    whole = layout.tp == 1 and layout.stages == 1  # (one shard of each tensor: copied as stored)
+
+    def rule(e: MergePlanEntry) -> str:
+        return "whole" if whole else str(e.rule)
+
     if args.json:
         rows = [
-            {"name": e.name, "rule": str(e.rule), "shape": list(e.spec.shape), "dtype": str(e.spec.dtype)}
+            {"name": e.name, "rule": rule(e), "shape": list(e.spec.shape), "dtype": str(e.spec.dtype)}
             for e in plan
         ]
         print(
@@ -220,14 +233,33 @@ def _print_plan(args: argparse.Namespace) -> int:
     print(f"{'tensor':<{width}}  {'rule':<12} {'dtype':<10} shape")
     for e in plan:
         dtype = str(e.spec.dtype).removeprefix("torch.")
-        print(f"{e.name:<{width}}  {e.rule!s:<12} {dtype:<10} {list(e.spec.shape)}")
+        print(f"{e.name:<{width}}  {rule(e):<12} {dtype:<10} {list(e.spec.shape)}")
     print(
         f"{len(plan)} tensors, {total / 2**20:.1f} MiB, from {layout.describe_grid()} ({layout.kind}); nothing written"
+        + ("; whole: each tensor is stored whole and copied as it is" if whole else "")
     )
     return 0
 
 
+def _check_places(args: argparse.Namespace) -> None:
+    """INPUT and OUTPUT looked at before torch is imported, so that a wrong path is answered at once."""
+    from .outputs import check_output_place
+
+    root = Path(args.input)
+    if not root.exists():
+        raise UsageError(f"input '{root}' does not exist")
+    if not root.is_dir():
+        raise UsageError(f"input '{root}' is not a directory: give the checkpoint directory")
+    out = Path(args.output)
+    file_named = out.suffix in (".safetensors", ".bin") and not out.is_dir()
+    try:
+        check_output_place(out.parent if file_named else out, inside=root)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def cmd_consolidate(args: argparse.Namespace) -> int:
+    _check_places(args)
     from .consolidate.tp_pp import consolidate_local
     from .launch import under_torchrun
 
@@ -239,6 +271,11 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _consolidate_as_torchrun_rank(args, options, layout)
     nproc = 1 if args.nproc is None else args.nproc
+    if nproc != 1 and needed == 1:
+        raise UsageError(
+            f"--nproc {nproc}: '{args.input}' is {layout.describe_grid()}, which one process consolidates "
+            "(it reads every tensor whole from the files); leave out --nproc"
+        )
     if nproc not in (needed, 1):
         raise UsageError(
             f"--nproc {nproc} does not fit '{args.input}': {layout.describe_grid()} "

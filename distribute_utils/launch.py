@@ -18,11 +18,12 @@ import pickle
 import select
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -175,6 +176,38 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | N
             conn.close()
 
 
+def _start_forkserver() -> None:
+    """Starts multiprocessing's forkserver (if not running) in a process group of its own, so that a
+    terminal's Ctrl-C, which goes to the terminal's foreground group, never reaches it (or the ranks it
+    forks): it would interrupt the server's start-up or its import of torch with a traceback. The
+    launcher alone receives it and stops the ranks (:class:`_Ranks`); the server ends with the launcher.
+    multiprocessing has no option for this: its spawn function is replaced while the server starts."""
+    from multiprocessing import forkserver
+
+    original = multiprocessing.util.spawnv_passfds
+    multiprocessing.util.spawnv_passfds = _spawn_in_own_group
+    try:
+        forkserver.ensure_running()
+    finally:
+        multiprocessing.util.spawnv_passfds = original
+
+
+#: The helper processes started by :func:`_spawn_in_own_group` (kept: a collected ``Popen`` of a running
+#: process may later be reaped by ``subprocess``, which multiprocessing's own ``waitpid`` would not expect).
+_SPAWNED: list[subprocess.Popen[bytes]] = []
+
+
+def _spawn_in_own_group(path: bytes | str, args: Sequence[Any], passfds: Sequence[int]) -> int:
+    """``multiprocessing.util.spawnv_passfds``, with the child in a new process group (set before it
+    runs anything: no moment where a Ctrl-C reaches it)."""
+    group: dict[str, Any] = (
+        {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    )
+    proc = subprocess.Popen(args, executable=path, pass_fds=tuple(passfds), close_fds=True, **group)
+    _SPAWNED.append(proc)
+    return proc.pid
+
+
 #: multiprocessing temporary folders whose removal on an interrupt is registered.
 _TEMP_DIRS: set[str] = set()
 
@@ -200,6 +233,7 @@ def _run(
     level: int,
     timeout: float | None,
 ) -> list[Any]:
+    _start_forkserver()
     for rank in range(nproc):
         parent, child = ctx.Pipe(duplex=False)
         # Not daemonic: a rank may start processes of its own (megatron-core's checkpoint writers,

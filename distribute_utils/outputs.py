@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .errors import OutputError
 
-__all__ = ["OutputError", "OutputTarget", "prepare_output"]
+__all__ = ["OutputError", "OutputTarget", "check_output_place", "prepare_output"]
 
 
 @dataclass
@@ -68,11 +68,54 @@ def _names(paths: Sequence[Path]) -> str:
     return ", ".join(p.name for p in paths)
 
 
+def check_output_place(
+    directory: str | os.PathLike[str], inside: str | os.PathLike[str] | None = None
+) -> None:
+    """Whether files can be written in output ``directory``, by looking only (no torch, nothing made):
+    its parent exists and is a directory, the directory (or, while it does not exist, its parent) is a
+    writable directory on a filesystem that holds files, and it is not inside ``inside`` (the input).
+
+    Raises:
+        OutputError: naming the path and what is wrong with it."""
+    directory = Path(directory)
+    parent = directory.absolute().parent
+    if not parent.exists():
+        raise OutputError(
+            f"the parent of output '{directory}' ('{parent}') does not exist; create it first "
+            "(it is not created for you, in case of a typo)"
+        )
+    if not parent.is_dir():
+        raise OutputError(f"the parent of output '{directory}' ('{parent}') is a file, not a directory")
+    if directory.exists() and not directory.is_dir():
+        raise OutputError(f"output '{directory}' exists and is not a directory")
+    if inside is not None:
+        source = Path(inside).resolve()
+        if directory.resolve() == source or source in directory.resolve().parents:
+            raise OutputError(
+                f"output '{directory}' is inside the input checkpoint '{inside}': write it elsewhere "
+                "(files added among the shards change the checkpoint for every tool that reads it)"
+            )
+    where = directory if directory.exists() else parent
+    try:
+        st = os.statvfs(where)
+    except OSError as exc:
+        raise OutputError(f"output '{directory}': cannot look at '{where}': {exc.strerror or exc}") from None
+    if st.f_flag & os.ST_RDONLY:
+        raise OutputError(f"output '{directory}': '{where}' is on a read-only filesystem")
+    if st.f_blocks == 0:
+        raise OutputError(
+            f"output '{directory}': '{where}' is on a filesystem that holds no files (such as /proc or /sys)"
+        )
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise OutputError(f"output '{directory}': '{where}' is not writable for this user")
+
+
 def prepare_output(
     path: str | os.PathLike[str],
     overwrite: bool,
     files: Sequence[str | os.PathLike[str]],
     scheme: str | None = None,
+    inside: str | os.PathLike[str] | None = None,
 ) -> OutputTarget:
     """Checks an output before anything is written (see the module docstring); creates nothing.
 
@@ -82,22 +125,17 @@ def prepare_output(
         files: every path the command will write, all in one directory.
         scheme: a regular expression (full match) for names of the same checkpoint naming scheme, under any
             split; existing files it matches that are not in ``files`` are refused. ``None``: none.
+        inside: the input, which the output must not be inside (see :func:`check_output_place`).
 
     Raises:
-        OutputError: the parent does not exist, the directory is not a directory, files of the scheme would
+        OutputError: the place cannot take files (:func:`check_output_place`), files of the scheme would
             be left beside the new ones, or ``files`` exist and ``overwrite`` is false (each named).
     """
     paths = [Path(f) for f in files]
     directory = paths[0].parent if paths else Path(path)
     if any(p.parent != directory for p in paths):
         raise OutputError(f"prepare_output: the files must be in one directory, got {_names(paths)}")
-    if not directory.parent.is_dir():
-        raise OutputError(
-            f"the parent of output '{directory}' ('{directory.parent}') does not exist; create it first "
-            "(it is not created for you, in case of a typo)"
-        )
-    if directory.exists() and not directory.is_dir():
-        raise OutputError(f"output '{directory}' exists and is not a directory")
+    check_output_place(directory, inside)
     existing = sorted(directory.iterdir()) if directory.exists() else []
     ours = set(paths)
     in_the_way = [p for p in existing if p in ours and not p.is_file()]

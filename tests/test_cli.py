@@ -117,10 +117,12 @@ def test_help_exits_0_and_mentions_every_option(command: str, capsys: pytest.Cap
 
 def test_usage_errors_exit_2(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = str(tmp_path / "out")
+    empty = tmp_path / "empty"
+    empty.mkdir()
     cases = {
         "--nproc 3 does not fit": ["consolidate", str(ckpt), out, "--nproc", "3"],
         "bad size '12XB': unknown unit 'XB'": ["consolidate", str(ckpt), out, "--max-shard-size", "12XB"],
-        "is not a checkpoint": ["consolidate", str(tmp_path), out],
+        "is not a checkpoint": ["consolidate", str(empty), out],
         "does not exist": ["consolidate", str(tmp_path / "nope"), out],
         "expected a positive number of seconds": ["consolidate", str(ckpt), out, "--timeout", "-1"],
         "invalid choice: 'npz'": ["consolidate", str(ckpt), out, "--format", "npz"],
@@ -183,7 +185,8 @@ def test_data_mismatch_in_process_exit_1(
     write_own_layout(inp, shards, layers_per_stage=LPS)
     assert _exit_code(["consolidate", str(inp), str(out), "--nproc", "1", "-q"]) == 1
     line = _one_error_line(capsys)
-    assert f"tensor '{norm}'" in line and "rank 3 differs from rank 2;" in line
+    assert f"tensor '{norm}' is replicated" in line and "rank 3 differs from rank 2:" in line
+    assert "give it a rule" not in line and "TP rank 1 = global rank 3 in" in line  # (its files named)
     assert not out.exists()  # nothing left, not even the folder the run created
 
 

@@ -343,6 +343,52 @@ def test_interrupt_at_start_up(ckpt: Path, tmp_path: Path, target: str, sig: sig
         cmd.close()
 
 
+def _forkserver(launcher: int) -> int | None:
+    servers = [c for c in _children(launcher) if "forkserver" in _cmdline(c)]
+    return servers[0] if servers else None
+
+
+def _importing_torch(pid: int | None) -> bool:
+    """Whether process ``pid`` has begun importing torch (its library is mapped)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+    except (OSError, TypeError):
+        return False
+
+
+_START_UP_POINTS: dict[str, Callable[[Command], object]] = {
+    # the forkserver's interpreter has just started (the moment its process runs Python)
+    "forkserver_made": lambda cmd: _forkserver(cmd.proc.pid),
+    # it imports torch (seconds on 2 cores)
+    "forkserver_importing_torch": lambda cmd: _importing_torch(_forkserver(cmd.proc.pid)),
+    # the first rank forked from it (joining the store and the gloo group)
+    "ranks_forked": lambda cmd: _ranks(cmd.proc.pid),
+}
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        "forkserver_importing_torch",
+        pytest.param("forkserver_made", marks=pytest.mark.slow),
+        pytest.param("ranks_forked", marks=pytest.mark.slow),
+    ],
+)
+def test_a_terminals_ctrl_c_during_rank_start_up_is_one_line(ckpt: Path, tmp_path: Path, point: str) -> None:
+    """Ctrl-C in a terminal signals the whole process group: the forkserver too, which imports torch
+    (before, its KeyboardInterrupt traceback of 5 to 57 lines came out, at some moments of start-up)."""
+    out, records = tmp_path / "out", _records()
+    cmd = _consolidate(ckpt, out, "--nproc", "4")
+    try:
+        _until(point, lambda: _START_UP_POINTS[point](cmd), cmd.proc)
+        cmd.watch()
+        os.killpg(cmd.sid, signal.SIGINT)
+        _check_clean_end(cmd, signal.SIGINT, out, records, f"(group, {point})")
+    finally:
+        cmd.close()
+
+
 @pytest.mark.parametrize(
     "target,sig",
     [

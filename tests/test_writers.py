@@ -165,7 +165,12 @@ def test_missing_tensor_at_close_leaves_nothing(tmp_path: Path) -> None:
     writer.write("emb", sd["emb"])
     with pytest.raises(CheckpointFormatError, match=r"were never written: 'w32', 'f8'"):
         writer.close()
-    assert os.listdir(out) == []
+    assert not out.exists(), "nothing left, not even the directory the writer made"
+    kept = tmp_path / "kept"  # a directory that was there before stays
+    kept.mkdir()
+    writer = SafetensorsWriter(kept, _specs(sd))
+    writer.abort()
+    assert kept.is_dir() and os.listdir(kept) == []
 
 
 def test_exception_in_context_removes_temps(tmp_path: Path) -> None:

@@ -143,6 +143,24 @@ class DcpCheckpoint:
         """One process reads the whole checkpoint (see :meth:`CheckpointLayout.stage_ranks`)."""
         return [0]
 
+    def where(self, message: str) -> str:
+        """Nothing to add: a DCP checkpoint's tensors are global, never merged across files."""
+        return ""
+
+    def left_out(self) -> list[tuple[str, str]]:
+        """``(key, why)`` of the entries no output tensor comes from: values that are not tensors (a
+        training state's step, an optimizer's param_groups: DCP stores them as pickled bytes, which are
+        never unpickled here), and Megatron's entries that are not model weights."""
+        self.plan()
+        used = {region.key for region in self._regions.values()}
+        found = []
+        for key, md in self._metadata.state_dict_metadata.items():
+            if key in used:
+                continue
+            tensor = type(md).__name__ == "TensorStorageMetadata"
+            found.append((key, "not a model weight" if tensor else "not a tensor"))
+        return found
+
     @property
     def rank_grid(self) -> MeshLayout:
         """One rank (see :attr:`CheckpointLayout.rank_grid`)."""

@@ -53,7 +53,7 @@ class DcpReader:
         items = []
         out = []
         for entry in entries:
-            region = self._regions[entry.name]
+            region = self._regions[entry.local_name]
             md = self._metadata.state_dict_metadata[region.key]
             full = tuple(md.size)
             lead = len(region.index)
@@ -151,7 +151,7 @@ class DcpReader:
         overlapping an output tensor, in global coordinates."""
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
-        region = self._regions[entry.name]
+        region = self._regions[entry.local_name]
         md = self._metadata.state_dict_metadata[region.key]
         full = tuple(md.size)
         lead = len(region.index)

@@ -82,6 +82,16 @@ class Checkpoint(Protocol):
         """One entry per output tensor, from metadata alone; ``rules`` apply where shards are merged."""
         ...
 
+    def left_out(self) -> list[tuple[str, str]]:
+        """``(name, why)`` of what the checkpoint holds that no output tensor comes from (training state,
+        optimizer, values that are not tensors): listed in the report, never dropped without a word."""
+        ...
+
+    def where(self, message: str) -> str:
+        """What to append to an error ``message`` that names a tensor ('tensor 'NAME' ...'): the files and
+        ranks holding its shards, `` (stage p: TP rank t = global rank r in 'file', ...)``; '' if none."""
+        ...
+
     def check_ranks(self, world: int, name: str | os.PathLike[str]) -> None:
         """Raises ValueError (naming the checkpoint as ``name``) unless ``world`` ranks, one per shard file,
         can consolidate it."""

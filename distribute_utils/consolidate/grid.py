@@ -305,10 +305,16 @@ class CheckpointLayout(ABC):
         try:
             return plan_merge(self, rules.table(self.gated_mlp) if rules is not None else None)
         except MergeError as exc:
-            raise MergeError(f"{exc}{self._where(str(exc))}") from None
+            raise MergeError(f"{exc}{self.where(str(exc))}") from None
 
-    def _where(self, message: str) -> str:
-        """`` (stage p: TP rank t = global rank r in 'file', ...)`` for the tensor a message names."""
+    def left_out(self) -> list[tuple[str, str]]:
+        """``(name, why)`` of what the shard files hold besides the model's tensors (none here; a format
+        with training state in its files says what it leaves out)."""
+        return []
+
+    def where(self, message: str) -> str:
+        """`` (stage p: TP rank t = global rank r in 'file', ...)`` for the tensor a message names ('' when
+        it names none), to append to the message."""
         m = _TENSOR_IN_MESSAGE.search(message)
         if m is None:
             return ""

@@ -8,22 +8,27 @@ opened on rank 0) and then :meth:`Job.run` once.
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import MergeError
 from .merge_plan import MergePlanEntry
 from .merge_write import write_merged
 from .plan import JobPlan, Options
 from .report import ConsolidationReport, peak_rss_bytes
 from .writer_base import CheckpointWriter
 
-__all__ = ["Item", "Job", "progress_bar", "write_item"]
+if TYPE_CHECKING:
+    from .formats import Checkpoint
+
+__all__ = ["Item", "Job", "naming_files", "progress_bar", "write_item"]
 
 #: One output tensor as it reaches rank 0: merged, or the list of its concat shards.
 Item = torch.Tensor | list[torch.Tensor]
@@ -42,6 +47,16 @@ def write_item(writer: CheckpointWriter, entry: MergePlanEntry, item: Item, rank
             f"cannot write tensor '{entry.name}' of the consolidated checkpoint: {exc.strerror or exc}",
             os.fspath(writer.directory),
         ) from exc
+
+
+@contextlib.contextmanager
+def naming_files(checkpoint: Checkpoint) -> Iterator[None]:
+    """Merges inside name the files and ranks of the tensor a :class:`MergeError` names (the rules know
+    only its name and ranks)."""
+    try:
+        yield
+    except MergeError as exc:
+        raise MergeError(f"{exc}{checkpoint.where(str(exc))}") from None
 
 
 def progress_bar(total: int, enabled: bool, desc: str) -> Any:
@@ -125,4 +140,5 @@ class Job(abc.ABC):
             peak_rss_bytes=peak_rss_bytes(),
             files=files,
             rank=0,
+            left_out=[[name, why] for name, why in self.plan.left_out],
         )

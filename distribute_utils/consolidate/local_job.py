@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any
 
-from .job import Job, write_item
+from .job import Job, naming_files, write_item
 from .plan import Options
 from .report import ConsolidationReport
 
@@ -62,7 +62,8 @@ class LocalJob(Job):
                 shards = [s.get(batch) for s in sources]
                 for i, entry in enumerate(batch):
                     parts = [s[i] for s in shards]
-                    write_item(writer, entry, parts if len(parts) > 1 else parts[0], ranks)
+                    with naming_files(checkpoint):
+                        write_item(writer, entry, parts if len(parts) > 1 else parts[0], ranks)
                     bar.update(entry.spec.nbytes)
                 del shards
                 for s in sources:

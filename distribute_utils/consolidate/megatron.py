@@ -169,6 +169,7 @@ class MegatronLegacyLayout(CheckpointLayout):
         self.chunks = chunks
         self._local_experts: dict[int, int] = {}
         self._tied: bool | None = None
+        self.header_keys: tuple[str, ...] | None = None  # the first file's entries (open_megatron_legacy)
 
     def file_for(self, tp_rank: int, stage: int) -> Path:
         """``root/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``."""
@@ -273,6 +274,13 @@ class MegatronLegacyLayout(CheckpointLayout):
                 logger.info("%s: output_layer.weight equals the word embeddings (tied); left out", self.root)
         return self._tied
 
+    def left_out(self) -> list[tuple[str, str]]:
+        """The first file's entries besides its model (``optimizer``, ``rng_state``, ``args``, ...): the
+        training state each file holds, not written."""
+        keys = self.header_keys if self.header_keys is not None else ()
+        model = {"model"} | {f"model{v}" for v in range(self.chunks)}
+        return [(k, "training state, not model weights") for k in keys if k not in model]
+
     def check_args(self) -> None:
         """Checks the layer counts found in the files against ``args.num_layers``."""
         if self.args is None or self.args.num_layers is None:
@@ -285,14 +293,74 @@ class MegatronLegacyLayout(CheckpointLayout):
             )
 
 
-def _read_header(path: Path) -> tuple[MegatronArgs | None, list[str]]:
-    """The ``args`` of one file and its model entry names (``model`` or ``model0``, ``model1``, ...)."""
+@dataclass(frozen=True)
+class _Header:
+    """What one shard file says of the save it belongs to (``None``: the file does not say)."""
+
+    args: MegatronArgs | None
+    chunk_keys: tuple[str, ...]  # its model entries: ``model`` or ``model0``, ``model1``, ...
+    keys: tuple[str, ...]  # every entry (model, args, optimizer, rng_state, ...)
+    iteration: int | None
+    version: float | None  # ``checkpoint_version``
+
+    def facts(self) -> dict[str, Any]:
+        """The facts every shard of one save shares, by the words a message uses."""
+        facts: dict[str, Any] = {"iteration": self.iteration, "checkpoint_version": self.version}
+        if self.args is not None:
+            facts.update(
+                {f"args.{k}": v for k, v in vars(self.args).items() if k not in ("swiglu", "tied")},
+                swiglu=self.args.swiglu,
+                tied_embeddings=self.args.tied,
+            )
+        facts["model entries"] = list(self.chunk_keys)
+        return facts
+
+
+def _read_header(path: Path) -> _Header:
+    """What one file says of its save (its tensors stay mapped, unread)."""
     obj = safe_torch_load(path)
     if not isinstance(obj, Mapping):
         raise LayoutError(f"'{path}': expected Megatron's checkpoint dict, got {type(obj).__name__}")
     args = obj.get("args")
     keys = sorted((k for k in obj if isinstance(k, str) and re.fullmatch(r"model\d*", k)), key=len)
-    return (MegatronArgs.from_namespace(args) if args is not None else None), keys
+    iteration, version = obj.get("iteration"), obj.get("checkpoint_version")
+    return _Header(
+        MegatronArgs.from_namespace(args) if args is not None else None,
+        tuple(keys),
+        tuple(str(k) for k in obj),
+        iteration if isinstance(iteration, int) and not isinstance(iteration, bool) else None,
+        float(version) if isinstance(version, (int, float)) and not isinstance(version, bool) else None,
+    )
+
+
+def _check_one_save(layout: MegatronLegacyLayout, first: Path, header: _Header) -> None:
+    """Every shard file says the same iteration, checkpoint version, args and model entries as the
+    first, and the iteration its directory names (``iter_NNNNNNN``), before any tensor is read: a shard
+    of another save among them would merge into a wrong model without a word.
+
+    Raises:
+        LayoutError: naming both files and what each says."""
+    m = _ITER_RE.fullmatch(layout.root.name)
+    if m and header.iteration is not None and header.iteration != int(m.group(1)):
+        raise LayoutError(
+            f"'{first}' says iteration {header.iteration}, but its directory is {layout.root.name}: the "
+            "shard was copied from another save; put the files of one save together"
+        )
+    expected = header.facts()
+    for t, s in layout.shards():
+        path = layout.file_for(t, s)
+        if path == first:
+            continue
+        facts = _read_header(path).facts()
+        differ = [k for k in expected if facts[k] != expected[k]]
+        if differ:
+            said = ", ".join(f"{k} {facts[k]!r}" for k in differ)
+            other = ", ".join(f"{k} {expected[k]!r}" for k in differ)
+            raise LayoutError(
+                f"the shards are not of one save: '{path}' says {said}; '{first}' says {other}. A consolidation "
+                "needs every shard of one save (one iteration of one run); put the files of one save "
+                "together"
+            )
 
 
 def open_megatron_legacy(root: Path, layers_per_stage: Sequence[int] | None = None) -> MegatronLegacyLayout:
@@ -324,7 +392,8 @@ def open_megatron_legacy(root: Path, layers_per_stage: Sequence[int] | None = No
     first = found[min(found)] / MEGATRON_FILE
     if not first.is_file():
         raise FileNotFoundError(f"checkpoint shard '{first}' does not exist")
-    args, chunk_keys = _read_header(first)
+    header = _read_header(first)
+    args, chunk_keys = header.args, list(header.chunk_keys)
     chunks = len(chunk_keys) if chunk_keys and chunk_keys != ["model"] else 1
     sizes = [max(c[i] for c in found) + 1 for i in range(form)]
     if args is not None:
@@ -357,6 +426,8 @@ def open_megatron_legacy(root: Path, layers_per_stage: Sequence[int] | None = No
         raise LayoutError(f"{root}: layers_per_stage cannot be given for a virtual-pipeline checkpoint")
     layout = MegatronLegacyLayout(root, tp, pp, ep, suffixes, args, layers_per_stage, chunks)
     layout.check_files()
+    _check_one_save(layout, first, header)
+    layout.header_keys = header.keys
     extra = sorted(set(found) - {_coords(layout, t, s) for t, s in layout.shards()})
     if extra:
         raise LayoutError(

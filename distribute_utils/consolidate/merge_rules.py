@@ -376,7 +376,15 @@ class Sum(MergeRule):
 
 @dataclass(frozen=True)
 class Same(MergeRule):
-    """Every shard must be identical bit for bit; the first is kept."""
+    """Every shard must be identical bit for bit; the first is kept.
+
+    Attributes:
+        known: the built-in tables' rule for a tensor the format keeps replicated (a norm, a row-parallel
+            bias): shards that differ then come from different saves or a damaged file, and no rule
+            fixes that, so the error does not suggest one (False: a user's or the fallback's ``same``).
+    """
+
+    known: bool = field(default=False, compare=False)
 
     def __str__(self) -> str:
         return "same"
@@ -390,9 +398,15 @@ class Same(MergeRule):
         if differ:
             noun, ids = ("rank", list(ranks)) if ranks is not None else ("shard", list(range(len(shards))))
             verb = "differs" if len(differ) == 1 else "differ"
+            which = f"{plural_list(noun, [ids[i] for i in differ])} {verb} from {noun} {ids[0]}"
+            if self.known:
+                raise MergeError(
+                    f"tensor '{name}' is replicated (the same on every TP rank, as the checkpoint's "
+                    f"format keeps it), but {which}: the shards come from different saves or a file is "
+                    "damaged; no merge rule makes that right: consolidate the files of one save"
+                )
             raise MergeError(
-                f"tensor '{name}' should be identical on every shard (rule 'same'), but "
-                f"{plural_list(noun, [ids[i] for i in differ])} {verb} from {noun} {ids[0]}; "
+                f"tensor '{name}' should be identical on every shard (rule 'same'), but {which}; "
                 "if this tensor is really split or reduced across ranks, give it a rule "
                 "(concat:<dim>, max, sum, first)"
             )

@@ -10,6 +10,7 @@ every batch without a message; :meth:`JobPlan.digest` is what the ranks compare 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import logging
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import msgpack
 
-from ..errors import SpaceError
+from ..errors import ArgumentError, SpaceError
 from .formats import Checkpoint, open_checkpoint
 from .merge_plan import MergePlanEntry
 from .rule_table import RuleChoice, RuleTable, resolve_rules
@@ -35,6 +36,7 @@ __all__ = [
     "make_batches",
     "plan_checkpoint",
     "resolve_rules",
+    "select_entries",
 ]
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,8 @@ def plan_checkpoint(
     iteration: int | str | None = None,
     swiglu: bool | None = None,
     names: str | None = None,
+    only: str | None = None,
+    strip_prefix: str | None = None,
 ) -> tuple[Checkpoint, list[MergePlanEntry]]:
     """Opens a checkpoint and plans its consolidation from metadata; no collective, any process.
 
@@ -56,7 +60,8 @@ def plan_checkpoint(
     and, for each TP rank, its global rank and shard file. ``swiglu`` overrides what the checkpoint says
     about its MLP (a Megatron checkpoint's ``args.swiglu``); ``names`` picks Megatron torch_dist's
     layer-norm names (``"te"`` or ``"local"``, default from its ``args``). A DCP checkpoint holds global
-    tensors: ``rules`` and ``quant_format`` do not apply to it.
+    tensors: ``rules`` and ``quant_format`` do not apply to it. ``only`` and ``strip_prefix``: see
+    :func:`select_entries`.
 
     Raises:
         FileNotFoundError: the directory or a shard file is missing (path named).
@@ -64,7 +69,50 @@ def plan_checkpoint(
         MergeError: the shards of a tensor cannot be merged (tensor, ranks and files named).
     """
     checkpoint = open_checkpoint(input_dir, layers_per_stage, iteration, names=names)
-    return checkpoint, checkpoint.plan(RuleChoice(rules, quant_format, swiglu))
+    kept, _ = select_entries(checkpoint.plan(RuleChoice(rules, quant_format, swiglu)), only, strip_prefix)
+    return checkpoint, kept
+
+
+def select_entries(
+    entries: list[MergePlanEntry], only: str | None, strip_prefix: str | None
+) -> tuple[list[MergePlanEntry], list[tuple[str, str]]]:
+    """The entries whose names start with ``only`` (all when None), renamed without ``strip_prefix`` where
+    they start with it (a DCP ``model.`` prefix, so that the output loads into the bare module); and
+    ``(name, why)`` of those left out.
+
+    Raises:
+        ArgumentError: ``only`` keeps no tensor (the names' first parts are listed), or two names become
+            one once stripped."""
+    kept = [e for e in entries if only is None or e.name.startswith(only)]
+    dropped = [
+        (e.name, f"not under --only {only}")
+        for e in entries
+        if only is not None and not e.name.startswith(only)
+    ]
+    if entries and not kept:
+        heads = sorted({e.name.split(".", 1)[0] + "." for e in entries})
+        raise ArgumentError(
+            f"--only {only!r} keeps none of the {len(entries)} tensors; their names start with "
+            f"{', '.join(heads[:8])}"
+        )
+    if strip_prefix:
+        renamed: list[MergePlanEntry] = []
+        seen: dict[str, str] = {}
+        for e in kept:
+            name = e.name.removeprefix(strip_prefix)
+            if not name:
+                raise ArgumentError(
+                    f"--strip-prefix {strip_prefix!r} leaves tensor '{e.name}' without a name"
+                )
+            if name in seen:
+                raise ArgumentError(
+                    f"--strip-prefix {strip_prefix!r} makes '{seen[name]}' and '{e.name}' both '{name}'; "
+                    "keep one part of the checkpoint with --only"
+                )
+            seen[name] = e.name
+            renamed.append(dataclasses.replace(e, name=name, spec=dataclasses.replace(e.spec, name=name)))
+        kept = renamed
+    return kept, dropped
 
 
 def make_batches(
@@ -120,11 +168,20 @@ class JobPlan:
         batches: per stage, its batches (see :func:`make_batches`).
         rounds: batches of the largest stage.
         total_bytes: bytes of the output's tensors.
+        left_out: ``(name, why)`` of what the checkpoint holds and the output does not (see
+            :meth:`~.formats.Checkpoint.left_out` and :func:`select_entries`).
     """
 
-    def __init__(self, checkpoint: Checkpoint, entries: list[MergePlanEntry], batch_bytes: int) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        entries: list[MergePlanEntry],
+        batch_bytes: int,
+        left_out: list[tuple[str, str]] | None = None,
+    ) -> None:
         self.checkpoint = checkpoint
         self.entries = entries
+        self.left_out = left_out or []
         self.tp, self.stages = checkpoint.tp, checkpoint.stages
         self.batch_bytes = batch_bytes
         self.batches = make_batches(entries, self.stages, batch_bytes)
@@ -155,11 +212,14 @@ class Options:
     layers_per_stage: Sequence[int] | None
     iteration: int | str | None
     names: str | None
+    only: str | None = None
+    strip_prefix: str | None = None
 
     def plan(self, input_dir: str | os.PathLike[str]) -> JobPlan:
         """Opens ``input_dir`` and plans it (metadata only; see :func:`plan_checkpoint`)."""
         checkpoint = open_checkpoint(input_dir, self.layers_per_stage, self.iteration, names=self.names)
-        return JobPlan(checkpoint, checkpoint.plan(self.rules), self.batch_bytes)
+        kept, dropped = select_entries(checkpoint.plan(self.rules), self.only, self.strip_prefix)
+        return JobPlan(checkpoint, kept, self.batch_bytes, checkpoint.left_out() + dropped)
 
     def open_writer(self, output: str | os.PathLike[str], plan: JobPlan) -> CheckpointWriter:
         """Rank 0 (or the one process): checks the space, then opens the output's writer."""

@@ -42,7 +42,7 @@ _PLAIN_RULES: dict[tuple[str, str], MergeRule] = {
     ("column", "weight"): Concat(0),
     ("row", "weight"): Concat(1),
     ("column", "bias"): Concat(0),
-    ("row", "bias"): Same(),
+    ("row", "bias"): Same(known=True),
 }
 
 # ModelOpt's merge table (postprocess.py), ws/as/ps = weight/activation/pre-quant scale:

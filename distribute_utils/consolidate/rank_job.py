@@ -28,7 +28,8 @@ from ..mesh import ProcessGroupMesh
 from ..roles.plan import make_plan
 from ..transports.router import request
 from .failures import Failure, Failures
-from .job import Item, Job, write_item
+from .formats import Checkpoint
+from .job import Item, Job, naming_files, write_item
 from .merge_plan import MergePlanEntry
 from .merge_rules import Concat
 from .plan import JobPlan, Options
@@ -49,8 +50,8 @@ class BackgroundWriter:
     error is kept and raised (once) by the next ``submit`` or by ``finish``; later batches are dropped.
     """
 
-    def __init__(self, writer: CheckpointWriter, bar: Any, depth: int = 1) -> None:
-        self._writer, self._bar = writer, bar
+    def __init__(self, writer: CheckpointWriter, bar: Any, checkpoint: Checkpoint, depth: int = 1) -> None:
+        self._writer, self._bar, self._checkpoint = writer, bar, checkpoint
         self._queue: queue.Queue[list[Task] | None] = queue.Queue(depth)
         self._error: BaseException | None = None
         self._raised = False
@@ -66,7 +67,8 @@ class BackgroundWriter:
             if self._error is None and not self._cancelled:
                 try:
                     for entry, item, ranks in tasks:
-                        write_item(self._writer, entry, item, ranks)
+                        with naming_files(self._checkpoint):
+                            write_item(self._writer, entry, item, ranks)
                         self._bar.update(entry.spec.nbytes)
                 except BaseException as exc:
                     self._error = exc
@@ -247,7 +249,7 @@ class RankJob(Job):
         if batch is not None:
             shards = self._tp_round(batch)
             if shards is not None and not failures.failed:
-                with failures.guard():
+                with failures.guard(), naming_files(self.plan.checkpoint):
                     items = [merge_for_forward(e, s, self.stage_ranks) for e, s in zip(batch, shards)]
             del shards
         payload = {"e": failures.marker(), "t": items if not failures.failed else []}
@@ -296,7 +298,7 @@ class RankJob(Job):
     def _run_first(self, writer: CheckpointWriter, bar: Any) -> None:
         """Rank 0: round by round, its own stage's batch and every later stage's, to the writer thread."""
         mine = self.plan.batches[0]
-        bg = BackgroundWriter(writer, bar)
+        bg = BackgroundWriter(writer, bar, self.plan.checkpoint)
         try:
             for r in range(self.plan.rounds):
                 if r < len(mine):

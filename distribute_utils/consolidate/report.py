@@ -34,6 +34,8 @@ class ConsolidationReport:
         rank: the rank that returned this report.
         replaced: files of the same names that existed before and were replaced (the command line fills
             it in from its output check, ``--overwrite``); nothing else is ever removed.
+        left_out: ``[name, why]`` of what the checkpoint holds and the output does not: training state,
+            optimizer entries, values that are not tensors, what ``only`` excluded.
     """
 
     input_dir: str
@@ -53,6 +55,7 @@ class ConsolidationReport:
     files: list[str] = field(default_factory=list)
     rank: int = 0
     replaced: list[str] = field(default_factory=list)
+    left_out: list[list[str]] = field(default_factory=list)
 
     @property
     def mib_per_s(self) -> float:
@@ -84,6 +87,8 @@ class ConsolidationReport:
             f"rank 0 peak memory (VmHWM): {_mib(self.peak_rss_bytes)}",
             f"output:     {files}",
         ]
+        if self.left_out:
+            lines.append(f"left out:   {_left_out(self.left_out)}")
         if self.replaced:
             lines.append(f"replaced:   {', '.join(self.replaced)} (the older files of these names)")
         if wall_seconds is not None:
@@ -98,6 +103,18 @@ _LAYOUT_NAMES = {
     "dcp": "torch.distributed.checkpoint",
 }
 _GLOBAL_LAYOUTS = ("megatron_torch_dist", "dcp")
+
+
+def _left_out(entries: list[list[str]]) -> str:
+    """``N entries: 3 not a tensor (train_state.step, ...); 12 ...`` (all of them in ``--json``)."""
+    by_why: dict[str, list[str]] = {}
+    for name, why in entries:
+        by_why.setdefault(why, []).append(name)
+    parts = [
+        f"{len(names)} {why} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+        for why, names in by_why.items()
+    ]
+    return f"{len(entries)} entries not written: " + "; ".join(parts) + " (every name: --json)"
 
 
 def _mib(n: int) -> str:

@@ -267,7 +267,7 @@ class RuleTable:
                 entries.extend((p, fc1) for p in _layer_patterns(layer, suffix))
                 entries.append((f"*.{layer}.{suffix}[0-9]*", fc1))  # TE grouped experts: weight0, ...
         entries.append(("*.linear_fc2.weight[0-9]*", Concat(1)))  # TE grouped experts, row-parallel
-        entries.extend((p, Same()) for p in REPLICATED)
+        entries.extend((p, Same(known=True)) for p in REPLICATED)
         entries += _default_entries(quant_format)
         return cls(entries, fallback=Unknown())
 

@@ -107,6 +107,8 @@ def consolidate_checkpoint(
     iteration: int | str | None = None,
     swiglu: bool | None = None,
     names: str | None = None,
+    only: str | None = None,
+    strip_prefix: str | None = None,
 ) -> ConsolidationReport:
     """Consolidates a sharded checkpoint into one checkpoint written by rank 0.
 
@@ -134,6 +136,10 @@ def consolidate_checkpoint(
         iteration: Megatron only: the iteration (or ``"release"``) to read.
         swiglu: whether the MLP is gated; ``None``: as the checkpoint says (Megatron's ``args.swiglu``).
         names: Megatron torch_dist only: ``"te"`` or ``"local"`` layer-norm names (default from its args).
+        only: write only the tensors whose names start with this (``"model."``: a DCP checkpoint's model,
+            not its optimizer); what is left out is listed in the report.
+        strip_prefix: remove this from the start of the names written (``"model."``: the output loads into
+            the bare module).
 
     Returns:
         The report (rank 0's numbers on every rank).
@@ -160,6 +166,8 @@ def consolidate_checkpoint(
         layers_per_stage=layers_per_stage,
         iteration=iteration,
         names=names,
+        only=only,
+        strip_prefix=strip_prefix,
     )
     seconds = sync.resolve_timeout(timeout)
     job: Job

@@ -90,6 +90,11 @@ class CheckpointWriter(ABC):
         self._shard_of: dict[str, int] = {s.name: i for i, shard in enumerate(self.shards) for s in shard}
         self._written: set[str] = set()
         self._closed = False
+        self._made: list[Path] = []  # the directories it creates, deepest first: abort removes them if empty
+        d = self.directory
+        while not d.exists() and d != d.parent:
+            self._made.append(d)
+            d = d.parent
         self.directory.mkdir(parents=True, exist_ok=True)
         # Every output file (index last) under a temporary name until close() renames them into place.
         self._held = Temporaries(self.paths)
@@ -208,12 +213,18 @@ class CheckpointWriter(ABC):
         return self.paths
 
     def abort(self) -> None:
-        """Drops everything: closes files and removes the temporaries. Safe to call more than once."""
+        """Drops everything: closes files, removes the temporaries and the directories it created (while
+        empty). Safe to call more than once."""
         if self._closed:
             return
         self._closed = True
         self._release()
         self._held.remove()
+        for d in self._made:  # (only what it created, only while empty: never another's file)
+            try:
+                d.rmdir()
+            except OSError:
+                break
 
     def _write_index(self) -> None:
         """Writes the Hugging Face index json under its temporary name (published with the files)."""
