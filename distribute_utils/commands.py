@@ -50,13 +50,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(demo_header(args.nproc, args.tp, args.pp), flush=True)  # at once: the rest takes seconds
 
     def say(line: str) -> None:
-        if not args.quiet:
-            print(line, file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
 
     result = run_demo(
-        args.nproc, args.tp, args.pp, size_mb=args.size_mb, keep=args.keep, overwrite=args.overwrite, say=say
+        args.nproc,
+        args.tp,
+        args.pp,
+        size_mb=args.size_mb,
+        keep=args.keep,
+        overwrite=args.overwrite,
+        say=None if args.quiet else say,
     )
-    print(format_demo(result, header=False))
+    print(format_demo(result, header=False, wall_seconds=time.perf_counter() - args.started))
     return 0
 
 

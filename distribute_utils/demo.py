@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,10 +37,11 @@ __all__ = ["DemoResult", "check_keep", "demo_header", "format_demo", "mesh_rank"
 logger = logging.getLogger(__name__)
 
 
-def mesh_rank(tp: int, pp: int) -> dict[str, Any]:
+def mesh_rank(tp: int, pp: int, progress: bool = False) -> dict[str, Any]:
     """One rank of the mesh part: groups, a collective and a barrier per axis; reports gathered to rank 0.
 
-    Must be called on every rank of a job of ``tp * pp`` ranks.
+    Must be called on every rank of a job of ``tp * pp`` ranks. ``progress``: rank 0 says on stderr when
+    the ranks have joined and when the consolidation starts (the seconds in between are otherwise silent).
 
     Returns:
         On rank 0 ``{"layout": str, "reports": [one dict per rank]}``; elsewhere the same with
@@ -51,6 +53,11 @@ def mesh_rank(tp: int, pp: int) -> dict[str, Any]:
     from .gather import gather_configs
     from .mesh import ProcessGroupMesh
 
+    def say(line: str) -> None:
+        if progress and dist.get_rank() == 0:
+            print(line, file=sys.stderr, flush=True)
+
+    say(f"{dist.get_world_size()} ranks joined; [1/2] building the mesh ...")
     mesh = ProcessGroupMesh(pp, tp, axis_names=("pp", "tp"))
     report: dict[str, Any] = {"rank": mesh.rank, "coord": mesh.coordinate(), "axes": {}}
     for axis in ("pp", "tp"):
@@ -70,6 +77,7 @@ def mesh_rank(tp: int, pp: int) -> dict[str, Any]:
     with gather_configs(merged, mesh, "pp", timeout=60) as stage_reports:
         everything = [r for stage in stage_reports for r in stage]
     mesh.destroy_mesh_process_groups()
+    say("[2/2] consolidating the checkpoint on the same ranks ...")
     return {"layout": repr(mesh.layout), "reports": everything}
 
 
@@ -183,6 +191,7 @@ def run_demo(
         )
     if not size_mb > 0:
         raise ArgumentError(f"size_mb must be positive, got {size_mb}")
+    progress = say is not None
     say = say or (lambda line: None)
     say(f"writing a ~{size_mb:g} MB synthetic model sharded TP {tp} x PP {pp} ...")
     import torch
@@ -214,7 +223,7 @@ def run_demo(
             ckpt, shard_state_dict(original, tp, pp, layers_per_stage=layers), layers_per_stage=layers
         )
         options = {"progress": False, "timeout": 120}
-        before = functools.partial(mesh_rank, tp, pp)
+        before = functools.partial(mesh_rank, tp, pp, progress)
         say(f"starting {nproc} local ranks ...")
         report, befores = consolidate_on_local_ranks(
             ckpt, out, nproc, before=before, launch_timeout=600, **options
@@ -268,8 +277,9 @@ def demo_header(nproc: int, tp: int, pp: int) -> str:
     return f"distribute-utils demo: {nproc} local ranks (gloo + shared memory), TP {tp} x PP {pp}"
 
 
-def format_demo(result: DemoResult, header: bool = True) -> str:
-    """The demo's printed report; ``header=False`` leaves out :func:`demo_header` (printed already)."""
+def format_demo(result: DemoResult, header: bool = True, wall_seconds: float | None = None) -> str:
+    """The demo's printed report, with the next step to try; ``header=False`` leaves out :func:`demo_header`
+    (printed already); ``wall_seconds``: the whole command's time, said beside the demo's own."""
     r = result.report
     lines = [
         *([demo_header(result.nproc, result.tp, result.pp), ""] if header else []),
@@ -289,5 +299,18 @@ def format_demo(result: DemoResult, header: bool = True) -> str:
     ]
     if result.kept is not None:
         lines.append(f"  kept in:    {result.kept} (checkpoint/, consolidated/)")
-    lines.append(f"done in {result.seconds:.1f} s")
+    done = f"done in {result.seconds:.1f} s"
+    if wall_seconds is not None:
+        done = f"done: {wall_seconds:.1f} s for the whole command (start-up included), {result.seconds:.1f} s of it the demo's work"
+    lines.append(done)
+    if result.kept is not None:
+        lines.append(
+            f"next: distribute-utils consolidate {result.kept}/checkpoint OUT  (your own checkpoint: the same "
+            "command; see docs/quickstart.md)"
+        )
+    else:
+        lines.append(
+            "next: distribute-utils demo --keep DIR keeps a checkpoint to try `distribute-utils consolidate "
+            "DIR/checkpoint OUT` on; see docs/quickstart.md"
+        )
     return "\n".join(lines)

@@ -14,7 +14,9 @@
   (write, ``fsync``, rename, read, checksum), as a gather does it; its job namespaces with
   their owners (alive, dead, or on another host: unknown), age, and whether the next job's
   sweep will remove them;
-- torch: version, ``torch.distributed`` and its backends (gloo, nccl, mpi), CUDA.
+- torch: version, ``torch.distributed`` and its backends (gloo, nccl, mpi), CUDA;
+- store connections: how fast a local ``TCPStore`` takes clients, and the name lookup torch makes for each
+  (:mod:`.store_check`): a slow resolver makes launches and barriers wait seconds.
 
 ``clean`` removes what dead jobs left, and nothing else: carriers' files whose owner pid does not run
 in this pid namespace, and namespaces :func:`~distribute_utils.transports.sweep_stale_namespaces`
@@ -230,6 +232,32 @@ def _torch_section(rep: _Report) -> None:
         rep.problem("torch.distributed is not available in this torch build: gathers cannot run")
 
 
+def _store_section(rep: _Report) -> None:
+    """How fast this host makes the store connections every rank needs (:mod:`.store_check`)."""
+    from .store_check import MAPPED_LOOPBACK, SLOW_S, check_store_connections
+
+    found = check_store_connections()
+    source = "/etc/hosts" if found.in_hosts_file else "the DNS server (/etc/resolv.conf)"
+    rep.data["store"] = {
+        "lookups_s": found.lookups,
+        "connects_s": found.connects,
+        "lookup_answered_by": "hosts_file" if found.in_hosts_file else "dns",
+    }
+    rep.line(
+        f"store connections on 127.0.0.1: {len(found.connects)}, slowest {max(found.connects, default=0) * 1e3:.1f} ms;"
+        f" name of a local peer ({MAPPED_LOOPBACK}, looked up by torch's store at each connection): from "
+        f"{source}, slowest {max(found.lookups, default=0) * 1e3:.1f} ms of {len(found.lookups)}"
+    )
+    if found.slowest > SLOW_S:
+        rep.problem(
+            f"a store connection or its name lookup took {found.slowest:.1f} s: torch's TCPStore looks up the "
+            f"name of every connecting address, and {source} is slow to answer for {MAPPED_LOOPBACK}; every "
+            "rank's connections (a launch, a new group, a barrier's first use) may wait as long. Fix: add the "
+            f"line '{MAPPED_LOOPBACK} localhost' to /etc/hosts (then no lookup leaves the host), or make the DNS "
+            "server answer (options timeout:1 in /etc/resolv.conf shortens each wait)"
+        )
+
+
 def _shm_section(rep: _Report, shm_dir: str) -> None:
     rep.data["shm"] = shm = {"path": shm_dir, "exists": os.path.isdir(shm_dir)}
     if not os.path.isdir(shm_dir):
@@ -422,6 +450,7 @@ def doctor(workspace: str | None, out: TextIO, *, shm_dir: str = SHM_DIR, as_jso
     rep = _Report(out, as_json)
     rep.line("distribute-utils doctor", 0)
     _torch_section(rep)
+    _store_section(rep)
     _shm_section(rep, shm_dir)
     _carrier_files_section(rep, shm_dir)
     if workspace is not None:

@@ -58,6 +58,9 @@ def _rank_main(
     # A signal ends this rank at once, whatever it waits in (interrupts), silently: the launching
     # process reports. So does the launching process's death.
     interrupts.install()
+    # Its process group is the forkserver's, not the terminal's foreground one (_start_forkserver): with
+    # SIGTTOU ignored, what it writes on a terminal set to `stty tostop` still comes out (else it stops).
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     _end_with_launcher(launcher)
     logging.basicConfig(level=level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=120))

@@ -285,3 +285,35 @@ def test_find_segments_parses_names(tmp_path: Path) -> None:
         ("du_zz_3_4", None, None, 0),
     ]
     assert hygiene.find_segments(str(tmp_path / "missing")) == []
+
+
+def _doctor_with(tmp_path: Path, resolv: str, hosts_extra: str = "") -> dict:
+    """``distribute-utils doctor --json`` in a private mount namespace whose /etc/resolv.conf (and
+    /etc/hosts) are the given ones."""
+    conf, hosts = tmp_path / "resolv.conf", tmp_path / "hosts"
+    conf.write_text(resolv)
+    hosts.write_text(Path("/etc/hosts").read_text() + hosts_extra)
+    shell = (
+        f"mount --bind {conf} /etc/resolv.conf && mount --bind {hosts} /etc/hosts && "
+        f"exec {sys.executable} -m distribute_utils doctor --json"
+    )
+    proc = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", shell], capture_output=True, text=True, timeout=120
+    )
+    return json.loads(proc.stdout)
+
+
+@needs_root
+def test_doctor_names_a_resolver_that_makes_store_connections_wait(tmp_path: Path) -> None:
+    """torch's store looks up the name of each connecting local address (::ffff:127.0.0.1); a DNS server
+    that does not answer makes every connection wait its timeout (here 1 s: an address nothing answers
+    on). doctor says so and what to do; with the address in /etc/hosts nothing leaves the host."""
+    silent = "nameserver 192.0.2.1\noptions timeout:1 attempts:1\n"  # (TEST-NET-1: never answers)
+    slow = _doctor_with(tmp_path, silent)
+    assert slow["exit_code"] == 1 and slow["store"]["lookup_answered_by"] == "dns", slow["store"]
+    problem = next(p for p in slow["problems"] if "store connection" in p)
+    assert "'::ffff:127.0.0.1 localhost' to /etc/hosts" in problem, problem
+    fixed = _doctor_with(tmp_path, silent, "::ffff:127.0.0.1 localhost\n")
+    assert fixed["store"]["lookup_answered_by"] == "hosts_file", fixed["store"]
+    assert max(fixed["store"]["lookups_s"] + fixed["store"]["connects_s"]) < 0.5, fixed["store"]
+    assert not [p for p in fixed["problems"] if "store connection" in p], fixed["problems"]
