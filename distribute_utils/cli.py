@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --keep: replace the files of DIR/checkpoint and DIR/consolidated that the demo writes "
         "(nothing else is removed)",
     )
+    demo.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="the report only: no progress lines on stderr",
+    )
     demo.set_defaults(handler=cmd_demo)
 
     cons = sub.add_parser(

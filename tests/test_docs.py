@@ -170,3 +170,56 @@ def test_readme_example_runs_under_torchrun(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[0, 1, 2, 3]" in done.stdout, done.stdout
+
+
+def _doc_texts() -> dict[str, str]:
+    return {p.name: p.read_text() for p in DOCS}
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``a.b.c`` is an importable module's attribute path (the longest module that imports)."""
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def test_every_import_and_dotted_name_in_the_docs_exists() -> None:
+    """What the docs tell a reader to import, and every `distribute_utils.x.y` they name, is there."""
+    import importlib
+
+    missing = []
+    for doc, text in _doc_texts().items():
+        for line in re.findall(r"^\s*(from distribute_utils[\w.]* import [\w, ]+)", text, re.M):
+            module, names = line.removeprefix("from ").split(" import ")
+            for name in (n.strip() for n in names.split(",")):
+                if not hasattr(importlib.import_module(module), name):
+                    missing.append(f"{doc}: {line}")
+        missing += [
+            f"{doc}: {d}" for d in re.findall(r"`(distribute_utils(?:\.\w+)+)", text) if not _resolves(d)
+        ]
+    assert missing == [], missing
+
+
+def test_api_md_gives_modelopts_signatures_as_they_are() -> None:
+    import inspect
+
+    from distribute_utils import modelopt
+
+    api = _doc_texts()["api.md"]
+    for fn in (modelopt.get_tensors_parallel, modelopt.get_configs_parallel):
+        params = ", ".join(
+            p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+            for p in inspect.signature(fn).parameters.values()
+        )
+        assert f"`{fn.__name__}({params})`" in api, f"{fn.__name__}({params})"
