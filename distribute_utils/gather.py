@@ -202,6 +202,9 @@ def gather_on(
     seconds, error = (timeout, None) if type(timeout) is float and timeout > 0 else _resolved(timeout)
     with companion.exclusive("a gather"):
         call = companion.new_call(seconds)
+        said = companion.take_disagreement()  # (an earlier call's partner named this rank in another list)
+        if said is not None:
+            error = error or error_of(ArgumentError(said))
         try:
             asked = request(transport)
         except ArgumentError as exc:  # (posted: its partners raise it too)

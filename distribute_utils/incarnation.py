@@ -518,6 +518,8 @@ class Member(Protocol):
 
     def entry(self, number: int) -> list[Any] | str | None: ...
 
+    def compare(self, number: int, asker: int, asking: Any, entry: list[Any] | str | None) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -623,9 +625,14 @@ def incarnation(timeout: float | None = None) -> Incarnation:
         return _CURRENT
 
 
-def _answer(namespace: str, number: int) -> tuple[int, Any] | None:
+def _answer(namespace: str, number: int, asker: int, asking: Any) -> tuple[int, Any] | None:
     """The answering thread's lookup (:func:`~distribute_utils.mailbox.answer_inquiries`): this rank and
-    its entry for call ``number`` of the group whose namespace is ``namespace``."""
+    its entry for call ``number`` of the group whose namespace is ``namespace``; rank ``asker``'s entry
+    for that call (``asking``) is compared with it (:meth:`~.sync.GroupSync.compare`)."""
     current = _CURRENT
     sync = current.by_namespace.get(namespace) if current is not None else None
-    return None if sync is None else (sync.rank, sync.entry(number))
+    if sync is None:
+        return None
+    entry = sync.entry(number)
+    sync.compare(number, asker, asking, entry)
+    return sync.rank, entry

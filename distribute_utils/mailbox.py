@@ -232,10 +232,12 @@ class Mailbox:
             parts = [b"".join(parts)]
         return self._send([_HEADER.pack(call, rank, kind), *parts], self._to(peer, self.namespace), timeout)
 
-    def inquire(self, peer: ProcessInfo, call: int, rank: int) -> bool:
+    def inquire(self, peer: ProcessInfo, call: int, rank: int, asking: Any = None) -> bool:
         """Ask ``peer`` (from its answering thread) what it does in call ``call`` of this group; the
-        answer comes to this mailbox as a message of kind :data:`ANSWER`. False when not sent."""
-        question = msgpack.packb([self.namespace, self.me.to_wire()])
+        answer comes to this mailbox as a message of kind :data:`ANSWER`. ``asking``: what this rank does
+        in that call (msgpack-able; handed to the peer's lookup, which may find that the two disagree).
+        False when not sent."""
+        question = msgpack.packb([self.namespace, self.me.to_wire(), asking])
         return self._send([_HEADER.pack(call, rank, _INQUIRY), question], self._to(peer, _INQUIRIES), 0.0)
 
     def _send(self, parts: Sequence[Buffer], address: str, timeout: float) -> bool:
@@ -386,10 +388,10 @@ def _at_exit() -> None:
     _stop_answering()
 
 
-def answer_inquiries(me: ProcessInfo, lookup: Callable[[str, int], tuple[int, Any] | None]) -> bool:
+def answer_inquiries(me: ProcessInfo, lookup: Callable[[str, int, int, Any], tuple[int, Any] | None]) -> bool:
     """Answer other processes' :meth:`Mailbox.inquire` from a daemon thread of this process, from
-    now on: ``lookup(namespace, call)`` gives this process's rank in that group and what it says of
-    that call (None: no such group here, no answer). Idempotent.
+    now on: ``lookup(namespace, call, asker's rank, what the asker does)`` gives this process's rank in
+    that group and what it says of that call (None: no such group here, no answer). Idempotent.
 
     Returns:
         Whether this process listens: one that cannot (sockets not allowed, a small send buffer)
@@ -417,7 +419,7 @@ def answer_inquiries(me: ProcessInfo, lookup: Callable[[str, int], tuple[int, An
         return True
 
 
-def _answer(sock: socket.socket, lookup: Callable[[str, int], tuple[int, Any] | None]) -> None:
+def _answer(sock: socket.socket, lookup: Callable[[str, int, int, Any], tuple[int, Any] | None]) -> None:
     buffer = bytearray(4096)
     uid = os.geteuid()
     while True:
@@ -431,9 +433,9 @@ def _answer(sock: socket.socket, lookup: Callable[[str, int], tuple[int, Any] | 
         if pid is None or size < _HEADER.size or flags & _TRUNCATED:
             continue
         try:
-            call, _, kind = _HEADER.unpack_from(buffer)
-            namespace, asker = msgpack.unpackb(memoryview(buffer)[_HEADER.size : size])
-            found = lookup(str(namespace), int(call)) if kind == _INQUIRY else None
+            call, asker_rank, kind = _HEADER.unpack_from(buffer)
+            namespace, asker, asking = msgpack.unpackb(memoryview(buffer)[_HEADER.size : size])
+            found = lookup(str(namespace), int(call), int(asker_rank), asking) if kind == _INQUIRY else None
             if found is None:
                 continue
             rank, entry = found

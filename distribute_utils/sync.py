@@ -168,8 +168,9 @@ class Call:
 
     # -- direct rounds: one host, no store hop (see distribute_utils.mailbox) --------------------
     def record(self, entry: list[Any]) -> None:
-        """Remember what this rank does in this call (``entry``, e.g. its kind and list): a partner of
-        a direct round that waits past the grace asks for it (:meth:`receive_direct`). Kept in memory
+        """Remember what this rank does in this call (``entry``: its kind, the list of ranks it passed,
+        that list's digest, then what its layer likes): a partner of a direct round that waits past the
+        grace asks for it (:meth:`receive_direct`), sending its own (see :meth:`GroupSync.compare`). Kept in memory
         for this rank's last :data:`_RECORDS_KEPT` calls of the group; a later entry for the same call
         (a failure) replaces the earlier one."""
         sync = self.sync
@@ -243,8 +244,9 @@ class Call:
                         generation, lookup = sync.generation if sync.generation is not None else (None, None)
                         raise late(what, list(missing), timeout, lookup, generation)
                     chance, deadline = False, now + timeout
+                mine = sync.entry(self.number)
                 for info in missing.values():
-                    mailbox.inquire(info, self.number, sync.rank)
+                    mailbox.inquire(info, self.number, sync.rank, mine)
                 tick = now + WATCH_INTERVAL_S
             wait = max(0.0, min(tick, deadline, retry) - time.monotonic())
             self._take(mailbox.receive(self.number, missing, wait), kind, missing, there, judge, arrived)
@@ -305,6 +307,9 @@ class GroupSync:
         # The gather layer's routes over this group, kept for the incarnation (see roles.FirstRank.plan).
         self.routes: Recent[Any, Any] = Recent(256)
         self.records: list[list[Any]] = []  # this rank's latest entries (see Call.record)
+        # A call where a rank named this one in another list (see compare); posted by the next gather.
+        self.disagreement: tuple[int, int, str] | None = None  # (call, asker, message)
+        self.failed_call = -1  # this rank's latest call that raised
         self.infos: dict[int, ProcessInfo] = {}  # ranks of direct rounds (see direct())
         self._direct: Recent[tuple[int, ...], bool] = Recent(4096)
         self._mailbox: Mailbox | None = None
@@ -326,6 +331,35 @@ class GroupSync:
         if records and number < records[0][0]:
             return "past"  # it has gone on, and took no part in that call as a gather
         return None
+
+    def compare(self, number: int, asker: int, asking: Any, entry: list[Any] | str | None) -> None:
+        """The answering thread: rank ``asker`` waits for this rank in call ``number``, where it does
+        ``asking`` and this rank did ``entry`` (both :meth:`Call.record` entries). When their lists
+        differ (a rank named in a list must pass that same list), this rank says so at once (a
+        warning) and its next call of this group raises it: the asker fails that call, and this rank,
+        whose own gather may have succeeded, must not go on as if nothing happened (see
+        :meth:`take_disagreement`)."""
+        if not (isinstance(asking, list) and isinstance(entry, list) and len(asking) > 2 and len(entry) > 2):
+            return
+        if asking[2] == entry[2] or (
+            self.disagreement is not None and self.disagreement[:2] == (number, asker)
+        ):
+            return
+        message = (
+            f"ranks disagree on a gather: rank {asker} passed ranks={asking[1]}, which names rank "
+            f"{self.rank}, but rank {self.rank} passed ranks={entry[1]} in the same call; every rank named "
+            "in a list must pass that same list (lists may differ between ranks only when they share no rank)"
+        )
+        logger.warning("%s", message)
+        self.disagreement = (number, asker, message)
+
+    def take_disagreement(self) -> str | None:
+        """The message of a disagreement :meth:`compare` found since the last call (once): the gather
+        layer posts it as this rank's error in its next call, so its partners raise it too."""
+        found, self.disagreement = self.disagreement, None
+        if found is None or found[0] == self.failed_call:
+            return None  # (that call failed here: this rank was told then)
+        return found[2]
 
     def direct(self, ranks: Sequence[int], timeout: float, what: str) -> bool:
         """Whether ``ranks`` (this rank among them) run on one host in one pid and network namespace,
@@ -554,6 +588,8 @@ class _Exclusive:
             )
 
     def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:  # this rank's latest call failed: it was told (see take_disagreement)
+            self.sync.failed_call = self.sync._calls - 1
         self.sync._busy.release()
 
 

@@ -257,6 +257,37 @@ def test_bad_ranks_raise_value_error_on_every_rank(ranks4: RankPool, case: str, 
         assert expected in message, message
 
 
+def _overlapping_lists() -> list[str]:
+    """Ranks 0 and 1 pass [0, 1, 2], ranks 2 and 3 pass [2, 3] (they share rank 2): then a gather of
+    all four. What each rank's two calls raised ('ok': nothing)."""
+    rank = dist.get_rank()
+    said = []
+    for ranks in ([0, 1, 2] if rank < 2 else [2, 3], [0, 1, 2, 3]):
+        try:
+            with get_tensors_parallel(torch.ones(2), ranks, timeout=60):
+                pass
+            said.append("ok")
+        except ValueError as exc:
+            said.append(str(exc))
+        dist.barrier()
+    return said
+
+
+def test_overlapping_lists_are_named_on_every_rank(ranks4: RankPool) -> None:
+    """Ranks 2 and 3 complete their own gather; rank 0, which waits for rank 2, asks it what it does:
+    rank 2 warns at once and its next gather fails naming the disagreement, and so does rank 3's (before,
+    ranks 2 and 3 went on without a word, and rank 0 said only that rank 2 exited if it did)."""
+    said = ranks4.run(_overlapping_lists)
+    for rank in (0, 1):
+        assert "ranks disagree on a gather: rank 0 passed ranks=[0, 1, 2]" in said[rank][0], said[rank]
+        assert "passed ranks=[2, 3]" in said[rank][0], said[rank]
+    for rank in (2, 3):
+        assert said[rank][0] == "ok", said[rank]
+        assert "which names rank 2, but rank 2 passed ranks=[2, 3] in the same call" in said[rank][1], said[
+            rank
+        ]
+
+
 def _unknown_transport() -> str:
     try:
         with get_tensors_parallel(torch.ones(1), [0, 1], transport="carrier-pigeon"):

@@ -186,7 +186,9 @@ def test_a_busy_process_answers_inquiries_from_its_thread(parent_box: Mailbox) -
     """The child's main thread sleeps (busy elsewhere); its answering thread says what it remembers."""
 
     def body(fd: int) -> None:
-        answer_inquiries(this_process(), lambda ns, call: (3, ["send", call]) if ns == NS else None)
+        answer_inquiries(
+            this_process(), lambda ns, call, asker, asking: (3, ["send", call]) if ns == NS else None
+        )
         _announce(fd)
         time.sleep(3)
 
