@@ -1,4 +1,5 @@
-"""What a new user sees of ``distribute-utils consolidate``: the wall time it reports and its progress bar."""
+"""What a new user sees of ``distribute-utils consolidate`` and ``demo``: the wall time they report, the
+progress they show, and the next step."""
 
 from __future__ import annotations
 
@@ -81,3 +82,34 @@ def test_no_progress_bar_unless_stderr_is_a_terminal(ckpt: Path, tmp_path: Path)
     finally:
         os.close(main)
     assert b"consolidating" in seen, seen
+
+
+def test_the_demo_says_what_it_does_its_whole_time_and_the_next_step(tmp_path: Path) -> None:
+    """Before, it was silent for seconds after 'starting 4 local ranks', reported a time shorter than the
+    command's, and suggested nothing."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        _command("demo", "--size-mb", "4"), capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    outside = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    steps = proc.stderr.splitlines()
+    assert steps[:2] == [
+        "writing a ~4 MB synthetic model sharded TP 2 x PP 2 ...",
+        "starting 4 local ranks ...",
+    ]
+    assert steps[2:] == [
+        "4 ranks joined; [1/2] building the mesh ...",
+        "[2/2] consolidating the checkpoint on the same ranks ...",
+    ], steps
+    done = next(line for line in proc.stdout.splitlines() if line.startswith("done: "))
+    said = float(done.split()[1])
+    assert said <= outside + 0.5 and said >= 0.5 * outside, (said, outside)
+    assert (
+        "next: distribute-utils demo --keep DIR" in proc.stdout
+        and "distribute-utils consolidate" in proc.stdout
+    )
+    quiet = subprocess.run(
+        _command("demo", "--size-mb", "4", "-q"), capture_output=True, text=True, timeout=300
+    )
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
