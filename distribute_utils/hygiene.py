@@ -187,8 +187,13 @@ class _Report:
         self.out = out
         self.as_json = as_json
         self.problems: list[str] = []
+        self.warnings: list[str] = []
         self.notes: list[str] = []
-        self.data: dict[str, Any] = {"problems": self.problems, "notes": self.notes}
+        self.data: dict[str, Any] = {
+            "problems": self.problems,
+            "warnings": self.warnings,
+            "notes": self.notes,
+        }
 
     def line(self, text: str = "", indent: int = 1) -> None:
         if not self.as_json:
@@ -197,6 +202,11 @@ class _Report:
     def problem(self, text: str) -> None:
         self.problems.append(text)
         self.line(f"PROBLEM: {text}", 2)
+
+    def warning(self, text: str) -> None:
+        """What makes gathers slow, not fail (the exit code stays 0)."""
+        self.warnings.append(text)
+        self.line(f"SLOW: {text}", 2)
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -249,7 +259,7 @@ def _store_section(rep: _Report) -> None:
         f"{source}, slowest {max(found.lookups, default=0) * 1e3:.1f} ms of {len(found.lookups)}"
     )
     if found.slowest > SLOW_S:
-        rep.problem(
+        rep.warning(
             f"a store connection or its name lookup took {found.slowest:.1f} s: torch's TCPStore looks up the "
             f"name of every connecting address, and {source} is slow to answer for {MAPPED_LOOPBACK}; every "
             "rank's connections (a launch, a new group, a barrier's first use) may wait as long. Fix: add the "
@@ -466,6 +476,8 @@ def doctor(workspace: str | None, out: TextIO, *, shm_dir: str = SHM_DIR, as_jso
         stale = sum(note.startswith("stale") for note in rep.notes)
         notes = f" ({stale} stale leftover(s): `distribute-utils clean` removes them)" if stale else ""
         rep.line(f"result: ok{notes}", 0)
+    for warning in rep.warnings:
+        rep.line(f"slow: {warning}", 0)
     if as_json:
         out.write(json.dumps({**rep.data, "exit_code": code}, indent=2) + "\n")
     return code

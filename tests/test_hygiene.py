@@ -310,10 +310,11 @@ def test_doctor_names_a_resolver_that_makes_store_connections_wait(tmp_path: Pat
     on). doctor says so and what to do; with the address in /etc/hosts nothing leaves the host."""
     silent = "nameserver 192.0.2.1\noptions timeout:1 attempts:1\n"  # (TEST-NET-1: never answers)
     slow = _doctor_with(tmp_path, silent)
-    assert slow["exit_code"] == 1 and slow["store"]["lookup_answered_by"] == "dns", slow["store"]
-    problem = next(p for p in slow["problems"] if "store connection" in p)
-    assert "'::ffff:127.0.0.1 localhost' to /etc/hosts" in problem, problem
+    assert slow["store"]["lookup_answered_by"] == "dns", slow["store"]
+    warning = next(w for w in slow["warnings"] if "store connection" in w)  # (slow, not failing: exit 0)
+    assert "'::ffff:127.0.0.1 localhost' to /etc/hosts" in warning, warning
+    assert not [p for p in slow["problems"] if "store" in p], slow["problems"]
     fixed = _doctor_with(tmp_path, silent, "::ffff:127.0.0.1 localhost\n")
     assert fixed["store"]["lookup_answered_by"] == "hosts_file", fixed["store"]
     assert max(fixed["store"]["lookups_s"] + fixed["store"]["connects_s"]) < 0.5, fixed["store"]
-    assert not [p for p in fixed["problems"] if "store connection" in p], fixed["problems"]
+    assert fixed["warnings"] == [], fixed["warnings"]
