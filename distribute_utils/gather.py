@@ -202,13 +202,17 @@ def gather_on(
     seconds, error = (timeout, None) if type(timeout) is float and timeout > 0 else _resolved(timeout)
     with companion.exclusive("a gather"):
         call = companion.new_call(seconds)
-        said = companion.take_disagreement()  # (an earlier call's partner named this rank in another list)
-        if said is not None:
-            error = error or error_of(ArgumentError(said))
+        if companion.disagreement is not None:  # an earlier call's partner named this rank in another list
+            said = companion.take_disagreement()
+            if said is not None:
+                error = error or error_of(ArgumentError(said))
         try:
-            asked = request(transport)
-        except ArgumentError as exc:  # (posted: its partners raise it too)
-            asked, error = Request(str(transport)), error or error_of(exc)
+            asked = REQUESTS[transport]
+        except (KeyError, TypeError):
+            try:
+                asked = request(transport)  # (raises, naming the valid ones)
+            except ArgumentError as exc:  # (posted: its partners raise it too)
+                asked, error = Request(str(transport)), error or error_of(exc)
         this_call: Round = (companion, call, asked, workspace_path, seconds, group, root)
         try:
             listed = _checked(ranks, companion, world_size)

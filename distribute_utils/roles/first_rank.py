@@ -229,9 +229,11 @@ class FirstRank(Part):
     def tell_go(self, error: tuple[Any, ...] | None, claims: dict[int, Claim]) -> None:
         """Let senders whose carrier needs the first rank's "go" send (or tell them why not); once, only
         where some may wait (see :attr:`.base.Carrier.needs_go`)."""
+        if self._go_posted or (error is None and self._cross is None and not self.request.needs_go):
+            return  # (one host, nothing forced: nobody waits; no call for that, the common case)
         cross = cross_carrier(self._cross)
         go_here = self.request.needs_go or (cross is not None and cross.needs_go)
-        if self._go_posted or (error is None and not go_here):
+        if error is None and not go_here:
             return  # every claim was checked: they all asked for this rank's transport
         # Who waits for "go": by this rank's plan, or by its own request (the name in its claim's mode).
         waiting = any(c.body and (go_here or _asked(c.mode).needs_go) for c in claims.values())

@@ -21,7 +21,7 @@ transport's name:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import ArgumentError
 from ..processes import ProcessInfo
@@ -35,38 +35,35 @@ __all__ = ["REQUESTS", "Request", "across", "cross_carrier", "host_route", "requ
 
 @dataclass(frozen=True)
 class Request:
-    """A gather's ``transport=``, as every rank of it must ask (its :attr:`name` travels in claims)."""
+    """A gather's ``transport=``, as every rank of it must ask (its :attr:`name` travels in claims).
+    What the roles read of it are plain fields, derived once (a gather reads several per call)."""
 
     name: str
     forced: type[Carrier] | None = None
     """The one carrier every sender uses (``"workspace"``, ``"collective"``), or None: the router chooses."""
     host_only: bool = False
     """Shared memory only (``"shm"``): across hosts it is an error; within a host, no other carrier."""
+    flat: bool = field(init=False)
+    """Every sender its own leader: straight to the first rank through :attr:`forced`."""
+    direct: bool = field(init=False)
+    """Ranks of one host may take the direct round and this host's carriers."""
+    spill: bool = field(init=False)
+    """A host's route may leave shared memory when it is full (the local disk, the workspace)."""
+    free: bool = field(init=False)
+    """The router chooses among every carrier (CUDA IPC first for a GPU payload bound for a GPU)."""
+    needs_go: bool = field(init=False)
+    """Its senders wait for the first rank's "go" whatever the plan (a forced collective)."""
 
-    @property
-    def flat(self) -> bool:
-        """Every sender its own leader: straight to the first rank through :attr:`forced`."""
-        return self.forced is not None
-
-    @property
-    def direct(self) -> bool:
-        """Ranks of one host may take the direct round and this host's carriers."""
-        return self.forced is None
-
-    @property
-    def spill(self) -> bool:
-        """A host's route may leave shared memory when it is full (the local disk, the workspace)."""
-        return not self.host_only
-
-    @property
-    def free(self) -> bool:
-        """The router chooses among every carrier (CUDA IPC first for a GPU payload bound for a GPU)."""
-        return self.forced is None and not self.host_only
-
-    @property
-    def needs_go(self) -> bool:
-        """Its senders wait for the first rank's "go" whatever the plan (a forced collective)."""
-        return self.forced is not None and self.forced.needs_go
+    def __post_init__(self) -> None:
+        forced = self.forced
+        for name, value in (
+            ("flat", forced is not None),
+            ("direct", forced is None),
+            ("spill", not self.host_only),
+            ("free", forced is None and not self.host_only),
+            ("needs_go", forced is not None and forced.needs_go),
+        ):
+            object.__setattr__(self, name, value)
 
 
 REQUESTS = {
@@ -104,11 +101,16 @@ def across(asked: Request, has_workspace: bool) -> type[Carrier]:
     return WorkspaceTransport if has_workspace else CollectiveTransport
 
 
+_CROSS: dict[str | None, type[Carrier] | None] = {
+    None: None,
+    WorkspaceTransport.kind: WorkspaceTransport,
+    CollectiveTransport.kind: CollectiveTransport,
+}
+
+
 def cross_carrier(kind: str | None) -> type[Carrier] | None:
     """The carrier class a plan names between hosts (None: everyone on one host)."""
-    if kind is None:
-        return None
-    return {WorkspaceTransport.kind: WorkspaceTransport, CollectiveTransport.kind: CollectiveTransport}[kind]
+    return _CROSS[kind]
 
 
 def host_route(
