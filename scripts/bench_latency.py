@@ -73,6 +73,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from results.facts import load_average, run_facts
+
 from distribute_utils import get_configs_parallel, get_tensors_parallel
 from distribute_utils.launch import run_local
 
@@ -485,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.nproc < 2:
         parser.error(f"--nproc must be at least 2 (a gather needs a sender); got {args.nproc}")
+    started, averages_before = time.time(), load_average()
     load_before = _load()
     with (
         _busy(args.busy),
@@ -502,8 +505,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     _print(summary, args.sizes, args.nproc, reps, load)
     if args.json:
+        facts = run_facts(
+            ["scripts/bench_latency.py", *(argv if argv is not None else sys.argv[1:])],
+            started,
+            averages_before,
+        )
         Path(args.json).write_text(
-            json.dumps({"summary": summary, "reps": reps, "load": load, "nproc": args.nproc}, indent=1)
+            json.dumps(
+                {"summary": summary, "reps": reps, "load": load, "nproc": args.nproc, "run": facts}, indent=1
+            )
         )
     return 0
 

@@ -1,0 +1,1 @@
+"""Raw benchmark results and the docs' tables rendered from them (see :mod:`.render`)."""
