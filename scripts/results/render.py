@@ -30,8 +30,8 @@ _SOURCES = re.compile(r"Raw results: (`docs/results/[^`]+\.json`(?:, `docs/resul
 
 
 def _fmt(x: float) -> str:
-    """Three significant figures, as the tables have always shown them."""
-    return f"{x:.3g}" if abs(x) < 100 else f"{x:.1f}"
+    """Three significant figures, trailing zeros kept (``9.00``, ``0.700``); one decimal from 100 up."""
+    return f"{x:#.3g}".rstrip(".") if abs(x) < 100 else f"{x:.1f}"
 
 
 def _cell(values: Sequence[float]) -> str:

@@ -1,0 +1,45 @@
+"""Published figures come from committed raw results: docs/performance.md's latency tables are what their
+raw files render to, and every figure the README quotes from them is in those tables, of the commit it names."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RENDER = ROOT / "scripts" / "results" / "render.py"
+README_SPAN = re.compile(r"<!-- latency figures: docs/results/(\w+) -->(.*?)<!-- /latency figures -->", re.S)
+NUMBER = re.compile(r"(?<![\w.])\d+\.\d+(?![\w.])")
+
+
+def _block() -> str:
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    return doc[doc.index("<!-- results -->") : doc.index("<!-- /results -->")]
+
+
+def test_the_latency_tables_are_what_their_committed_raw_results_render_to() -> None:
+    done = subprocess.run(
+        [sys.executable, str(RENDER), "--check", "docs/performance.md"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for path in re.findall(r"`(docs/results/[^`]+\.json)`", _block()):
+        tracked = subprocess.run(["git", "ls-files", "--error-unmatch", path], cwd=ROOT, capture_output=True)
+        assert tracked.returncode == 0, f"{path} is not committed"
+
+
+def test_every_latency_figure_the_readme_quotes_is_in_the_tables_of_the_commit_it_names() -> None:
+    spans = README_SPAN.findall((ROOT / "README.md").read_text())
+    assert spans, "the README's latency figures are marked (<!-- latency figures: docs/results/COMMIT -->)"
+    block = _block()
+    commit = re.search(r"commit (\w+)", block)
+    assert commit is not None
+    tables = set(NUMBER.findall(block))
+    for named, text in spans:
+        assert named == commit.group(1), f"the README names {named}, the tables are of {commit.group(1)}"
+        assert f"commit {named}" in text, "the README's span names its commit in words too"
+        quoted = NUMBER.findall(text)
+        assert quoted, text
+        missing = [n for n in quoted if n not in tables]
+        assert missing == [], f"README figures not in the rendered tables: {missing}"
