@@ -21,7 +21,10 @@ def _block() -> str:
 
 def test_the_latency_tables_are_what_their_committed_raw_results_render_to() -> None:
     done = subprocess.run(
-        [sys.executable, str(RENDER), "--check", "docs/performance.md"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, str(RENDER), "--check", "docs/performance.md"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     for path in re.findall(r"`(docs/results/[^`]+\.json)`", _block()):
