@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from .errors import PayloadError
@@ -89,9 +89,10 @@ class Channel(Protocol):
         receive, when it named one as its first rank)."""
         ...
 
-    def give_up(self, claim: bytes, verdict: bytes | None = None) -> None:
+    def give_up(self, claim: bytes, verdict: bytes | None = None, failed: Collection[int] = ()) -> None:
         """This rank failed: post ``claim`` (carrying the error) and, the first rank, ``verdict``,
-        wherever a partner may look for them. Raises PeerLostError when the store is gone."""
+        wherever a partner may look for them (``failed``: senders whose claims carried an error: they
+        wait for no verdict). Raises PeerLostError when the store is gone."""
         ...
 
 
@@ -153,7 +154,7 @@ class StoreChannel:
     def await_verdict(self, what: str, judge: Judge) -> Buffer:
         return self.call.wait_verdict(self.first, self.timeout, what)
 
-    def give_up(self, claim: bytes, verdict: bytes | None = None) -> None:
+    def give_up(self, claim: bytes, verdict: bytes | None = None, failed: Collection[int] = ()) -> None:
         values: dict[str, bytes] = {}
         if not self._posted:
             values["c"] = claim
@@ -164,6 +165,10 @@ class StoreChannel:
         if values:
             self.call.post(values)
             self._posted = True
+
+
+GIVE_UP_WAIT_S = 1.0
+"""How long a rank that gives up waits for room in a partner's queue (see :meth:`MailboxChannel.give_up`)."""
 
 
 class MailboxChannel:
@@ -241,11 +246,19 @@ class MailboxChannel:
         )
         return found[self.first]
 
-    def give_up(self, claim: bytes, verdict: bytes | None = None) -> None:
+    def give_up(self, claim: bytes, verdict: bytes | None = None, failed: Collection[int] = ()) -> None:
+        # Each send waits a little while its partner's queue is full (GIVE_UP_WAIT_S): a rank that fails
+        # call after call returns at once each time, and would otherwise run ahead of its partners, its
+        # messages dropped (a queue holds 10), until they find it gone past (or exited) instead of hearing
+        # its error. A partner in a round reads within that; one that is gone refuses at once; one that
+        # failed waits for no verdict (it may read none for many calls): not waited for. Bounded, never
+        # the call's timeout: two ranks that give up to each other at once must not wait on each other.
+        wait = min(self.timeout, GIVE_UP_WAIT_S)
         with contextlib.suppress(OSError):  # else they hear it from its record, or from the store
             if self.receiver and verdict is not None:
                 for rank in self.ranks[1:]:
-                    self.call.send_direct(rank, _VERDICT, [verdict])
+                    if rank not in failed:
+                        self.call.send_direct(rank, _VERDICT, [verdict], wait)
             elif not self.receiver and not self._delivered:
-                self.call.send_direct(self.first, _CLAIM, [_CLAIM_LENGTH.pack(len(claim)), claim])
-        self.store().give_up(claim, verdict)
+                self.call.send_direct(self.first, _CLAIM, [_CLAIM_LENGTH.pack(len(claim)), claim], wait)
+        self.store().give_up(claim, verdict, failed)

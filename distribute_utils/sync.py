@@ -90,7 +90,9 @@ logger = logging.getLogger(__name__)
 
 COLLECT_EVERY = 64  # calls between the group-wide barriers after which keys are removed
 RETRY_S = 0.002  # how soon an undelivered direct message is sent again within the grace
-_RECORDS_KEPT = 16  # calls a rank remembers for inquiries (its latest first)
+_RECORDS_KEPT = 256  # calls a rank remembers for inquiries (its latest first): as many as a mailbox keeps for
+# later calls, so a rank that failed call after call ahead of its partners still answers for each (see
+# channel.MailboxChannel.give_up)
 
 
 # -- a group's companion -------------------------------------------------------------------------

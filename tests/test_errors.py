@@ -207,10 +207,9 @@ def _each_error_raised_on_rank_2(names: list[str]) -> dict[str, tuple[str, str]]
             if point == "published":
                 raise _sample(cls)
 
-        # A barrier between the failing gathers: back to back, such failures make the first rank, now and
-        # then, see the live sender as exited or the lists as disagreeing (found with this test; as old as
-        # dea47a4; its own issue, not this test's subject).
-        dist.barrier()
+        # Back to back, no barrier: rank 2 fails at once in each call, and runs ahead of the others until
+        # its partners' queues make it wait (before, its claims were dropped: the first rank then took the
+        # live rank 2 for exited, or, when it had gone past its records, the lists for disagreeing).
         kept = carriers.inject(planted if rank == 2 else None)
         try:
             with get_tensors_parallel(torch.full((64,), float(rank)), [0, 1, 2, 3], timeout=60):

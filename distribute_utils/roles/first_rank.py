@@ -92,7 +92,11 @@ class FirstRank(Part):
             failed = Verdict(True, self.shown, self.digest, error_of(exc)).pack()
             self.record("first", error_of(exc))  # (in a direct round, a sender past the grace reads it)
             with contextlib.suppress(PeerLostError):
-                self.channel.give_up(self.claim("first", error_of(exc)).pack(), failed)
+                self.channel.give_up(
+                    self.claim("first", error_of(exc)).pack(),
+                    failed,
+                    [rank for rank, claim in claims.items() if claim.error is not None],
+                )
             self.take_back_notes()
             for rank, claim in claims.items():
                 if rank not in taken and rank not in found:  # (found: fetched as its claim came)
