@@ -176,13 +176,10 @@ class Call:
         for this rank's last :data:`_RECORDS_KEPT` calls of the group; a later entry for the same call
         (a failure) replaces the earlier one."""
         sync = self.sync
-        records = sync.records  # (replaced, never changed: the answering thread reads it)
-        kept = (
-            records[1:_RECORDS_KEPT]
-            if records and records[0][0] == self.number
-            else records[: _RECORDS_KEPT - 1]
-        )
-        sync.records = [[self.number, *entry], *kept]
+        # A ring by call number: one slot set, which the answering thread reads whole (no copy per call).
+        sync.records[self.number % _RECORDS_KEPT] = [self.number, *entry]
+        if self.number > sync.latest:
+            sync.latest = self.number
 
     def send_direct(
         self, rank: int, kind: int, parts: Sequence[bytes | bytearray | memoryview], timeout: float = 0.0
@@ -308,7 +305,9 @@ class GroupSync:
         self._digests: Recent[tuple[int, ...], str] = Recent(4096)
         # The gather layer's routes over this group, kept for the incarnation (see roles.FirstRank.plan).
         self.routes: Recent[Any, Any] = Recent(256)
-        self.records: list[list[Any]] = []  # this rank's latest entries (see Call.record)
+        # This rank's latest entries (see Call.record): call number % _RECORDS_KEPT -> [number, *entry].
+        self.records: list[list[Any] | None] = [None] * _RECORDS_KEPT
+        self.latest = -1  # the newest call recorded
         # A call where a rank named this one in another list (see compare); posted by the next gather.
         self.disagreement: tuple[int, int, str] | None = None  # (call, asker, message)
         self.failed_call = -1  # this rank's latest call that raised
@@ -326,12 +325,11 @@ class GroupSync:
     def entry(self, number: int) -> list[Any] | str | None:
         """What this rank remembers of call ``number`` (see :meth:`Call.record`; read by the answering
         thread): its entry, ``"past"`` when it is no longer kept, None when not made yet."""
-        records = self.records  # one read: the calling thread replaces the list, never changes it
-        for record in records:
-            if record[0] == number:
-                return record[1:]
-        if records and number < records[0][0]:
-            return "past"  # it has gone on, and took no part in that call as a gather
+        record = self.records[number % _RECORDS_KEPT]  # (the calling thread sets whole slots only)
+        if record is not None and record[0] == number:
+            return record[1:]
+        if number < self.latest:
+            return "past"  # it has gone on, and took no part in that call as a gather (or forgot it)
         return None
 
     def compare(self, number: int, asker: int, asking: Any, entry: list[Any] | str | None) -> None:
