@@ -255,6 +255,11 @@ def _check_places(args: argparse.Namespace) -> None:
         raise UsageError(f"input '{root}' does not exist")
     if not root.is_dir():
         raise UsageError(f"input '{root}' is not a directory: give the checkpoint directory")
+    if args.nproc not in (None, 1) and (root / ".metadata").is_file():  # (DCP's metadata: no torch to see it)
+        raise UsageError(
+            f"--nproc {args.nproc}: '{root}' is a torch.distributed.checkpoint, which one process "
+            "consolidates (it reads every tensor whole from the files); leave out --nproc"
+        )
     out = Path(args.output)
     file_named = out.suffix in (".safetensors", ".bin") and not out.is_dir()
     try:

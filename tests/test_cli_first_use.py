@@ -74,12 +74,17 @@ def test_wrong_paths_are_one_line_naming_the_real_cause_before_torch(ckpt: Path,
         "proc": _usage_error(str(ckpt), "/proc/out/", cwd=tmp_path),
         "inside the input": _usage_error(str(ckpt), str(ckpt / "out"), cwd=tmp_path),
         "argparse": _usage_error("--bogus", cwd=tmp_path),
+        "nproc on DCP": _usage_error(str(ckpt), "out", "--nproc", "4", cwd=tmp_path),
     }
     assert "input 'nope' does not exist" in said["missing input"]
     assert f"('{tmp_path / 'afile'}') is a file, not a directory" in said["parent is a file"]
     assert "'/proc' is on a filesystem that holds no files" in said["proc"]
     assert f"is inside the input checkpoint '{ckpt}'" in said["inside the input"]
     assert "unrecognized arguments: --bogus" in said["argparse"] or "required" in said["argparse"]
+    assert (
+        "which one process consolidates" in said["nproc on DCP"]
+        and "leave out --nproc" in said["nproc on DCP"]
+    )
     assert not (ckpt / "out").exists() and not (tmp_path / "out").exists()
 
 
