@@ -251,8 +251,9 @@ class MailboxChannel:
         # call after call returns at once each time, and would otherwise run ahead of its partners, its
         # messages dropped (a queue holds 10), until they find it gone past (or exited) instead of hearing
         # its error. A partner in a round reads within that; one that is gone refuses at once; one that
-        # failed waits for no verdict (it may read none for many calls): not waited for. Bounded, never
-        # the call's timeout: two ranks that give up to each other at once must not wait on each other.
+        # failed waits for no verdict (it may read none for many calls): not waited for. Bounded (each
+        # partner's send at most GIVE_UP_WAIT_S), never the call's timeout: two ranks that give up to
+        # each other at once must not wait on each other.
         wait = min(self.timeout, GIVE_UP_WAIT_S)
         with contextlib.suppress(OSError):  # else they hear it from its record, or from the store
             if self.receiver and verdict is not None:

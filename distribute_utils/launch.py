@@ -184,7 +184,9 @@ def _start_forkserver() -> None:
     terminal's Ctrl-C, which goes to the terminal's foreground group, never reaches it (or the ranks it
     forks): it would interrupt the server's start-up or its import of torch with a traceback. The
     launcher alone receives it and stops the ranks (:class:`_Ranks`); the server ends with the launcher.
-    multiprocessing has no option for this: its spawn function is replaced while the server starts."""
+    multiprocessing has no option for this: its spawn function is replaced while the server starts (so
+    multiprocessing's resource tracker, which it starts first, gets a group of its own too: it ignores
+    SIGINT anyway). Main thread only, as :func:`run_local` is called: the replacement is not thread-safe."""
     from multiprocessing import forkserver
 
     original = multiprocessing.util.spawnv_passfds

@@ -112,3 +112,14 @@ def test_a_users_same_rule_that_fails_keeps_the_advice_and_names_the_files(tmp_p
     text = str(info.value)
     assert "should be identical on every shard (rule 'same')" in text and "give it a rule" in text
     assert "mp_rank_01_000" in text, text
+
+
+def test_a_shard_without_args_among_shards_with_them_is_refused(tmp_path: Path) -> None:
+    """Either way round: a file another tool wrote (no ``args``) among Megatron's own is named."""
+    write_megatron_legacy(tmp_path / "run", _shards(1), iteration=1)
+    write_megatron_legacy(tmp_path / "bare", _shards(1), iteration=1, swiglu=None)  # (no args)
+    for t, p in ((1, 1), (0, 0)):  # a later file without args; then the first one too
+        name = Path("iter_0000001") / f"mp_rank_{t:02d}_{p:03d}" / MEGATRON_FILE
+        shutil.copy(tmp_path / "bare" / name, tmp_path / "run" / name)
+        with pytest.raises(LayoutError, match=r"the shards are not of one save: .* args\.tp"):
+            consolidate_checkpoint(tmp_path / "run", tmp_path / "out")

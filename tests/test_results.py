@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RENDER = ROOT / "scripts" / "results" / "render.py"
 README_SPAN = re.compile(r"<!-- latency figures: docs/results/(\w+) -->(.*?)<!-- /latency figures -->", re.S)
-NUMBER = re.compile(r"(?<![\w.])\d+\.\d+(?![\w.])")
+NUMBER = re.compile(r"(?<![\w.])(\d+\.\d+)x?(?![\w.])")  # (a ratio's "x" is part of the figure)
 
 
 def _block() -> str:

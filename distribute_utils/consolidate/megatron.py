@@ -352,10 +352,10 @@ def _check_one_save(layout: MegatronLegacyLayout, first: Path, header: _Header) 
         if path == first:
             continue
         facts = _read_header(path).facts()
-        differ = [k for k in expected if facts[k] != expected[k]]
+        differ = [k for k in sorted(expected.keys() | facts.keys()) if facts.get(k) != expected.get(k)]
         if differ:
-            said = ", ".join(f"{k} {facts[k]!r}" for k in differ)
-            other = ", ".join(f"{k} {expected[k]!r}" for k in differ)
+            said = ", ".join(f"{k} {facts.get(k)!r}" for k in differ)
+            other = ", ".join(f"{k} {expected.get(k)!r}" for k in differ)
             raise LayoutError(
                 f"the shards are not of one save: '{path}' says {said}; '{first}' says {other}. A consolidation "
                 "needs every shard of one save (one iteration of one run); put the files of one save "
