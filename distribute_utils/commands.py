@@ -72,15 +72,12 @@ _CHECKPOINT_MARKERS = re.compile(
 
 
 def _open_input(path: str, names: str | None = None) -> Checkpoint:
-    """Opens INPUT; what is not a checkpoint at all is a usage error, a broken checkpoint a failure."""
+    """Opens INPUT (a directory: :func:`_check_places` looked); what is not a checkpoint at all is a usage
+    error, a broken checkpoint a failure."""
     from .consolidate.formats import open_checkpoint
     from .consolidate.layouts import MESH_FILE, LayoutError
 
     root = Path(path)
-    if not root.exists():
-        raise UsageError(f"input '{root}' does not exist")
-    if not root.is_dir():
-        raise UsageError(f"input '{root}' is not a directory: give the checkpoint directory")
     try:
         return open_checkpoint(root, names=names)
     except LayoutError:
@@ -255,7 +252,8 @@ def _check_places(args: argparse.Namespace) -> None:
         raise UsageError(f"input '{root}' does not exist")
     if not root.is_dir():
         raise UsageError(f"input '{root}' is not a directory: give the checkpoint directory")
-    if args.nproc not in (None, 1) and (root / ".metadata").is_file():  # (DCP's metadata: no torch to see it)
+    # (".metadata" is dcp_metadata.DCP_METADATA, whose module imports torch: named here to answer without it)
+    if args.nproc not in (None, 1) and (root / ".metadata").is_file():
         raise UsageError(
             f"--nproc {args.nproc}: '{root}' is a torch.distributed.checkpoint, which one process "
             "consolidates (it reads every tensor whole from the files); leave out --nproc"

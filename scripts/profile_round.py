@@ -1,0 +1,111 @@
+"""Python calls per gather round, by function, on the first rank and on a sender (cProfile).
+
+Four local ranks (gloo, one host: the direct round) gather one float32 tensor of 1024 elements per rank to
+rank 0, ``--rounds`` times after 200 warm-up rounds; ranks 0 and 1 profile the timed rounds with
+``cProfile`` (its clock: ``time.thread_time``, the calling thread's CPU). Prints each profiled rank's calls
+per round (every Python and built-in call cProfile counts) and its busiest functions. Calls, not time, are
+what this counts: compare two revisions with ``--against REV`` (the package at REV, in the same ranks).
+
+    python scripts/profile_round.py                      # this tree
+    python scripts/profile_round.py --against dea47a4    # and the package at dea47a4, one after the other
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rank(rounds: int, top: int) -> dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+
+    from distribute_utils import get_tensors_parallel
+
+    rank, ranks = dist.get_rank(), list(range(dist.get_world_size()))
+    value = torch.full((1024,), float(rank))
+
+    def one() -> None:
+        with get_tensors_parallel(value, ranks) as got:
+            for tensor in got:
+                tensor.sum()
+
+    for _ in range(200):
+        one()
+    dist.barrier()
+    profile = cProfile.Profile(time.thread_time)
+    profile.enable()
+    for _ in range(rounds):
+        one()
+    profile.disable()
+    dist.barrier()
+    if rank > 1:
+        return None
+    stats = pstats.Stats(profile, stream=io.StringIO())
+    calls = sum(entry[1] for entry in stats.stats.values())  # type: ignore[attr-defined]
+    out = io.StringIO()
+    stats.stream = out  # type: ignore[attr-defined]
+    stats.sort_stats("ncalls").print_stats(top)
+    return {"calls_per_round": calls / rounds, "table": out.getvalue()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=3000)
+    parser.add_argument("--top", type=int, default=25, help="functions listed per rank, by calls")
+    parser.add_argument("--against", metavar="REV", help="also profile the package at git revision REV")
+    parser.add_argument("--quiet", action="store_true", help="only the calls per round")
+    args = parser.parse_args(argv)
+    trees = [("this tree", ROOT)]
+    with tempfile.TemporaryDirectory(prefix="du-profile-") as tmp:
+        if args.against:
+            archive = subprocess.run(
+                ["git", "archive", args.against], cwd=ROOT, capture_output=True, check=True
+            )
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+            trees.append((args.against, Path(tmp)))
+        for label, tree in trees:
+            code = (
+                "import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2])\n"
+                "import json, profile_round\n"
+                "from distribute_utils.launch import run_local\n"
+                "print(json.dumps(run_local(profile_round._rank, 4, int(sys.argv[3]), int(sys.argv[4]))[:2]))\n"
+            )
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    code,
+                    str(tree),
+                    str(ROOT / "scripts"),
+                    str(args.rounds),
+                    str(args.top),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            first, sender = json.loads(done.stdout.strip().splitlines()[-1])
+            print(
+                f"{label}: calls per round, first rank {first['calls_per_round']:.1f}, a sender {sender['calls_per_round']:.1f}"
+            )
+            if not args.quiet:
+                print(f"--- first rank ({label})\n{first['table']}--- a sender ({label})\n{sender['table']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
