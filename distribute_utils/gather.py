@@ -35,7 +35,7 @@ from .caches import Recent
 from .errors import ArgumentError, UnsupportedTypeError
 from .mesh import ProcessGroupMesh
 from .roles import ATTACHED_MAX_BYTES, CheckIn, FirstRank, RankList, Round, Sender, error_of, raise_from
-from .transports.host import INLINE_MAX_BYTES
+from .transports.inline import INLINE_MAX_BYTES
 from .transports.router import REQUESTS, Request, request
 
 __all__ = [

@@ -149,3 +149,51 @@ def test_an_interrupted_sender_removes_its_file(disk: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 128 + signal.SIGTERM
     assert list(Path(local_dir()).iterdir()) == [], "the interrupted sender removed its file"
+
+
+def test_the_router_places_carriers_by_their_medium_and_a_full_one_passes_the_payload_on(
+    disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The host route is the router's chain of declared carriers: cheapest medium first, the local disk
+    (a carrier that leaves shared memory) only where the request allows, and a carrier with no room
+    passes the payload to the next one, said in a warning."""
+    import errno
+    import logging
+
+    from distribute_utils import SpaceError
+    from distribute_utils.processes import this_process
+    from distribute_utils.transports import router
+
+    media = [c.medium for c in router.HOST_CARRIERS]
+    assert media == sorted(media, key=router.HOST_MEDIA.index)
+    assert {c.kind for c in router.HOST_CARRIERS} == {
+        kind for kind, c in carriers.KINDS.items() if c.medium in router.HOST_MEDIA
+    } >= {"inline", "shm", "local_disk", "workspace"}
+
+    def no_room(point: str, rank: int, carrier: object, value: object) -> None:
+        if point == "published" and getattr(carrier, "kind", "") == "shm":
+            raise SpaceError(errno.ENOSPC, "no room (the test)")
+
+    value = torch.arange(2**18, dtype=torch.float32)  # 1 MiB: past the inline bound
+    me = this_process()
+    kept = carriers.inject(no_room)
+    try:
+        routes = {
+            name: router.host_route(
+                router.REQUESTS[name], me, pool=True, cuda=False, workspace=None, workspace_path="", what="t"
+            )
+            for name in ("auto", "shm")
+        }
+        with caplog.at_level(logging.INFO):
+            sent = routes["auto"].publish("00000000000000b1", 1, wire.encode(value))
+        assert sent.receipt[0] == LocalDiskCarrier.kind
+        assert "/dev/shm cannot hold rank 1's payload" in caplog.text and local_dir() in caplog.text
+        assert torch.equal(wire.decode(_fetch("00000000000000b1", 1, sent.data)), value)
+        sent.release(taken=True)
+        small = routes["auto"].publish("00000000000000b2", 1, wire.encode(torch.ones(4)))
+        assert small.receipt[0] == "inline", "the cheapest medium that takes it"
+        with pytest.raises(SpaceError, match=r"no room \(the test\)$"):  # shm only: no other carrier
+            routes["shm"].publish("00000000000000b3", 1, wire.encode(value))
+    finally:
+        carriers.inject(kept)
+    assert list(Path(local_dir()).iterdir()) == []

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 ATTACHED_MAX_BYTES = 288 * 2**10
 """In a direct round, payloads up to this size travel in the claim's message (no file; copied once by
-the receiving process, not at all by the sender's); larger ones as :data:`~distribute_utils.transports.host.INLINE_MAX_BYTES` says."""
+the receiving process, not at all by the sender's); larger ones as :data:`~distribute_utils.transports.inline.INLINE_MAX_BYTES` says."""
 
 
 class RankList:

@@ -3,7 +3,7 @@
 :meth:`Sender.send` reads top to bottom. A sender on its first rank's host (``my_plan`` is None)
 encodes its value and attaches it to its claim when the channel takes it that way (a direct round,
 up to :data:`~.part.ATTACHED_MAX_BYTES`), else publishes it through its host route
-(:class:`~distribute_utils.transports.host.HostRoute`: CUDA IPC, inline, a segment, the workspace). On
+(:class:`~distribute_utils.transports.host.HostRoute`: the router's carriers by medium, cheapest first). On
 another host it follows the plan its first rank posted: a host's leader collects its members' payloads
 and forwards one bundle across (workspace or collective; a collective send waits for the first rank's
 "go"), a member publishes to its leader. Then it posts its claim, waits for the verdict, releases
@@ -135,8 +135,8 @@ class Sender(Part):
     # -- publishing ------------------------------------------------------------------------------
     def host(self, receiver: int) -> HostRoute:
         """A sender's route to ``receiver`` (on this host), as the router makes it (:func:`.router.host_route`):
-        CUDA IPC first when it is the first rank and likely wants tensors on a GPU (``cuda_wanted``); else
-        inline, shared memory, the local disk, the workspace."""
+        inline, CUDA IPC when it is the first rank and likely wants tensors on a GPU (``cuda_wanted``),
+        shared memory, the local disk, the workspace."""
         directory = self.companion.directory
         assert directory is not None
         info = directory.info(receiver, self.companion.store, self.seconds, self.what)

@@ -29,12 +29,20 @@ directly (that is where receipts are tagged and the fault hook runs):
 alive); nothing the carrier made may stay visible to other processes once ``fetch`` has returned or
 ``release`` has run.
 
+Before step 1, a sender on its first rank's host gets its carrier from its host route
+(:func:`.router.host_route`): the router lists every carrier whose ``medium`` a host route takes, cheapest
+medium first (:data:`.router.HOST_MEDIA`), drops those the request or the destination rules out
+(``devices``, ``medium``), and for each payload the route tries them in that order: one whose
+``max_bytes`` or ``takes`` refuses the payload is passed over; the first used is made by
+``sending(destination)`` (once per route); a ``SpaceError``, ``TransportUnavailableError`` or other
+``OSError`` from ``sending`` or ``publish`` passes the payload to the next.
+
 Adding a carrier: write one class with the attributes and methods of :class:`Carrier` (``kind``, a
-name no other carrier has; what it can do: ``scope``, ``devices``, ``needs_go``, ``checksums``,
-``settings``, and how its leftovers are found; ``publish`` / ``fetch`` / ``discard`` / ``release``; the
-classmethod ``receiving``), list it in :data:`.carriers.KINDS`, and choose it where the round publishes
-(a :class:`Route`, e.g. :class:`.host.HostRoute`: the local-disk carrier, :mod:`.local_disk`, was added
-so). Test it with one test that publishes through it and
+name no other carrier has; what it can do: ``scope``, ``medium``, ``max_bytes``, ``devices``,
+``needs_go``, ``checksums``, ``settings``, ``label``, and how its leftovers are found; ``publish`` /
+``fetch`` / ``discard`` / ``release``; the classmethods ``receiving`` and, for a host route's medium,
+``sending``) and list it in :data:`.carriers.KINDS`: the router places it by its medium (the local-disk
+carrier, :mod:`.local_disk`, was added so). Test it with one test that publishes through it and
 fetches with :meth:`.carriers.Receiving.fetch`; :func:`.carriers.inject` lets that test kill a rank
 or corrupt a buffer at the carriers' fault points (``"published"``, ``"fetching"``, ``"fetched"``)
 without patching private code.
@@ -55,13 +63,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import interrupts
 from ..owners import process_owned
+from ..processes import ProcessInfo
 from ..wire import EncodedPayload
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
-__all__ = ["Carrier", "Context", "Route", "Sent", "Transport", "removed_on_interrupt"]
+__all__ = ["Carrier", "Context", "Destination", "Route", "Sent", "Transport", "removed_on_interrupt"]
 
 
 @dataclass
@@ -78,6 +87,17 @@ class Context:
     arrived: dict[int, Any] = field(default_factory=dict)  # payloads that came inside claims, by sender
 
 
+@dataclass(frozen=True)
+class Destination:
+    """What a sender knows of the rank its host route leads to, for the carriers it publishes through
+    (made by the router; see :meth:`Carrier.sending`)."""
+
+    receiver: ProcessInfo | None  # the receiving process
+    pool: bool = False  # it can open this process's descriptors (pooled segments, CUDA IPC, local disk)
+    workspace: Callable[[], Carrier] | None = None  # the job's workspace carrier (None: no workspace_path)
+    workspace_path: str = ""  # the workspace's directory, for messages
+
+
 class Carrier(Protocol):
     """Moves one payload per sender to the first rank of a round (see module doc)."""
 
@@ -89,6 +109,14 @@ class Carrier(Protocol):
     scope: str
     """Where its receiver may run: ``"host"`` (this host: a segment, a file on local disk, a datagram,
     CUDA IPC) or ``"any"`` (any host: the store's claim, the workspace, a collective)."""
+    medium: str
+    """Where the bytes lie on the way, which places it in a host route (:data:`.router.HOST_MEDIA`,
+    cheapest first): ``"claim"`` (inside the sender's claim in the store), ``"gpu"`` (the sender's device
+    memory, opened by the receiver), ``"memory"`` (a shared-memory segment), ``"disk"`` (a file on this
+    host's disk), ``"shared_fs"`` (the workspace). Carriers of other media are never in a host route:
+    ``"datagram"`` (a direct round's claim message), ``"network"`` (the collective)."""
+    max_bytes: int | None
+    """The largest payload it takes in a host route (None: no bound of its own)."""
     devices: str
     """What it does with a payload's GPU tensors: ``"keeps_gpu"`` (they arrive in device memory: CUDA
     IPC, NCCL) or ``"to_cpu"`` (they travel through host memory and are copied to a GPU after)."""
@@ -114,6 +142,12 @@ class Carrier(Protocol):
     # that :class:`.carriers.Receiving` makes it once per round and fetches every receipt of its kind
     # through it (no object made per fetch: a small gather's payloads are inline or attached).
 
+    @property
+    def label(self) -> str:
+        """How messages name it ("/dev/shm", "the local disk (DIR)"): a class attribute, or a property
+        of an instance that says where."""
+        ...
+
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> Any:
         """Make ``payload`` of ``rank`` available to the first rank; returns the receipt. Senders only.
         Raises :class:`~distribute_utils.errors.SpaceError` or
@@ -136,6 +170,12 @@ class Carrier(Protocol):
     def receiving(cls, context: Context, rank: int, receipt: Any) -> Carrier:
         """The carrier that fetches ``receipt`` (of sender ``rank``) on the receiving side of a round described by ``context``."""
         ...
+
+    # A carrier of a host route's medium also has the classmethod ``sending(destination)``: the carrier
+    # a sender publishes through toward :class:`Destination` (once per route, when first needed), raising
+    # :class:`~distribute_utils.errors.TransportUnavailableError` when it cannot reach it (why); and it
+    # may have the static method ``takes(payload) -> bool`` (read with getattr): False passes the payload
+    # to the next carrier unasked (CUDA IPC: only payloads all on one GPU).
 
 
 Transport = Carrier

@@ -49,6 +49,9 @@ class CollectiveTransport:
     kind = "collective"
     done_when_answered = False
     scope = "any"
+    medium = "network"  # (never in a host route: it needs the go)
+    max_bytes: int | None = None
+    label = "the collective"
     devices = "keeps_gpu"  # (NCCL from GPU memory)
     needs_go = True  # (a send cannot be taken back: it goes once the first rank says so)
     checksums = False

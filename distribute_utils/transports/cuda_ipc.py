@@ -64,7 +64,7 @@ from ..errors import PayloadError, PeerLostError, TransportUnavailableError
 from ..owners import process_owned
 from ..processes import ProcessInfo, pid_alive, process_alive
 from ..wire import ALIGN, EncodedPayload
-from .base import Context
+from .base import Context, Destination
 from .cuda_driver import HANDLE_SIZE, CudaError, Driver, IpcHandle
 from .cuda_driver import driver as cuda_driver
 
@@ -118,6 +118,9 @@ class CudaIpcTransport:
     kind = KIND
     done_when_answered = True  # any verdict: the first rank no longer reads (see the module doc)
     scope = "host"  # (and the receiver in this pid namespace)
+    medium = "gpu"
+    max_bytes: int | None = None
+    label = "CUDA IPC"
     devices = "keeps_gpu"
     needs_go = False
     checksums = False
@@ -131,6 +134,15 @@ class CudaIpcTransport:
     def receiving(cls, context: Context, rank: int, receipt: Any) -> CudaIpcTransport:
         """Copies to the GPU the round decodes to (else the sender's device, by index)."""
         return cls(device=context.device)
+
+    @classmethod
+    def sending(cls, destination: Destination) -> CudaIpcTransport:
+        """Only to a receiver in this pid namespace (it opens this process's handles)."""
+        if not destination.pool:
+            raise TransportUnavailableError(
+                "CUDA IPC is not used: the receiver runs in another pid namespace"
+            )
+        return cls(destination.receiver)
 
     @staticmethod
     def can_carry(payload: EncodedPayload) -> bool:

@@ -1,17 +1,20 @@
 """Internal. Host route: a sender's payload to a rank of its own host, through the cheapest carrier it fits.
 
-- **CUDA IPC** (:class:`.cuda_ipc.CudaIpcTransport`), past the inline size, when asked (``cuda``: the
-  first rank likely wants the tensors on a GPU), the payload is all on one GPU and the receiver runs in
-  this pid namespace; when it refuses, the next carrier;
-- **inline** (:class:`.inline.InlineCarrier`): a payload of at most :data:`INLINE_MAX_BYTES` travels
-  inside the sender's claim in the store (a direct round's claim takes more:
-  :class:`.inline.AttachedCarrier`). No file: creating, sizing, mapping and removing a segment costs
-  more than sending the bytes; the sizes were measured, see ``docs/performance.md``;
+The router (:func:`.router.host_route`) gives the route its carriers, cheapest medium first
+(:data:`.router.HOST_MEDIA`), with what the request and the destination allow. Today that is:
+
+- **inline** (:class:`.inline.InlineCarrier`): a payload of at most :data:`.inline.INLINE_MAX_BYTES`
+  travels inside the sender's claim in the store (a direct round's claim takes more:
+  :class:`.inline.AttachedCarrier`, the round's own). No file: creating, sizing, mapping and removing a
+  segment costs more than sending the bytes; the sizes were measured, see ``docs/performance.md``;
+- **CUDA IPC** (:class:`.cuda_ipc.CudaIpcTransport`), when the first rank likely wants the tensors on a
+  GPU, the payload is all on one GPU and the receiver runs in this pid namespace; when it refuses, the
+  next carrier;
 - **segment** (:class:`.shm.SharedMemoryTransport`): larger ones, pooled when the receiver can open the
   sender's descriptors;
 - **local disk** (:class:`.local_disk.LocalDiskCarrier`): when ``/dev/shm`` has no room for a payload
-  (a container's small one) and the route may leave shared memory (``spill``), a file on this host's
-  disk (logged as a warning);
+  (a container's small one) and the route may leave shared memory, a file on this host's disk (logged
+  as a warning);
 - **workspace**: when neither has room and a workspace was given, a file there (logged as a warning).
 
 Each payload's receipt is tagged by the carrier that took it (:mod:`.carriers`), so the receiving side
@@ -22,118 +25,133 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..errors import SpaceError, TransportUnavailableError
 from ..owners import owned
-from ..processes import ProcessInfo
 from ..wire import EncodedPayload
 from . import carriers
-from .base import Carrier, Route
-from .cuda_ipc import CudaIpcTransport
-from .inline import INLINE
-from .local_disk import LocalDiskCarrier
+from .base import Carrier, Destination, Route
+from .inline import INLINE_MAX_BYTES
 from .segment_pool import SegmentPool
-from .shm import SharedMemoryTransport
 
-__all__ = ["DIRECT_INLINE_MAX_BYTES", "INLINE_MAX_BYTES", "HostRoute"]
+__all__ = ["HostRoute"]
 
 logger = logging.getLogger(__name__)
 
-LOCAL_DISK = LocalDiskCarrier()
 
-INLINE_MAX_BYTES = 64 * 2**10
-"""Payloads up to this size travel inside the sender's claim in the store, not through a file."""
-DIRECT_INLINE_MAX_BYTES = 128 * 2**10
-"""Payloads up to this size travel inside the sender's claim of a direct round, not through a file."""
+class _Step:
+    """One carrier of a route: its class's declarations, read once, and the carrier, made when first used."""
+
+    __slots__ = ("carrier", "cls", "max_bytes", "takes")
+
+    def __init__(self, cls: type[Carrier]) -> None:
+        self.cls = cls
+        self.max_bytes: int | None = cls.max_bytes
+        self.takes: Callable[[EncodedPayload], bool] | None = getattr(cls, "takes", None)
+        self.carrier: Carrier | None = None
 
 
 class HostRoute(Route):
-    """A sender's route to ``receiver`` on its host (see module doc).
+    """A sender's route toward ``destination`` on its host, through ``chain`` in order (see module doc;
+    made by :func:`.router.host_route`).
 
     Args:
-        receiver: the receiving process: pooled segments (and CUDA IPC) are used when it shares this
-            process's pid namespace (``pool``), and given back if it dies holding one.
-        pool: the receiver can open this process's descriptors (``ProcessInfo.can_watch``).
-        cuda: try CUDA IPC first for a payload all on one GPU (only with ``pool``).
-        spill: a payload ``/dev/shm`` cannot hold may go through the local disk (False: shared memory
-            only, as ``transport="shm"`` asks).
-        workspace: makes the workspace carrier when neither ``/dev/shm`` nor the local disk can hold a
-            payload (None: raise :class:`SpaceError` instead).
-        workspace_path: the workspace's directory, named in the warning when a payload goes there.
+        destination: the receiving rank's process, as the carriers need it (:meth:`.base.Carrier.sending`).
+        chain: the carrier classes to try, cheapest first: a payload goes to the first that takes it
+            (``max_bytes``, ``takes``) and can (no ``SpaceError``, ``TransportUnavailableError`` or
+            other ``OSError`` from ``sending`` or ``publish``).
         what: names the gather in log messages.
 
     A payload may hold tensors on a GPU (encoded with ``keep_device``): a segment takes them straight from
-    there; inline and workspace payloads are copied to the CPU first.
+    there; other carriers copy them to the CPU first. A carrier that ``checksums`` gets the payload
+    with its checksum.
     """
 
     def __init__(
-        self,
-        receiver: ProcessInfo | None = None,
-        *,
-        pool: bool = False,
-        cuda: bool = False,
-        spill: bool = False,
-        workspace: Callable[[], Carrier] | None = None,
-        workspace_path: str = "",
-        what: str = "gather",
-        inline_max: int = INLINE_MAX_BYTES,
+        self, destination: Destination, chain: Sequence[type[Carrier]], *, what: str = "gather"
     ) -> None:
-        self._receiver = receiver
-        self._segments = SharedMemoryTransport(pool=pool, receiver=receiver)
-        self._cuda = cuda and pool
-        self._spill = (
-            spill and pool
-        )  # (the local disk: only to a receiver in this pid namespace, see reaches)
-        self._inline_max = inline_max
-        self._workspace = workspace
-        self._workspace_path = workspace_path
+        self._destination = destination
+        self._steps = [_Step(cls) for cls in chain]
         self._what = what
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> carriers.Sent:
-        if self._cuda and payload.nbytes > self._inline_max and CudaIpcTransport.can_carry(payload):
+        nbytes = payload.nbytes
+        # (the pool sizes itself by every payload, pooled or not)
+        owned(SegmentPool).note_payload(nbytes, pooled=nbytes > INLINE_MAX_BYTES)
+        refused: list[tuple[str, BaseException]] = []
+        for step in self._steps:
+            if (step.max_bytes is not None and nbytes > step.max_bytes) or (
+                step.takes is not None and not step.takes(payload)
+            ):
+                continue
             try:
-                return carriers.publish(CudaIpcTransport(self._receiver), token, rank, payload)
-            except TransportUnavailableError as exc:
-                logger.debug("%s: %s; through shared memory instead", self._what, exc)
-        inline = payload.nbytes <= self._inline_max
-        # (the pool sizes itself by every payload)
-        owned(SegmentPool).note_payload(payload.nbytes, pooled=not inline)
-        if inline:
-            return carriers.publish(INLINE, token, rank, payload)
-        try:
-            return carriers.publish(self._segments, token, rank, payload)
-        except SpaceError as full:
-            disk = ""  # why the local disk did not take it either
-            if self._spill and LocalDiskCarrier.reaches(self._receiver):
-                try:
-                    return self._spilled(token, rank, payload)
-                except OSError as exc:  # (full, read-only, missing, another user's: the next carrier)
-                    disk = f"; the local disk cannot take it either: {exc}"
-            elif self._spill:
-                disk = "; the local disk is not used: the receiving process does not see this one's directory"
-            if self._workspace is None:
-                raise SpaceError(errno.ENOSPC, f"{full.strerror}{disk}") from None
-            if disk:
-                logger.info("%s: rank %d's payload%s", self._what, rank, disk)
-            workspace = self._workspace
-        logger.warning(
-            "%s: /dev/shm cannot hold rank %d's payload of %d bytes; it goes through the workspace %s",
-            self._what,
-            rank,
-            payload.nbytes,
-            self._workspace_path,
-        )
-        return carriers.publish(workspace(), token, rank, payload.to_cpu().with_checksum())
+                carrier = step.carrier
+                if carrier is None:
+                    carrier = step.carrier = step.cls.sending(self._destination)  # type: ignore[attr-defined]
+                sent = carriers.publish(
+                    carrier, token, rank, payload.to_cpu().with_checksum() if carrier.checksums else payload
+                )
+            except (OSError, TransportUnavailableError) as exc:  # (SpaceError is an OSError)
+                label = _label(step)
+                logger.debug("%s: rank %d's payload: %s refused it: %s", self._what, rank, label, exc)
+                refused.append((label, exc))
+                continue
+            if refused:
+                self._said(rank, nbytes, refused, carrier.label)
+            return sent
+        raise self._none_took(refused)
 
-    def _spilled(self, token: str, rank: int, payload: EncodedPayload) -> carriers.Sent:
-        """``payload`` through the local disk (``/dev/shm`` had no room), said in a warning."""
-        sent = carriers.publish(LOCAL_DISK, token, rank, payload)
+    def _said(self, rank: int, nbytes: int, refused: list[tuple[str, BaseException]], taker: str) -> None:
+        """The warning that a payload left the carrier it would have taken (no room, or an error; a
+        carrier that does not carry such payloads, as CUDA IPC a payload on the CPU, is only logged)."""
+        failed = [(label, exc) for label, exc in refused if isinstance(exc, OSError)]
+        if not failed:
+            return
+        label, exc = failed[0]
+        for other, why in failed[1:]:
+            logger.info(
+                "%s: rank %d's payload: %s cannot take it either: %s", self._what, rank, other, _why(why)
+            )
+        said = "cannot hold" if isinstance(exc, SpaceError) else f"failed ({_why(exc)}) on"
         logger.warning(
-            "%s: /dev/shm cannot hold rank %d's payload of %d bytes; it goes through the local disk (%s)",
+            "%s: %s %s rank %d's payload of %d bytes; it goes through %s",
             self._what,
+            label,
+            said,
             rank,
-            payload.nbytes,
-            sent.data[0],
+            nbytes,
+            taker,
         )
-        return sent
+
+    @staticmethod
+    def _none_took(refused: list[tuple[str, BaseException]]) -> BaseException:
+        """What a route raises when no carrier took a payload: the first ``SpaceError`` with every later
+        carrier's reason (no room anywhere), else the first refusal as it was."""
+        spaces = [i for i, (_, exc) in enumerate(refused) if isinstance(exc, SpaceError)]
+        if not spaces:
+            return (
+                refused[0][1]
+                if refused
+                else TransportUnavailableError("no carrier of this route takes the payload")
+            )
+        first = refused[spaces[0]][1]
+        assert isinstance(first, SpaceError)
+        others = "".join(
+            f"; {exc}"
+            if isinstance(exc, TransportUnavailableError)
+            else f"; {label} cannot take it either: {_why(exc)}"
+            for label, exc in refused[spaces[0] + 1 :]
+        )
+        return SpaceError(errno.ENOSPC, f"{first.strerror}{others}")
+
+
+def _label(step: _Step) -> str:
+    """How messages name ``step``'s carrier (its kind before it was made, when its label says where)."""
+    label = step.carrier.label if step.carrier is not None else step.cls.label
+    return label if isinstance(label, str) else step.cls.kind
+
+
+def _why(exc: BaseException) -> Any:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else exc

@@ -1,7 +1,7 @@
 """Internal. Carriers with no medium of their own: the payload travels inside the sender's claim.
 
 - :class:`InlineCarrier` (``"inline"``): the bytes are the receipt, in the claim the store holds (up
-  to :data:`.host.INLINE_MAX_BYTES`).
+  to :data:`INLINE_MAX_BYTES`).
 - :class:`AttachedCarrier` (``"attached"``): a direct round's claim is one datagram
   (:mod:`distribute_utils.mailbox`); the payload follows the claim in it (the round sends
   :attr:`AttachedCarrier.outgoing` after the claim), and the receipt is only its length. The receiving
@@ -17,10 +17,14 @@ from typing import Any
 from ..errors import PayloadError
 from ..owners import owned
 from ..wire import EncodedPayload
-from .base import Context
+from .base import Context, Destination
 from .segment_pool import SegmentPool
 
-__all__ = ["AttachedCarrier", "InlineCarrier"]
+__all__ = ["INLINE_MAX_BYTES", "AttachedCarrier", "InlineCarrier"]
+
+INLINE_MAX_BYTES = 64 * 2**10
+"""Payloads up to this size travel inside the sender's claim in the store, not through a file: creating,
+sizing, mapping and removing a segment costs more than sending the bytes (measured: ``docs/performance.md``)."""
 
 
 class InlineCarrier:
@@ -29,6 +33,9 @@ class InlineCarrier:
     kind = "inline"
     done_when_answered = False
     scope = "any"  # (the claim is in the job's store)
+    medium = "claim"
+    max_bytes: int | None = INLINE_MAX_BYTES
+    label = "the sender's claim"
     devices = "to_cpu"
     needs_go = False
     checksums = False
@@ -53,6 +60,10 @@ class InlineCarrier:
     def receiving(cls, context: Context, rank: int, receipt: Any) -> InlineCarrier:
         return INLINE
 
+    @classmethod
+    def sending(cls, destination: Destination) -> InlineCarrier:
+        return INLINE
+
 
 INLINE = InlineCarrier()
 
@@ -67,6 +78,9 @@ class AttachedCarrier:
     kind = "attached"
     done_when_answered = False
     scope = "host"  # (a datagram between processes of one host)
+    medium = "datagram"  # (the direct round's own: never in a host route)
+    max_bytes: int | None = None  # (the round decides: see roles.part.ATTACHED_MAX_BYTES)
+    label = "the sender's claim message"
     devices = "to_cpu"
     needs_go = False
     checksums = False

@@ -27,10 +27,10 @@ import tempfile
 from typing import Any
 
 from .. import host_dir, interrupts
-from ..errors import PayloadError, SpaceError
+from ..errors import PayloadError, SpaceError, TransportUnavailableError
 from ..processes import ProcessInfo, process_alive
 from ..wire import EncodedPayload, stated_length
-from .base import Context, removed_on_interrupt
+from .base import Context, Destination, removed_on_interrupt
 from .files import reserve_space, unlink
 from .named_files import PREFIX, HostFile, named_files, remove_named
 from .shm import map_named
@@ -53,6 +53,8 @@ class LocalDiskCarrier:
     kind = "local_disk"
     done_when_answered = False
     scope = "host"
+    medium = "disk"
+    max_bytes: int | None = None
     devices = "to_cpu"
     needs_go = False
     checksums = False
@@ -60,6 +62,19 @@ class LocalDiskCarrier:
 
     @classmethod
     def receiving(cls, context: Context, rank: int, receipt: Any) -> LocalDiskCarrier:
+        return cls()
+
+    @property
+    def label(self) -> str:
+        return f"the local disk ({local_dir()})"
+
+    @classmethod
+    def sending(cls, destination: Destination) -> LocalDiskCarrier:
+        """Only to a receiver that sees this process's local directory (:meth:`reaches`)."""
+        if not (destination.pool and cls.reaches(destination.receiver)):
+            raise TransportUnavailableError(
+                "the local disk is not used: the receiving process does not see this one's directory"
+            )
         return cls()
 
     @staticmethod

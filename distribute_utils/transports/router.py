@@ -11,8 +11,10 @@ transport's name:
   (no shared-memory hop, no plan to wait for);
 - :attr:`Request.spill` / :attr:`Request.free`: a host's route may leave shared memory (the local disk,
   the workspace) / may choose any carrier it likes (CUDA IPC);
-- :func:`host_route`: a sender's route to a rank of its host (:class:`.host.HostRoute`: CUDA IPC, inline,
-  a segment, the local disk, the workspace), with what the request allows of it;
+- :func:`host_route`: a sender's route to a rank of its host (:class:`.host.HostRoute`): every carrier
+  whose medium a host route takes, cheapest medium first (:data:`HOST_MEDIA`: inline, CUDA IPC, a
+  segment, the local disk, the workspace), less what the request or the destination rule out by what
+  the carriers declare;
 - :func:`across`: the carrier between hosts for a plan (the forced one, else the workspace when given,
   else the collective), and :func:`cross_carrier` the class a plan names; its ``needs_go``,
   ``checksums`` and ``devices`` say what the roles do around it.
@@ -25,12 +27,22 @@ from dataclasses import dataclass, field
 
 from ..errors import ArgumentError
 from ..processes import ProcessInfo
-from .base import Carrier
+from .base import Carrier, Destination
+from .carriers import KINDS
 from .collective import CollectiveTransport
 from .host import HostRoute
 from .workspace import WorkspaceTransport
 
-__all__ = ["REQUESTS", "Request", "across", "cross_carrier", "host_route", "request"]
+__all__ = [
+    "HOST_CARRIERS",
+    "HOST_MEDIA",
+    "REQUESTS",
+    "Request",
+    "across",
+    "cross_carrier",
+    "host_route",
+    "request",
+]
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,18 @@ def cross_carrier(kind: str | None) -> type[Carrier] | None:
     return _CROSS[kind]
 
 
+HOST_MEDIA = ("claim", "gpu", "memory", "disk", "shared_fs")
+"""The media a host route takes, cheapest first (:attr:`.base.Carrier.medium`): a payload goes through
+the first carrier that takes it and has room."""
+
+_LEAVES_SHARED_MEMORY = ("disk", "shared_fs")
+
+HOST_CARRIERS: tuple[type[Carrier], ...] = tuple(
+    sorted((c for c in KINDS.values() if c.medium in HOST_MEDIA), key=lambda c: HOST_MEDIA.index(c.medium))
+)
+"""Every carrier a host route may use, in the order it tries them."""
+
+
 def host_route(
     asked: Request,
     receiver: ProcessInfo,
@@ -123,16 +147,17 @@ def host_route(
     workspace_path: str,
     what: str,
 ) -> HostRoute:
-    """A sender's route to ``receiver``, a rank of its host: CUDA IPC first when ``cuda`` (its first rank
-    likely wants a GPU) and the router may choose freely; pooled segments when ``pool`` (the receiver can
-    open this process's descriptors); past a full ``/dev/shm``, the local disk and then ``workspace`` (a
-    factory; None: no workspace_path) unless the request keeps to shared memory."""
-    return HostRoute(
-        receiver,
-        pool=pool,
-        cuda=cuda and asked.free,
-        spill=asked.spill,
-        workspace=workspace if asked.spill else None,
-        workspace_path=workspace_path,
-        what=what,
-    )
+    """A sender's route to ``receiver``, a rank of its host: :data:`HOST_CARRIERS` in order, less those the
+    request or the destination rule out by what they declare: a carrier that keeps tensors on the GPU
+    only when ``cuda`` (its first rank likely wants a GPU) and the router may choose freely; one that
+    leaves shared memory (the local disk, the workspace) only when the request allows it. ``pool``: the
+    receiver can open this process's descriptors; ``workspace``: the job's workspace carrier (a factory;
+    None: no workspace_path)."""
+    chain = [
+        c
+        for c in HOST_CARRIERS
+        if (c.devices != "keeps_gpu" or (cuda and asked.free))
+        and (c.medium not in _LEAVES_SHARED_MEMORY or asked.spill)
+    ]
+    destination = Destination(receiver, pool=pool, workspace=workspace, workspace_path=workspace_path)
+    return HostRoute(destination, chain, what=what)

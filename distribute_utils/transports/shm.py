@@ -39,7 +39,7 @@ from ..errors import PayloadError
 from ..owners import owned, process_owned
 from ..processes import SHM_DIR, ProcessInfo
 from ..wire import EncodedPayload, stated_length
-from .base import Context, removed_on_interrupt
+from .base import Context, Destination, removed_on_interrupt
 from .files import unlink
 from .kept_maps import KeptMaps, SegmentMap, checked, map_pooled
 from .named_files import PREFIX, HostFile, named_files, remove_named
@@ -96,6 +96,9 @@ class SharedMemoryTransport:
     kind = "shm"
     done_when_answered = False
     scope = "host"
+    medium = "memory"
+    max_bytes: int | None = None
+    label = "/dev/shm"
     devices = "to_cpu"  # (a GPU payload is copied from there into the segment, registered)
     needs_go = False
     checksums = False
@@ -115,6 +118,11 @@ class SharedMemoryTransport:
     @classmethod
     def receiving(cls, context: Context, rank: int, receipt: Any) -> SharedMemoryTransport:
         return cls(pin=context.pin)
+
+    @classmethod
+    def sending(cls, destination: Destination) -> SharedMemoryTransport:
+        """Pooled segments when the receiver can open this process's descriptors."""
+        return cls(pool=destination.pool, receiver=destination.receiver)
 
     @staticmethod
     def remove_left_by(rank: int | None, pid: int) -> list[str]:

@@ -21,9 +21,9 @@ import os
 import time
 from typing import Any, Literal
 
-from ..errors import ArgumentError, PayloadError
+from ..errors import ArgumentError, PayloadError, TransportUnavailableError
 from ..wire import FLAG_CHECKSUM, EncodedPayload, read_prefix
-from .base import Carrier, Context
+from .base import Carrier, Context, Destination
 from .files import LOCAL_FS, atomic_write, read_payload_file, unlink
 from .namespace import (
     FILE_SUFFIX,
@@ -71,6 +71,8 @@ class WorkspaceTransport:
     kind = "workspace"
     done_when_answered = False
     scope = "any"
+    medium = "shared_fs"
+    max_bytes: int | None = None
     devices = "to_cpu"
     needs_go = False
     checksums = True  # (a network filesystem may serve stale or torn bytes)
@@ -105,6 +107,17 @@ class WorkspaceTransport:
                 "a payload was published in the workspace, but this gather has no workspace_path"
             )
         return context.workspace()
+
+    @classmethod
+    def sending(cls, destination: Destination) -> Carrier:
+        """The job's workspace carrier, when the gather has a workspace_path."""
+        if destination.workspace is None:
+            raise TransportUnavailableError("no workspace_path was given")
+        return destination.workspace()
+
+    @property
+    def label(self) -> str:
+        return f"the workspace {self._ns.workspace}"
 
     def _open(self) -> Namespace:
         """The namespace, joined again if this process left it meanwhile (``close``)."""
