@@ -221,6 +221,24 @@ def build_parser() -> argparse.ArgumentParser:
         "(input_layernorm.weight); default: the checkpoint's args.transformer_impl, else te",
     )
     cons.add_argument(
+        "--to",
+        choices=("hf",),  # (hf_llama.HF_TARGETS: the parser imports no torch)
+        default=None,
+        help="hf: write a Hugging Face transformers checkpoint (LlamaForCausalLM: config.json, safetensors "
+        "with Llama's names, q/k/v and gate/up split) from a Megatron GPT checkpoint of the Llama family; "
+        "anything else is refused, naming the tensor or fact (default: the merged tensors, own names)",
+    )
+    cons.add_argument(
+        "--hf-config",
+        metavar="KEY=VALUE",
+        action="append",
+        default=None,
+        help="with --to hf: a config.json fact the checkpoint lacks or the tokenizer's (VALUE read as JSON): "
+        "num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, rope_theta, rope_scaling, "
+        "max_position_embeddings, vocab_size, tie_word_embeddings, bos_token_id, eos_token_id, pad_token_id; "
+        "vocab_size trims Megatron's padded vocabulary; repeatable",
+    )
+    cons.add_argument(
         "--only",
         metavar="PREFIX",
         default=None,

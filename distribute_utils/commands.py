@@ -21,6 +21,7 @@ from .errors import LaunchError, UsageError, one_line
 
 if TYPE_CHECKING:
     from .consolidate.formats import Checkpoint
+    from .consolidate.hf_llama import HfConversion
     from .consolidate.layouts import MergePlanEntry
     from .consolidate.tp_pp import ConsolidationReport
     from .outputs import OutputTarget
@@ -101,6 +102,10 @@ def _consolidate_options(args: argparse.Namespace) -> dict[str, Any]:
         resolve_rules(args.rules, args.quant_format)
     except (OSError, RuleSyntaxError) as exc:
         raise UsageError(f"--rules: {one_line(exc)}") from None
+    if args.to is not None and args.format != "safetensors":
+        raise UsageError(f"--to {args.to} writes safetensors; leave out --format {args.format}")
+    if args.hf_config and args.to is None:
+        raise UsageError("--hf-config gives facts of a --to hf conversion; add --to hf")
     return {
         "format": args.format,
         "rules": args.rules,
@@ -113,6 +118,8 @@ def _consolidate_options(args: argparse.Namespace) -> dict[str, Any]:
         "names": args.megatron_names,
         "only": args.only,
         "strip_prefix": args.strip_prefix,
+        "to": args.to,
+        "hf_config": args.hf_config,
     }
 
 
@@ -123,8 +130,12 @@ def _prepare_output(args: argparse.Namespace, plan: list[MergePlanEntry] | None)
     from .outputs import prepare_output
 
     specs = None if plan is None else [e.spec for e in plan]
+    side: list[str] = []
+    if args.to is not None:  # (config.json beside the weights; the split is the converted tensors')
+        conversion = _conversion(args)
+        specs, side = (conversion.specs if plan is not None else None), list(conversion.files)
     try:
-        files, scheme = output_paths(args.format, args.output, specs, args.max_shard_size)
+        files, scheme = output_paths(args.format, args.output, specs, args.max_shard_size, side)
         target = prepare_output(args.output, args.overwrite, files, scheme, inside=args.input)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -145,6 +156,17 @@ def _plan(args: argparse.Namespace) -> tuple[Checkpoint, list[MergePlanEntry]]:
         only=args.only,
         strip_prefix=args.strip_prefix,
     )
+
+
+def _conversion(args: argparse.Namespace) -> HfConversion:
+    """The ``--to`` conversion of INPUT's plan (metadata only)."""
+    from .consolidate.hf_llama import parse_given
+    from .consolidate.plan import plan_conversion
+
+    checkpoint, entries = _plan(args)
+    conversion = plan_conversion(checkpoint, entries, args.to, parse_given(args.hf_config), args.swiglu)
+    assert conversion is not None
+    return conversion
 
 
 def _plan_if_needed(args: argparse.Namespace, needed: bool) -> list[MergePlanEntry] | None:

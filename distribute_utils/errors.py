@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointFormatError",
     "ConcurrentUseError",
     "ConsolidationError",
+    "ConversionError",
     "CudaError",
     "DeviceUnavailableError",
     "DistributeError",
@@ -185,6 +186,11 @@ class MergeError(DistributeError, ValueError):
 
 class RuleSyntaxError(DistributeError, ValueError):
     """A rule, a rules file or a rules mapping is malformed."""
+
+
+class ConversionError(DistributeError, ValueError):
+    """A checkpoint cannot be converted to the format asked (``--to hf``): a tensor or a fact the converter
+    does not know, or a fact it needs that neither the checkpoint nor the caller gives."""
 
 
 class UnsafeCheckpointError(DistributeError, ValueError):

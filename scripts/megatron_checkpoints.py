@@ -15,7 +15,9 @@ writes:
 
 The ground truth is megatron-core's own reshard-on-load: a fresh TP1 x PP1 x EP1 model of the same config
 ``dist_checkpointing.load``-s the torch_dist checkpoint, and its ``state_dict()`` (tensors only,
-``_extra_state`` left out) is written to ``truth.safetensors``.
+``_extra_state`` left out) is written to ``truth.safetensors``; its forward of a fixed batch
+(:data:`BATCH`, float32, causal) to ``logits.pt`` (``{"ids", "logits"}``: what a converted model must
+give).
 
 Needs ``pip install megatron-core==0.16.1 --no-deps`` (it imports nothing else that torch does not bring).
 
@@ -24,7 +26,7 @@ Usage::
     python scripts/megatron_checkpoints.py OUT --case swiglu --tp 2 --pp 2
     python scripts/megatron_checkpoints.py OUT --case moe --tp 2 --ep 2
 
-Writes ``OUT/legacy``, ``OUT/torch_dist`` and ``OUT/truth.safetensors``.
+Writes ``OUT/legacy``, ``OUT/torch_dist``, ``OUT/truth.safetensors`` and ``OUT/logits.pt``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ CASES: dict[str, dict[str, Any]] = {
     "swiglu": dict(num_layers=4, swiglu=True, rope=True, rmsnorm=True, bias=False, num_query_groups=2),
     # uneven pipeline (for --pp 2): 5 layers, 3 on the first stage, 2 on the last
     "uneven": dict(num_layers=5, first_stage_layers=3, last_stage_layers=2, swiglu=True, untie=True),
+    # Llama 3 as Megatron-LM trains it: untied output layer, plain multi-head attention (no query
+    # groups), RoPE with llama3 scaling (--use-rope-scaling): the --to hf conversion's second case
+    "llama": dict(num_layers=4, swiglu=True, rope=True, rmsnorm=True, bias=False, untie=True, rope_scaling=True),
     # mixture of experts (4 experts, top-2), gated experts
     "moe": dict(num_layers=2, num_experts=4, swiglu=True, bias=False, untie=True),
     # scripts/bench_consolidate.py: a LLaMA-shaped model of about 1.1 GiB (float32)
@@ -65,6 +70,8 @@ CASES: dict[str, dict[str, Any]] = {
     ),
 }
 VOCAB = 128
+BATCH = (2, 16)  # the forward's batch and sequence length
+BATCH_TOKENS = 96  # its token ids are below this (a tokenizer's size a conversion may trim the vocabulary to)
 HIDDEN = 64
 HEADS = 4
 FFN = 128
@@ -85,6 +92,12 @@ def _cpu_only() -> None:
         torch.cuda.synchronize = lambda *args, **kwargs: None
         torch.cuda.current_device = lambda: "cpu"
         torch.Tensor.cuda = lambda self, *args, **kwargs: self
+        import contextlib
+
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        # (its attention forks the CUDA RNG for dropout: nothing to fork in eval on the CPU)
+        get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
 
 
 def _config(case: dict[str, Any], tp: int, pp: int, ep: int, vp: int | None) -> Any:
@@ -142,6 +155,7 @@ def _build(config: Any, case: dict[str, Any], vp: int | None) -> list[Any]:
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                 share_embeddings_and_output_weights=not case.get("untie", False),
                 position_embedding_type="rope" if case.get("rope") else "learned_absolute",
+                rope_scaling=case.get("rope_scaling", False),
                 vp_stage=vp_stage,
             )
         )
@@ -184,6 +198,21 @@ def _args(
         normalization="RMSNorm" if case.get("rmsnorm") else "LayerNorm",
         add_bias_linear=case.get("bias", True),
         padded_vocab_size=case.get("vocab", VOCAB),
+        # (what Megatron-LM's parser and validate_args leave for the rest of the model's facts)
+        kv_channels=case.get("hidden", HIDDEN) // case.get("heads", HEADS),
+        norm_epsilon=1e-5,
+        rotary_base=10000,
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        use_rope_scaling=case.get("rope_scaling", False),
+        rope_scaling_factor=8.0,
+        rotary_seq_len_interpolation_factor=None,
+        max_position_embeddings=SEQ,
+        seq_length=SEQ,
+        qk_layernorm=False,
+        apply_layernorm_1p=False,
+        add_qkv_bias=case.get("bias", True),
+        transformer_impl="local",
         ckpt_format=ckpt_format,
         model_type=ModelType.encoder_or_decoder,
         attention_backend=AttnBackend.auto,
@@ -315,8 +344,24 @@ def _truth_main(out: str, case_name: str) -> None:
             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
         }
         save_file(sd, str(Path(out) / "truth.safetensors"))
+        if not case.get("num_experts"):
+            torch.save(_forward(model), Path(out) / "logits.pt")
     finally:
         ps.destroy_model_parallel()
+
+
+def _forward(model: Any) -> dict[str, Any]:
+    """Megatron's own forward of the TP1 model on a fixed batch: ``{"ids", "logits"}`` (float32, eval)."""
+    import torch
+
+    batch, seq = BATCH
+    ids = torch.randint(0, BATCH_TOKENS, BATCH, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    causal = torch.triu(torch.ones(1, 1, seq, seq), diagonal=1).bool()  # (True: masked)
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids, positions, causal)
+    return {"ids": ids, "logits": logits}
 
 
 def write(

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from distribute_utils import host_dir
 
-from harness import RankPool, shm_entries
+from harness import MEGATRON_SAVES, SCRIPTS, RankPool, shm_entries
 
 
 class PoolCache:
@@ -73,3 +76,27 @@ def no_shm_leak(pools: PoolCache) -> Iterator[None]:
     yield
     left = shm_entries(pools.pids)
     assert not left, f"segments left in /dev/shm: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def megatron_save(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``megatron_save(name)``: the directory of the real megatron-core save ``name`` of
+    :data:`harness.MEGATRON_SAVES` (``legacy``, ``torch_dist``, ``truth.safetensors``, ``logits.pt``), written
+    on first use and shared by every test of the session."""
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            out = tmp_path_factory.mktemp(name)
+            flags = [f"--{k}={v}" for k, v in MEGATRON_SAVES[name].items()]
+            proc = subprocess.run(
+                [sys.executable, str(SCRIPTS / "megatron_checkpoints.py"), str(out), *flags],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            cache[name] = out
+        return cache[name]
+
+    return get

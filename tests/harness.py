@@ -90,6 +90,18 @@ def load_script(name: str) -> Any:
     return module
 
 
+MEGATRON_SAVES: dict[str, dict[str, Any]] = {
+    "swiglu": dict(case="swiglu", tp=2, pp=2),
+    "moe": dict(case="moe", tp=2, pp=1, ep=2),
+    "dense": dict(case="dense", tp=2, pp=2),
+    "gqa_tied_vpp": dict(case="gqa", tp=2, pp=2, vp=2),
+    "uneven": dict(case="uneven", tp=1, pp=2),
+    "llama": dict(case="llama", tp=2, pp=2),
+}
+"""Real megatron-core saves the tests consolidate (``scripts/megatron_checkpoints.py`` cases on a grid),
+written once per session by the ``megatron_save`` fixture."""
+
+
 @dataclass(frozen=True)
 class Died:
     """What a rank returned when its process died during the run."""

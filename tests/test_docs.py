@@ -41,7 +41,8 @@ EXCLUDED: list[tuple[str, str]] = [
     ),
 ]
 
-#: Placeholders in commands, and what stands for them here.
+#: Placeholders in commands, and what stands for them here (and MEGATRON_CKPT: a real megatron-core
+#: save of a Llama-style model, legacy, TP2 x PP2).
 PLACEHOLDERS = {"CKPT_DIR": "ckpt", "OUT_DIR": "out-readme", "/nfs/ws": "nfs-ws"}
 
 
@@ -122,9 +123,14 @@ def _marked(where: str, command: str) -> Any:
 
 
 @pytest.mark.parametrize(("where", "command"), [_marked(w, c) for w, c in RUN], ids=[w for w, _ in RUN])
-def test_command_runs_as_written(workdir: Path, where: str, command: str) -> None:
+def test_command_runs_as_written(
+    workdir: Path, where: str, command: str, request: pytest.FixtureRequest
+) -> None:
     for placeholder, here in PLACEHOLDERS.items():
         command = command.replace(placeholder, here)
+    if "MEGATRON_CKPT" in command:  # a real megatron-core save (the session's, shared with its tests)
+        save = request.getfixturevalue("megatron_save")("swiglu")
+        command = command.replace("MEGATRON_CKPT", str(save / "legacy"))
     cwd = ROOT if command.startswith(("ruff ", "mypy ")) else workdir
     done = subprocess.run(
         ["bash", "-c", command], cwd=cwd, env=_env(workdir), capture_output=True, text=True, timeout=300

@@ -166,9 +166,11 @@ def test_the_router_places_carriers_by_their_medium_and_a_full_one_passes_the_pa
 
     media = [c.medium for c in router.HOST_CARRIERS]
     assert media == sorted(media, key=router.HOST_MEDIA.index)
-    assert {c.kind for c in router.HOST_CARRIERS} == {
-        kind for kind, c in carriers.KINDS.items() if c.medium in router.HOST_MEDIA
-    } >= {"inline", "shm", "local_disk", "workspace"}
+    assert (
+        {c.kind for c in router.HOST_CARRIERS}
+        == {kind for kind, c in carriers.KINDS.items() if c.medium in router.HOST_MEDIA}
+        >= {"inline", "shm", "local_disk", "workspace"}
+    )
 
     def no_room(point: str, rank: int, carrier: object, value: object) -> None:
         if point == "published" and getattr(carrier, "kind", "") == "shm":

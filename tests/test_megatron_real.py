@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,17 +31,11 @@ from distribute_utils.consolidate import (
 )
 from distribute_utils.consolidate.dcp import read_dcp_metadata
 
-from harness import SCRIPTS, load_script
+from harness import MEGATRON_SAVES, load_script
 
 writer = load_script("megatron_checkpoints")  # its CASES; it runs as a script (it starts its ranks)
 
-CASES = {
-    "swiglu": dict(case="swiglu", tp=2, pp=2),
-    "moe": dict(case="moe", tp=2, pp=1, ep=2),
-    "dense": dict(case="dense", tp=2, pp=2),
-    "gqa_tied_vpp": dict(case="gqa", tp=2, pp=2, vp=2),
-    "uneven": dict(case="uneven", tp=1, pp=2),
-}
+CASES = {name: spec for name, spec in MEGATRON_SAVES.items() if name != "llama"}  # (llama: test_hf_export)
 SLOW = {
     "dense",
     "gqa_tied_vpp",
@@ -51,26 +46,9 @@ SLOW = {
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 
-@pytest.fixture(scope="session")
-def written(tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            out = tmp_path_factory.mktemp(name)
-            spec = CASES[name]
-            flags = [f"--{k}={v}" for k, v in spec.items()]
-            proc = subprocess.run(
-                [sys.executable, str(SCRIPTS / "megatron_checkpoints.py"), str(out), *flags],
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            cache[name] = out
-        return cache[name]
-
-    return get
+@pytest.fixture
+def written(megatron_save: Callable[[str], Path]) -> Callable[[str], Path]:
+    return megatron_save
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:

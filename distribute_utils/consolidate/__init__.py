@@ -18,7 +18,7 @@ The names below are what users call; constants, test writers and helpers stay in
 
 from __future__ import annotations
 
-from ..errors import CheckpointFormatError, LayoutError, MergeError, RuleSyntaxError
+from ..errors import CheckpointFormatError, ConversionError, LayoutError, MergeError, RuleSyntaxError
 from .dcp import DcpCheckpoint
 from .formats import Checkpoint, open_checkpoint
 from .grid import CheckpointLayout
@@ -49,6 +49,7 @@ __all__ = [
     "Concat",
     "ConsolidationError",
     "ConsolidationReport",
+    "ConversionError",
     "DcpCheckpoint",
     "First",
     "LayoutError",

@@ -36,7 +36,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -132,6 +132,11 @@ class DcpCheckpoint:
     @property
     def kind(self) -> str:
         return "megatron_torch_dist" if self.megatron else "dcp"
+
+    @property
+    def model_args(self) -> Any:
+        """Megatron's ``args`` (``common.pt``), or None: what a conversion reads its facts from."""
+        return self.args
 
     def describe_grid(self) -> str:
         return "a torch.distributed.checkpoint"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import MergeError
+from .hf_llama import HfConversion
 from .merge_plan import MergePlanEntry
 from .merge_write import write_merged
 from .plan import JobPlan, Options
@@ -34,10 +35,21 @@ __all__ = ["Item", "Job", "naming_files", "progress_bar", "write_item"]
 Item = torch.Tensor | list[torch.Tensor]
 
 
-def write_item(writer: CheckpointWriter, entry: MergePlanEntry, item: Item, ranks: Sequence[int]) -> None:
-    """Writes one tensor (merged, or concat shards placed by the writer), naming the output on I/O errors."""
+def write_item(
+    writer: CheckpointWriter,
+    entry: MergePlanEntry,
+    item: Item,
+    ranks: Sequence[int],
+    conversion: HfConversion | None = None,
+) -> None:
+    """Writes one tensor (merged, or concat shards placed by the writer; with a ``conversion``, merged and
+    then its pieces, one tensor at a time), naming the output on I/O errors."""
     try:
-        if isinstance(item, torch.Tensor):
+        if conversion is not None:
+            merged = item if isinstance(item, torch.Tensor) else entry.rule.merge(entry.name, item, ranks)
+            for name, piece in conversion.pieces(entry, merged):
+                writer.write(name, piece)
+        elif isinstance(item, torch.Tensor):
             writer.write(entry.name, item)
         else:
             write_merged(writer, entry.name, entry.rule, item, ranks)
@@ -131,7 +143,7 @@ class Job(abc.ABC):
             pp=checkpoint.pp,
             world_size=self.world,
             format=self.options.format,
-            tensors=len(self.plan.entries),
+            tensors=len(self.plan.entries if self.plan.conversion is None else self.plan.conversion.specs),
             bytes=self.plan.total_bytes,
             seconds=time.perf_counter() - self.start,
             transport=self.transport,
@@ -141,4 +153,5 @@ class Job(abc.ABC):
             files=files,
             rank=0,
             left_out=[[name, why] for name, why in self.plan.left_out],
+            converted=self.plan.conversion.summary() if self.plan.conversion is not None else None,
         )

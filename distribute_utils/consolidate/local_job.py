@@ -56,14 +56,18 @@ class LocalJob(Job):
             sources = [checkpoint.open_shard(t, p, plan.batch_bytes) for t in range(plan.tp)]
             ranks = checkpoint.stage_ranks(p)
             for batch in plan.batches[p]:
-                if checkpoint.stream(writer, batch):  # chunk by chunk, no tensor built
+                if plan.conversion is None and checkpoint.stream(
+                    writer, batch
+                ):  # chunk by chunk, no tensor built
                     bar.update(sum(e.spec.nbytes for e in batch))
                     continue
                 shards = [s.get(batch) for s in sources]
                 for i, entry in enumerate(batch):
                     parts = [s[i] for s in shards]
                     with naming_files(checkpoint):
-                        write_item(writer, entry, parts if len(parts) > 1 else parts[0], ranks)
+                        write_item(
+                            writer, entry, parts if len(parts) > 1 else parts[0], ranks, plan.conversion
+                        )
                     bar.update(entry.spec.nbytes)
                 del shards
                 for s in sources:

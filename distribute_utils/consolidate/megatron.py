@@ -170,6 +170,7 @@ class MegatronLegacyLayout(CheckpointLayout):
         self._local_experts: dict[int, int] = {}
         self._tied: bool | None = None
         self.header_keys: tuple[str, ...] | None = None  # the first file's entries (open_megatron_legacy)
+        self.model_args: Any = None  # the first file's ``args`` as saved (open_megatron_legacy)
 
     def file_for(self, tp_rank: int, stage: int) -> Path:
         """``root/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``."""
@@ -302,6 +303,7 @@ class _Header:
     keys: tuple[str, ...]  # every entry (model, args, optimizer, rng_state, ...)
     iteration: int | None
     version: float | None  # ``checkpoint_version``
+    namespace: Any = None  # the ``args`` as saved (a ``Namespace``): every fact, for a conversion
 
     def facts(self) -> dict[str, Any]:
         """The facts every shard of one save shares, by the words a message uses."""
@@ -330,6 +332,7 @@ def _read_header(path: Path) -> _Header:
         tuple(str(k) for k in obj),
         iteration if isinstance(iteration, int) and not isinstance(iteration, bool) else None,
         float(version) if isinstance(version, (int, float)) and not isinstance(version, bool) else None,
+        args,
     )
 
 
@@ -428,6 +431,7 @@ def open_megatron_legacy(root: Path, layers_per_stage: Sequence[int] | None = No
     layout.check_files()
     _check_one_save(layout, first, header)
     layout.header_keys = header.keys
+    layout.model_args = header.namespace
     extra = sorted(set(found) - {_coords(layout, t, s) for t, s in layout.shards()})
     if extra:
         raise LayoutError(

@@ -18,11 +18,13 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
 from ..errors import ArgumentError, SpaceError
 from .formats import Checkpoint, open_checkpoint
+from .hf_llama import HfConversion, plan_hf
 from .merge_plan import MergePlanEntry
 from .rule_table import RuleChoice, RuleTable, resolve_rules
 from .writer_base import CheckpointWriter
@@ -35,6 +37,7 @@ __all__ = [
     "check_space",
     "make_batches",
     "plan_checkpoint",
+    "plan_conversion",
     "resolve_rules",
     "select_entries",
 ]
@@ -115,6 +118,24 @@ def select_entries(
     return kept, dropped
 
 
+def plan_conversion(
+    checkpoint: Checkpoint,
+    entries: list[MergePlanEntry],
+    to: str | None,
+    given: dict[str, Any],
+    swiglu: bool | None = None,
+) -> HfConversion | None:
+    """Where each planned tensor goes in the checkpoint ``to`` asks for (``"hf"``: :func:`~.hf_llama.plan_hf`,
+    from the checkpoint's Megatron args and ``given``), or None when ``to`` is None.
+
+    Raises:
+        ConversionError: as :func:`~.hf_llama.plan_hf`."""
+    if to is None:
+        return None
+    args = getattr(checkpoint, "model_args", None)  # (Megatron checkpoints: their args)
+    return plan_hf(checkpoint.kind, args, entries, given, swiglu)
+
+
 def make_batches(
     plan: Sequence[MergePlanEntry], stages: int, batch_bytes: int
 ) -> list[list[tuple[MergePlanEntry, ...]]]:
@@ -170,6 +191,8 @@ class JobPlan:
         total_bytes: bytes of the output's tensors.
         left_out: ``(name, why)`` of what the checkpoint holds and the output does not (see
             :meth:`~.formats.Checkpoint.left_out` and :func:`select_entries`).
+        conversion: where each merged tensor goes in a Hugging Face checkpoint (``to="hf"``), or None:
+            written as merged, under its own name.
     """
 
     def __init__(
@@ -178,10 +201,12 @@ class JobPlan:
         entries: list[MergePlanEntry],
         batch_bytes: int,
         left_out: list[tuple[str, str]] | None = None,
+        conversion: HfConversion | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.entries = entries
-        self.left_out = left_out or []
+        self.conversion = conversion
+        self.left_out = (left_out or []) + (conversion.left_out if conversion is not None else [])
         self.tp, self.stages = checkpoint.tp, checkpoint.stages
         self.batch_bytes = batch_bytes
         self.batches = make_batches(entries, self.stages, batch_bytes)
@@ -214,14 +239,24 @@ class Options:
     names: str | None
     only: str | None = None
     strip_prefix: str | None = None
+    to: str | None = None
+    hf_config: tuple[tuple[str, Any], ...] = ()
 
     def plan(self, input_dir: str | os.PathLike[str]) -> JobPlan:
-        """Opens ``input_dir`` and plans it (metadata only; see :func:`plan_checkpoint`)."""
+        """Opens ``input_dir`` and plans it (metadata only; see :func:`plan_checkpoint`), with its
+        conversion when ``to`` asks for one (refused here, before anything is written)."""
         checkpoint = open_checkpoint(input_dir, self.layers_per_stage, self.iteration, names=self.names)
         kept, dropped = select_entries(checkpoint.plan(self.rules), self.only, self.strip_prefix)
-        return JobPlan(checkpoint, kept, self.batch_bytes, checkpoint.left_out() + dropped)
+        conversion = plan_conversion(checkpoint, kept, self.to, dict(self.hf_config), self.rules.swiglu)
+        return JobPlan(checkpoint, kept, self.batch_bytes, checkpoint.left_out() + dropped, conversion)
 
     def open_writer(self, output: str | os.PathLike[str], plan: JobPlan) -> CheckpointWriter:
-        """Rank 0 (or the one process): checks the space, then opens the output's writer."""
+        """Rank 0 (or the one process): checks the space, then opens the output's writer (a conversion's
+        tensors and files, when there is one)."""
         check_space(output, plan.total_bytes)
-        return open_writer(self.format, output, [e.spec for e in plan.entries], self.max_shard_size)
+        conversion = plan.conversion
+        if conversion is None:
+            return open_writer(self.format, output, [e.spec for e in plan.entries], self.max_shard_size)
+        return open_writer(
+            self.format, output, conversion.specs, self.max_shard_size, side_files=conversion.files
+        )

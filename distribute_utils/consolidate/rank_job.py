@@ -29,6 +29,7 @@ from ..roles.plan import make_plan
 from ..transports.router import request
 from .failures import Failure, Failures
 from .formats import Checkpoint
+from .hf_llama import HfConversion
 from .job import Item, Job, naming_files, write_item
 from .merge_plan import MergePlanEntry
 from .merge_rules import Concat
@@ -50,8 +51,16 @@ class BackgroundWriter:
     error is kept and raised (once) by the next ``submit`` or by ``finish``; later batches are dropped.
     """
 
-    def __init__(self, writer: CheckpointWriter, bar: Any, checkpoint: Checkpoint, depth: int = 1) -> None:
+    def __init__(
+        self,
+        writer: CheckpointWriter,
+        bar: Any,
+        checkpoint: Checkpoint,
+        depth: int = 1,
+        conversion: HfConversion | None = None,
+    ) -> None:
         self._writer, self._bar, self._checkpoint = writer, bar, checkpoint
+        self._conversion = conversion
         self._queue: queue.Queue[list[Task] | None] = queue.Queue(depth)
         self._error: BaseException | None = None
         self._raised = False
@@ -68,7 +77,7 @@ class BackgroundWriter:
                 try:
                     for entry, item, ranks in tasks:
                         with naming_files(self._checkpoint):
-                            write_item(self._writer, entry, item, ranks)
+                            write_item(self._writer, entry, item, ranks, self._conversion)
                         self._bar.update(entry.spec.nbytes)
                 except BaseException as exc:
                     self._error = exc
@@ -298,7 +307,7 @@ class RankJob(Job):
     def _run_first(self, writer: CheckpointWriter, bar: Any) -> None:
         """Rank 0: round by round, its own stage's batch and every later stage's, to the writer thread."""
         mine = self.plan.batches[0]
-        bg = BackgroundWriter(writer, bar, self.plan.checkpoint)
+        bg = BackgroundWriter(writer, bar, self.plan.checkpoint, conversion=self.plan.conversion)
         try:
             for r in range(self.plan.rounds):
                 if r < len(mine):

@@ -36,6 +36,8 @@ class ConsolidationReport:
             it in from its output check, ``--overwrite``); nothing else is ever removed.
         left_out: ``[name, why]`` of what the checkpoint holds and the output does not: training state,
             optimizer entries, values that are not tensors, what ``only`` excluded.
+        converted: with ``to="hf"``: ``{"to", "architecture", "renamed", "split", "trimmed", "config"}``
+            (how many tensors were renamed; each split and trimmed one; the config written); else None.
     """
 
     input_dir: str
@@ -56,6 +58,7 @@ class ConsolidationReport:
     rank: int = 0
     replaced: list[str] = field(default_factory=list)
     left_out: list[list[str]] = field(default_factory=list)
+    converted: dict[str, Any] | None = None
 
     @property
     def mib_per_s(self) -> float:
@@ -87,6 +90,13 @@ class ConsolidationReport:
             f"rank 0 peak memory (VmHWM): {_mib(self.peak_rss_bytes)}",
             f"output:     {files}",
         ]
+        if self.converted:
+            c = self.converted
+            lines.append(
+                f"converted:  to Hugging Face {c['architecture']}: {c['renamed']} renamed, {len(c['split'])} "
+                f"split (q/k/v, gate/up), {len(c['trimmed'])} trimmed to vocab_size {c['config']['vocab_size']}"
+                "; config.json written"
+            )
         if self.left_out:
             lines.append(f"left out:   {_left_out(self.left_out)}")
         if self.replaced:

@@ -69,6 +69,7 @@ class SafetensorsWriter(CheckpointWriter):
         specs: Sequence[TensorSpec],
         max_shard_size: int | str | None = None,
         metadata: Mapping[str, str] | None = None,
+        side_files: Mapping[str, bytes] | None = None,
     ) -> None:
         """Plans the files and writes their headers.
 
@@ -78,6 +79,8 @@ class SafetensorsWriter(CheckpointWriter):
             specs: every tensor, in output order.
             max_shard_size: bytes per shard (int or ``"5GB"``); ``None``: a single file.
             metadata: ``__metadata__`` string map; default ``{"format": "pt"}`` (what transformers expects).
+            side_files: small files beside the tensors' (name -> bytes: a ``config.json``), written and
+                published with them by :meth:`close`.
         """
         for s in specs:
             safetensors_dtype(s.dtype, s.name)
@@ -85,7 +88,7 @@ class SafetensorsWriter(CheckpointWriter):
         for k, v in meta.items():
             if not isinstance(k, str) or not isinstance(v, str):
                 raise ArgumentError(f"safetensors metadata must map str to str, got {k!r}: {v!r}")
-        super().__init__(path_or_dir, specs, max_shard_size)
+        super().__init__(path_or_dir, specs, max_shard_size, side_files)
         self.metadata = meta
         self._fds: list[int] = []
         self._where: dict[str, tuple[int, int]] = {}

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -60,6 +60,7 @@ from .. import sync
 from ..errors import ArgumentError, one_line
 from .failures import ConsolidationError
 from .formats import open_checkpoint
+from .hf_llama import HF_TARGETS, parse_given
 from .job import Job
 from .local_job import LocalJob
 from .plan import Options, RuleChoice, plan_checkpoint, resolve_rules
@@ -109,6 +110,8 @@ def consolidate_checkpoint(
     names: str | None = None,
     only: str | None = None,
     strip_prefix: str | None = None,
+    to: str | None = None,
+    hf_config: Mapping[str, Any] | Sequence[str] | None = None,
 ) -> ConsolidationReport:
     """Consolidates a sharded checkpoint into one checkpoint written by rank 0.
 
@@ -140,6 +143,11 @@ def consolidate_checkpoint(
             not its optimizer); what is left out is listed in the report.
         strip_prefix: remove this from the start of the names written (``"model."``: the output loads into
             the bare module).
+        to: ``"hf"``: a Megatron GPT checkpoint of the Llama family written as a Hugging Face
+            ``LlamaForCausalLM`` directory (``config.json`` and safetensors; see docs/consolidation.md);
+            ``None``: the merged tensors under their own names.
+        hf_config: with ``to="hf"``: facts the checkpoint lacks and the tokenizer's (``vocab_size``
+            trims the padded vocabulary, ``eos_token_id``, ...), as a mapping or ``KEY=VALUE`` strings.
 
     Returns:
         The report (rank 0's numbers on every rank).
@@ -150,11 +158,18 @@ def consolidate_checkpoint(
         MergeError: shards that cannot be merged (tensor and ranks named).
         OSError: the output cannot be written (path named), e.g. ``ENOSPC``.
         ValueError: the world size does not match ``tp * pp``, or bad arguments.
+        ConversionError: ``to="hf"`` and the checkpoint is not what the converter knows, or lacks a fact.
         ConsolidationError: on the other ranks, when one rank failed (its rank and cause named).
         PeerLostError: a rank stopped answering within ``timeout``.
     """
     if format not in OUTPUT_FORMATS:
         raise ArgumentError(f"unknown output format {format!r}; valid: {', '.join(OUTPUT_FORMATS)}")
+    if to is not None and to not in HF_TARGETS:
+        raise ArgumentError(f"unknown conversion to={to!r}; valid: {', '.join(HF_TARGETS)} (or None)")
+    if to is not None and format != "safetensors":
+        raise ArgumentError(f"to={to!r} writes safetensors; format={format!r} cannot be asked with it")
+    if hf_config and to is None:
+        raise ArgumentError("hf_config is for to='hf'; pass to='hf' too")
     if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 1:
         raise ArgumentError(f"batch_bytes must be a positive int, got {batch_bytes!r}")
     options = Options(
@@ -168,6 +183,8 @@ def consolidate_checkpoint(
         names=names,
         only=only,
         strip_prefix=strip_prefix,
+        to=to,
+        hf_config=tuple(parse_given(hf_config).items()),
     )
     seconds = sync.resolve_timeout(timeout)
     job: Job

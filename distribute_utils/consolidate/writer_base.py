@@ -19,7 +19,7 @@ import logging
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -74,8 +74,10 @@ class CheckpointWriter(ABC):
         path_or_dir: str | os.PathLike[str],
         specs: Sequence[TensorSpec],
         max_shard_size: int | str | None = None,
+        side_files: Mapping[str, bytes] | None = None,
     ) -> None:
         self.specs: tuple[TensorSpec, ...] = tuple(specs)
+        self.side_files = dict(side_files or {})  # (small files beside the tensors: a config.json)
         self._by_name: dict[str, TensorSpec] = {}
         for s in self.specs:
             if s.name in self._by_name:
@@ -118,7 +120,7 @@ class CheckpointWriter(ABC):
     @property
     def paths(self) -> list[Path]:
         """Final paths of the output files (index last, when sharded); they exist after :meth:`close`."""
-        out = [self.directory / f for f in self.filenames]
+        out = [self.directory / f for f in (*self.filenames, *self.side_files)]
         if self.index_name:
             out.append(self.directory / self.index_name)
         return out
@@ -196,6 +198,7 @@ class CheckpointWriter(ABC):
         try:
             self._finish_files()
             self._release()
+            self._write_side_files()
             if self.index_name:
                 self._write_index()
             self._held.publish()
@@ -225,6 +228,15 @@ class CheckpointWriter(ABC):
                 d.rmdir()
             except OSError:
                 break
+
+    def _write_side_files(self) -> None:
+        """Writes :attr:`side_files` under their temporary names (published with the tensors' files)."""
+        temps = self._held.temps[len(self.filenames) :]
+        for temp, data in zip(temps, self.side_files.values(), strict=False):
+            with os.fdopen(self._held.create(temp), "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
 
     def _write_index(self) -> None:
         """Writes the Hugging Face index json under its temporary name (published with the files)."""

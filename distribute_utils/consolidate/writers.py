@@ -41,6 +41,7 @@ def open_writer(
     specs: Sequence[TensorSpec],
     max_shard_size: int | str | None = None,
     metadata: Mapping[str, str] | None = None,
+    side_files: Mapping[str, bytes] | None = None,
 ) -> CheckpointWriter:
     """Creates a writer by format name.
 
@@ -50,13 +51,18 @@ def open_writer(
         specs: every tensor, in output order.
         max_shard_size: bytes per shard (int or ``"5GB"``), or ``None`` for one file.
         metadata: safetensors ``__metadata__`` (ignored by the torch writer).
+        side_files: small files written beside the tensors' (name -> bytes: a ``config.json``),
+            published with them.
 
     Raises:
         ValueError: unknown format (valid ones listed).
     """
     if format == "safetensors":
-        return SafetensorsWriter(out, specs, max_shard_size, metadata=metadata)
-    return _writer_class(format)(out, specs, max_shard_size)
+        return SafetensorsWriter(out, specs, max_shard_size, metadata=metadata, side_files=side_files)
+    cls = _writer_class(format)
+    if side_files:
+        raise ArgumentError(f"side files are written by the safetensors writer only, not {cls.__name__}")
+    return cls(out, specs, max_shard_size)
 
 
 def _writer_class(format: str) -> type[CheckpointWriter]:
@@ -71,13 +77,15 @@ def output_paths(
     out: str | os.PathLike[str],
     specs: Sequence[TensorSpec] | None = None,
     max_shard_size: int | str | None = None,
+    side_files: Sequence[str] = (),
 ) -> tuple[list[Path], str]:
     """The files :func:`open_writer` would write for these arguments, without creating anything, and a
     regular expression matching the names of that naming scheme under any split (what loaders would mix
     with them: for a directory written in torch format also ``model*.safetensors``, which Hugging Face
     loaders prefer).
 
-    ``specs`` are needed only with ``max_shard_size`` (they decide the split).
+    ``specs`` are needed only with ``max_shard_size`` (they decide the split); ``side_files``: the names
+    of the small files written beside them (:func:`open_writer`'s).
 
     Raises:
         ValueError: unknown format; ``out`` ends in the other format's extension; ``max_shard_size``
@@ -103,4 +111,5 @@ def output_paths(
     scheme = cls.scheme(stem)
     if cls is not SafetensorsWriter and stem == cls.default_stem:
         scheme += "|" + SafetensorsWriter.scheme(SafetensorsWriter.default_stem)
-    return [directory / f for f in files + ([index] if index else [])], scheme
+    names = [*files, *side_files, *([index] if index else [])]
+    return [directory / f for f in names], scheme
