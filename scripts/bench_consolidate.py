@@ -16,6 +16,10 @@ One run:
    * **ours**: the default command, ``distribute-utils consolidate IN OUT``;
    * **ours on ranks** (legacy only): the same with ``--nproc TP*PP`` local ranks;
 
+   With ``--to-hf`` every method writes a Hugging Face ``LlamaForCausalLM`` checkpoint instead: the
+   baseline converts its whole merged model in memory (:func:`naive_hf`: a conversion script of the kind
+   users write, independent of the package's), ours is ``consolidate IN OUT --to hf`` (one streaming pass);
+
 3. checks that every output holds the same tensors, bit for bit;
 4. times ``distribute-utils consolidate`` on a tiny real checkpoint (the ``swiglu`` test case) end to end.
 
@@ -28,6 +32,7 @@ Usage::
     python scripts/bench_consolidate.py                      # about 4 minutes here
     python scripts/bench_consolidate.py --repeats 1 --json - # quicker, JSON on stdout
     python scripts/bench_consolidate.py --input DIR          # reuse DIR/legacy and DIR/torch_dist
+    python scripts/bench_consolidate.py --to-hf              # Megatron to Hugging Face, both ways
 """
 
 from __future__ import annotations
@@ -60,8 +65,58 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def baseline_worker(fmt: str, input_dir: str, output_dir: str) -> dict[str, Any]:
-    """The naive consolidation, in this process: load everything, merge, one save_file, fsync."""
+def naive_hf(merged: dict[str, Any], args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The whole TP1 Megatron model, converted in memory as a user's script does: Llama's names, QKV split
+    per query group, ``linear_fc1`` halves; and its config. (Independent of ``distribute_utils``' own
+    conversion, so that the outputs' comparison checks both.)"""
+    heads, groups, dim = args.num_attention_heads, args.num_query_groups, args.kv_channels
+    hf: dict[str, Any] = {
+        "model.embed_tokens.weight": merged.pop("embedding.word_embeddings.weight"),
+        "model.norm.weight": merged.pop("decoder.final_layernorm.weight"),
+    }
+    if "output_layer.weight" in merged:
+        hf["lm_head.weight"] = merged.pop("output_layer.weight")
+    for name, t in merged.items():
+        _, _, i, rest = name.split(".", 3)
+        p = f"model.layers.{i}."
+        if rest == "self_attention.linear_qkv.weight":
+            g = t.view(groups, heads // groups + 2, dim, -1)
+            hf[p + "self_attn.q_proj.weight"] = g[:, : heads // groups].reshape(heads * dim, -1)
+            hf[p + "self_attn.k_proj.weight"] = g[:, -2].reshape(groups * dim, -1)
+            hf[p + "self_attn.v_proj.weight"] = g[:, -1].reshape(groups * dim, -1)
+        elif rest == "mlp.linear_fc1.weight":
+            hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = t.chunk(2)
+        else:
+            hf[p + _NAIVE_NAMES[rest]] = t
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.ffn_hidden_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": dim,
+        "rms_norm_eps": args.norm_epsilon,
+        "rope_theta": args.rotary_base,
+        "max_position_embeddings": args.max_position_embeddings,
+        "vocab_size": args.padded_vocab_size,
+        "tie_word_embeddings": not args.untie_embeddings_and_output_weights,
+    }
+    return hf, config
+
+
+_NAIVE_NAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def baseline_worker(fmt: str, input_dir: str, output_dir: str, to_hf: str = "") -> dict[str, Any]:
+    """The naive consolidation, in this process: load everything, merge, (``to_hf``: convert in memory,
+    :func:`naive_hf`), one save_file, fsync."""
     start = time.perf_counter()
     import torch
     from safetensors.torch import save_file
@@ -95,6 +150,10 @@ def baseline_worker(fmt: str, input_dir: str, output_dir: str) -> dict[str, Any]
             value = full[region.key]
             merged[e.name] = value[region.index] if region.index else value
     os.makedirs(output_dir, exist_ok=True)
+    if to_hf:
+        merged, config = naive_hf(merged, layout.model_args)
+        with open(os.path.join(output_dir, "config.json"), "w") as f:
+            json.dump(config, f)
     path = os.path.join(output_dir, "model.safetensors")
     save_file({k: v.contiguous() for k, v in merged.items()}, path, metadata={"format": "pt"})
     _fsync(path)
@@ -167,8 +226,9 @@ def _compare(a: Path, b: Path) -> int:
     return len(names)
 
 
-def _bench_format(fmt: str, inp: Path, work: Path, ranks: int, repeats: int) -> dict[str, Any]:
-    cli = [sys.executable, "-m", "distribute_utils", "consolidate", str(inp)]
+def _bench_format(fmt: str, inp: Path, work: Path, ranks: int, repeats: int, to_hf: bool) -> dict[str, Any]:
+    hf = ["--to", "hf"] if to_hf else []
+    cli = [sys.executable, "-m", "distribute_utils", "consolidate", str(inp), *hf]
     methods: dict[str, list[str]] = {
         "baseline": [sys.executable, __file__, "--baseline-worker", fmt, str(inp)],
         "ours": [*cli],
@@ -180,7 +240,10 @@ def _bench_format(fmt: str, inp: Path, work: Path, ranks: int, repeats: int) -> 
         for method, cmd in methods.items():
             out = work / f"{fmt}_{method}"
             shutil.rmtree(out, ignore_errors=True)
-            tail = [str(out)] if method == "baseline" else [str(out), "--quiet", "--json"]
+            if method == "baseline":
+                tail = [str(out), *(["--to-hf"] if to_hf else [])]
+            else:
+                tail = [str(out), "--quiet", "--json"]
             runs[method].append(_run([*cmd, *tail]))
     identical = 0
     for method in methods:
@@ -245,11 +308,17 @@ def _table(r: dict[str, Any]) -> str:
         "baseline": "naive: load all, torch.cat, save_file",
         "ours": "`distribute-utils consolidate` (default)",
     }
+    if r.get("to_hf"):
+        labels = {
+            "baseline": "naive: load all, torch.cat, convert in memory, save_file",
+            "ours": "`distribute-utils consolidate --to hf`",
+        }
     for fmt in ("legacy", "torch_dist"):
         for method, m in r[fmt].items():
             if not isinstance(m, dict):
                 continue
-            label = labels.get(method, f"`consolidate --nproc {r['tp'] * r['pp']}`")
+            hf = " --to hf" if r.get("to_hf") else ""
+            label = labels.get(method, f"`consolidate --nproc {r['tp'] * r['pp']}{hf}`")
             lines.append(f"| {fmt} | {label} | {m['wall_s']:.2f} | {m['tree_peak_bytes'] / 2**20:.0f} |")
     lines.append("")
     for fmt in ("legacy", "torch_dist"):
@@ -280,10 +349,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--json", nargs="?", const="-", default=None, metavar="FILE", help="JSON results ('-': stdout)"
     )
+    parser.add_argument(
+        "--to-hf",
+        action="store_true",
+        help="every method writes a Hugging Face LlamaForCausalLM checkpoint: the naive one converts in memory",
+    )
     parser.add_argument("--baseline-worker", nargs=3, metavar=("FMT", "IN", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.baseline_worker:
-        print(json.dumps(baseline_worker(*args.baseline_worker)))
+        print(json.dumps(baseline_worker(*args.baseline_worker, to_hf="hf" if args.to_hf else "")))
         return 0
 
     work = Path(tempfile.mkdtemp(prefix="du_bench_consolidate_", dir=args.tmpdir))
@@ -315,12 +389,13 @@ def main(argv: list[str] | None = None) -> int:
             "tp": args.tp,
             "pp": args.pp,
             "repeats": args.repeats,
+            "to_hf": args.to_hf,
             "tensors": len(plan),
             "bytes": sum(e.spec.nbytes for e in plan),
         }
         load_before = os.getloadavg()[0]
         for fmt in ("legacy", "torch_dist"):
-            result[fmt] = _bench_format(fmt, src / fmt, work, args.tp * args.pp, args.repeats)
+            result[fmt] = _bench_format(fmt, src / fmt, work, args.tp * args.pp, args.repeats, args.to_hf)
         result["tiny_s"] = _tiny(work)
         result["load_average"] = [load_before, os.getloadavg()[0]]
         print(_table(result))
