@@ -26,6 +26,7 @@ what neither gives is asked of the caller (``hf_config``), never assumed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -152,15 +153,29 @@ class HfConversion:
         return out
 
     def summary(self) -> dict[str, Any]:
-        """For the report: ``{"to", "architecture", "renamed", "split", "trimmed", "config"}``."""
+        """For the report: ``{"to", "architecture", "renamed", "split", "trimmed", "config"}`` (each
+        renamed and split tensor as ``"megatron name -> hf name(s)"``)."""
         return {
             "to": "hf",
             "architecture": self.config["architectures"][0],
-            "renamed": sum(1 for how, _ in self._how.values() if how == "rename"),
+            "renamed": [
+                f"{m} -> {names[0]}" for m, (how, names) in self._how.items() if how in ("rename", "trim")
+            ],
             "split": list(self.split),
             "trimmed": list(self.trimmed),
             "config": dict(self.config),
         }
+
+    def renamed(self, entry: MergePlanEntry) -> MergePlanEntry | None:
+        """``entry`` under its Hugging Face name when it goes there whole (renamed, or trimmed by no row):
+        the writer then places it as any consolidation does (shards never joined in memory, a DCP tensor
+        streamed); None when it is split, trimmed or left out (:meth:`pieces`)."""
+        how, names = self._how.get(entry.name, ("drop", ()))
+        if how == "rename" or (how == "trim" and entry.spec.shape[0] == self.config["vocab_size"]):
+            return dataclasses.replace(
+                entry, name=names[0], spec=dataclasses.replace(entry.spec, name=names[0])
+            )
+        return None
 
     def pieces(self, entry: MergePlanEntry, merged: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The Hugging Face tensors of one merged Megatron tensor (views of it where they can be). Rank 0's

@@ -42,8 +42,11 @@ def write_item(
     ranks: Sequence[int],
     conversion: HfConversion | None = None,
 ) -> None:
-    """Writes one tensor (merged, or concat shards placed by the writer; with a ``conversion``, merged and
-    then its pieces, one tensor at a time), naming the output on I/O errors."""
+    """Writes one tensor (merged, or concat shards placed by the writer; with a ``conversion``, under its
+    new name, or merged and then its pieces, one tensor at a time), naming the output on I/O errors."""
+    renamed = conversion.renamed(entry) if conversion is not None else None
+    if renamed is not None:
+        entry, conversion = renamed, None
     try:
         if conversion is not None:
             merged = item if isinstance(item, torch.Tensor) else entry.rule.merge(entry.name, item, ranks)

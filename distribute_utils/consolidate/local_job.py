@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from .job import Job, naming_files, write_item
+from .merge_plan import MergePlanEntry
 from .plan import Options
 from .report import ConsolidationReport
 
@@ -48,6 +49,17 @@ class LocalJob(Job):
             raise
         return self.report(files)
 
+    def _streamed(self, batch: tuple[MergePlanEntry, ...], bar: Any) -> tuple[MergePlanEntry, ...]:
+        """Streams what of ``batch`` the checkpoint can stream into the writer (DCP into safetensors: chunk
+        by chunk, no tensor built; with a conversion, the tensors it only renames); returns the rest."""
+        conversion = self.plan.conversion
+        pairs = [(e, e if conversion is None else conversion.renamed(e)) for e in batch]
+        streams = [named for _, named in pairs if named is not None]
+        if not streams or not self.plan.checkpoint.stream(self.output_writer, streams):
+            return batch
+        bar.update(sum(e.spec.nbytes for e in streams))
+        return tuple(e for e, named in pairs if named is None)
+
     def _copy(self, bar: Any) -> None:
         """Every stage in turn, each batch read from every TP shard of the stage and written."""
         plan, writer = self.plan, self.output_writer
@@ -55,11 +67,9 @@ class LocalJob(Job):
         for p in range(plan.stages):
             sources = [checkpoint.open_shard(t, p, plan.batch_bytes) for t in range(plan.tp)]
             ranks = checkpoint.stage_ranks(p)
-            for batch in plan.batches[p]:
-                if plan.conversion is None and checkpoint.stream(
-                    writer, batch
-                ):  # chunk by chunk, no tensor built
-                    bar.update(sum(e.spec.nbytes for e in batch))
+            for whole in plan.batches[p]:
+                batch = self._streamed(whole, bar)
+                if not batch:
                     continue
                 shards = [s.get(batch) for s in sources]
                 for i, entry in enumerate(batch):

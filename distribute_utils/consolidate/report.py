@@ -93,7 +93,7 @@ class ConsolidationReport:
         if self.converted:
             c = self.converted
             lines.append(
-                f"converted:  to Hugging Face {c['architecture']}: {c['renamed']} renamed, {len(c['split'])} "
+                f"converted:  to Hugging Face {c['architecture']}: {len(c['renamed'])} renamed, {len(c['split'])} "
                 f"split (q/k/v, gate/up), {len(c['trimmed'])} trimmed to vocab_size {c['config']['vocab_size']}"
                 "; config.json written"
             )
