@@ -35,9 +35,11 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
+    "MEGATRON_SAVES",
     "SCRIPTS",
     "Died",
     "RankFailure",
@@ -49,6 +51,7 @@ __all__ = [
     "remake_group",
     "shm_entries",
     "torchrun_argv",
+    "without_args",
 ]
 
 _SPAWN = mp.get_context("spawn")
@@ -100,6 +103,21 @@ MEGATRON_SAVES: dict[str, dict[str, Any]] = {
 }
 """Real megatron-core saves the tests consolidate (``scripts/megatron_checkpoints.py`` cases on a grid),
 written once per session by the ``megatron_save`` fixture."""
+
+
+def without_args(legacy: Path, copy: Path) -> Path:
+    """A copy of Megatron legacy files with their ``args`` removed (as tools other than Megatron-LM write
+    them); returns ``copy``."""
+    from distribute_utils.consolidate import open_checkpoint
+
+    src = open_checkpoint(legacy)
+    for t, s in src.shards():
+        obj = torch.load(src.file_for(t, s), weights_only=False)
+        del obj["args"]
+        dst = copy / src.file_for(t, s).relative_to(src.root)
+        dst.parent.mkdir(parents=True)
+        torch.save(obj, dst)
+    return copy
 
 
 @dataclass(frozen=True)

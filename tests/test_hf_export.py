@@ -32,7 +32,9 @@ from typing import Any
 import pytest
 import torch
 
-from distribute_utils.consolidate import ConversionError, MergeError, consolidate_checkpoint, open_checkpoint
+from distribute_utils.consolidate import ConversionError, MergeError, consolidate_checkpoint
+
+from harness import without_args
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -133,25 +135,13 @@ def test_torch_dist_to_hf_sharded(megatron_save: Callable[[str], Path], tmp_path
     assert_megatrons_logits(tmp_path, save)
 
 
-def _without_args(legacy: Path, copy: Path) -> Path:
-    """The same legacy files with their args removed (as tools other than Megatron-LM write them)."""
-    src = open_checkpoint(legacy)
-    for t, s in src.shards():
-        obj = torch.load(src.file_for(t, s), weights_only=False)
-        del obj["args"]
-        dst = copy / src.file_for(t, s).relative_to(src.root)
-        dst.parent.mkdir(parents=True)
-        torch.save(obj, dst)
-    return copy
-
-
 def test_facts_the_checkpoint_lacks_are_asked_for_never_guessed(
     megatron_save: Callable[[str], Path], tmp_path: Path
 ) -> None:
     """Without args, the tensors give sizes and layers but not heads, epsilon, RoPE: each is named and
     asked of the command line; given, the model is Megatron's. Nothing is written while refused."""
     save = megatron_save("swiglu")
-    copy = _without_args(save / "legacy", tmp_path / "noargs")
+    copy = without_args(save / "legacy", tmp_path / "noargs")
     out = tmp_path / "hf"
     with pytest.raises(MergeError, match=r"pass --swiglu or --no-swiglu"):
         consolidate_checkpoint(copy, out, to="hf", progress=False)

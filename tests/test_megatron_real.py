@@ -31,7 +31,7 @@ from distribute_utils.consolidate import (
 )
 from distribute_utils.consolidate.dcp import read_dcp_metadata
 
-from harness import MEGATRON_SAVES, load_script
+from harness import MEGATRON_SAVES, load_script, without_args
 
 writer = load_script("megatron_checkpoints")  # its CASES; it runs as a script (it starts its ranks)
 
@@ -174,22 +174,10 @@ def test_legacy_files_load_without_megatron_and_run_no_pickled_code(written) -> 
     assert int(count) > 0
 
 
-def _without_args(legacy: Path, copy: Path) -> Path:
-    """The same legacy files with their args removed (as tools other than Megatron-LM write them)."""
-    src = open_checkpoint(legacy)
-    for t, s in src.shards():
-        obj = torch.load(src.file_for(t, s), weights_only=False)
-        del obj["args"]
-        dst = copy / src.file_for(t, s).relative_to(src.root)
-        dst.parent.mkdir(parents=True)
-        torch.save(obj, dst)
-    return copy
-
-
 def test_without_args_a_split_fc1_is_an_error_naming_the_fix(written, tmp_path: Path) -> None:
     """The same files with args removed: a gated and a plain MLP cannot be told apart, so no guess."""
     root = written("swiglu")
-    copy = _without_args(root / "legacy", tmp_path / "noargs")
+    copy = without_args(root / "legacy", tmp_path / "noargs")
     with pytest.raises(MergeError, match=r"linear_fc1\.weight.*may be gated.*--swiglu or --no-swiglu"):
         consolidate_checkpoint(copy, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
@@ -200,6 +188,6 @@ def test_without_args_a_split_fc1_is_an_error_naming_the_fix(written, tmp_path: 
 def test_moe_without_args_is_refused_not_guessed(written, tmp_path: Path) -> None:
     """mp_rank_TT_NNN of an MoE model is TP x PP or TP x EP; without args that is an error."""
     root = written("moe")
-    copy = _without_args(root / "legacy", tmp_path / "noargs")
+    copy = without_args(root / "legacy", tmp_path / "noargs")
     with pytest.raises(LayoutError, match=r"TP x PP or TP x EP.*no args"):
         open_checkpoint(copy)
