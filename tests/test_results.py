@@ -46,3 +46,33 @@ def test_every_latency_figure_the_readme_quotes_is_in_the_tables_of_the_commit_i
         assert quoted, text
         missing = [n for n in quoted if n not in tables]
         assert missing == [], f"README figures not in the rendered tables: {missing}"
+
+
+CONSOLIDATION_SPAN = re.compile(
+    r"<!-- consolidation figures: docs/results/(\w+) -->(.*?)<!-- /consolidation figures -->", re.S
+)
+
+
+def test_every_consolidation_figure_the_readme_quotes_is_a_ratio_of_the_raw_results_it_names() -> None:
+    """The README's consolidation ratios are the committed runs' (``bench_consolidate.py`` and its
+    ``--to-hf``), rounded as quoted, and the span names that commit."""
+    import json
+
+    spans = CONSOLIDATION_SPAN.findall((ROOT / "README.md").read_text())
+    assert len(spans) == 1, "the README's consolidation figures are marked"
+    ((named, text),) = spans
+    assert f"commit {named}" in text
+    ratios: set[str] = set()
+    for name in ("bench_consolidate.json", "bench_consolidate-to-hf.json"):
+        path = ROOT / "docs" / "results" / named / name
+        tracked = subprocess.run(
+            ["git", "ls-files", "--error-unmatch", str(path)], cwd=ROOT, capture_output=True
+        )
+        assert tracked.returncode == 0, f"{path} is not committed"
+        result = json.loads(path.read_text())
+        ratios |= {
+            f"{result[f][k]:.2f}" for f in ("legacy", "torch_dist") for k in ("time_ratio", "memory_ratio")
+        }
+    figures = re.sub(r"\(targets [^)]*\)", "", text).replace("1.15 GiB", "")  # (not figures: targets, size)
+    quoted = NUMBER.findall(figures)
+    assert len(quoted) == 8 and set(quoted) <= ratios, (quoted, sorted(ratios))
