@@ -402,7 +402,7 @@ def _config(
             f"--hf-config KEY=VALUE ({'; '.join(f'{k}: {GIVEN_KEYS[k]}' for k in missing)})"
         )
     vocab = config.setdefault("vocab_size", padded)
-    if not isinstance(vocab, int) or not 0 < vocab <= padded:
+    if type(vocab) is not int or not 0 < vocab <= padded:
         raise ConversionError(f"vocab_size {vocab!r}: the embedding has {padded} rows; give 1 to {padded}")
     _check_heads(config, specs, layers[0])
     return {
