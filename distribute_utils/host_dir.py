@@ -13,7 +13,9 @@ Sockets are named ``*.sock``. A socket whose process died stays as a file (no me
 finds that nothing listens on it any more. The directory is removed when it is found empty.
 
 Call order: :func:`bind` a socket (it makes and checks the directory), :func:`unbind` it when done;
-senders name a peer's socket with :func:`socket_path`.
+senders name a peer's socket with :func:`socket_path` and send through :class:`Connections` (a socket
+kept connected per peer: a send by path costs the kernel a lookup of the path every time) or
+:func:`send_by`.
 """
 
 from __future__ import annotations
@@ -24,18 +26,23 @@ import logging
 import os
 import socket
 import stat
+import struct
+from collections.abc import Sequence
+from typing import Any
 
 from .processes import SHM_DIR
 
 __all__ = [
     "PRIVATE_DIR",
     "SOCKET_SUFFIX",
+    "Connections",
     "bind",
     "check",
     "dead_sockets",
     "not_private",
     "private_dir",
     "remove_dead_sockets",
+    "send_by",
     "socket_path",
     "unbind",
 ]
@@ -192,3 +199,86 @@ def remove_dead_sockets(directory: str = PRIVATE_DIR) -> list[str]:
         with contextlib.suppress(OSError):  # not empty: live sockets, records
             os.rmdir(directory)
     return removed
+
+
+_NO_WAIT = int(socket.MSG_DONTWAIT)
+
+
+def send_by(
+    sock: socket.socket, parts: Sequence[Any], to: tuple[str, ...] = (), timeout: float = 0.0
+) -> bool | None:
+    """One datagram of ``parts`` through ``sock``, to the socket at path ``to[0]`` (none: ``sock``'s
+    connected peer). True when sent; False when the peer's queue stays full past ``timeout`` (0: at
+    once); None when nobody listens there (no socket file, or its socket closed)."""
+    try:
+        sock.sendmsg(parts, (), _NO_WAIT, *to)
+        return True
+    except (FileNotFoundError, ConnectionRefusedError):
+        return None
+    except BlockingIOError:  # the peer's queue is full: wait for room (rare)
+        if timeout <= 0:
+            return False
+    whole, micros = divmod(max(1, int(timeout * 1e6)), 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, micros))
+    try:
+        sock.sendmsg(parts, (), 0, *to)
+        return True
+    except (FileNotFoundError, ConnectionRefusedError):
+        return None
+    except BlockingIOError:
+        return False
+
+
+class Connections:
+    """Datagram sockets kept connected to the sockets at some paths, one per path, for sending: a send
+    through one skips the kernel's lookup of the path (and its permission checks) that a send by path
+    costs every time. At most ``kept`` (the oldest is closed past it); a peer that closed its socket is
+    connected anew at the next send (a socket bound at its path since gets it). Its owner's thread only;
+    :meth:`close` ends them all (a forked child closes its copies)."""
+
+    def __init__(self, kept: int = 64, send_buffer: int = 0) -> None:
+        self._kept, self._send_buffer = kept, send_buffer
+        self._socks: dict[str, socket.socket] = {}
+
+    def send(self, path: str, parts: Sequence[Any], timeout: float = 0.0) -> bool:
+        """One datagram to the socket at ``path``: False when nobody listens there, or its queue stays
+        full past ``timeout`` (see :func:`send_by`)."""
+        sock = self._socks.get(path)
+        if sock is not None:
+            sent = send_by(sock, parts, (), timeout)
+            if sent is not None:
+                return sent
+            self.forget(path)  # (its peer closed: a socket bound there since is connected anew)
+        try:
+            sock = self._connect(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+        sent = send_by(sock, parts, (), timeout)
+        if sent is None:
+            self.forget(path)
+        return bool(sent)
+
+    def _connect(self, path: str) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        try:
+            if self._send_buffer:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._send_buffer)
+            sock.connect(path)
+        except BaseException:
+            sock.close()
+            raise
+        if len(self._socks) >= self._kept:
+            self.forget(next(iter(self._socks)))
+        self._socks[path] = sock
+        return sock
+
+    def forget(self, path: str) -> None:
+        """Close the socket kept for ``path``, if any."""
+        sock = self._socks.pop(path, None)
+        if sock is not None:
+            sock.close()
+
+    def close(self) -> None:
+        """Close every socket kept."""
+        for path in list(self._socks):
+            self.forget(path)

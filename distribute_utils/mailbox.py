@@ -142,29 +142,6 @@ def _socket(process: ProcessInfo, namespace: str, what: str) -> tuple[socket.soc
     return sock, path
 
 
-def _send_by(
-    sock: socket.socket, parts: Sequence[Buffer], to: tuple[str, ...], timeout: float
-) -> bool | None:
-    """One datagram through ``sock`` (to ``to``'s path, or its connected peer): True when sent; False
-    when the peer's queue stays full past ``timeout`` (none: at once); None when nobody listens."""
-    try:
-        sock.sendmsg(parts, (), _NO_WAIT, *to)
-        return True
-    except (FileNotFoundError, ConnectionRefusedError):
-        return None
-    except BlockingIOError:  # the peer's queue is full: wait for room (rare)
-        if timeout <= 0:
-            return False
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
-    try:
-        sock.sendmsg(parts, (), 0, *to)
-        return True
-    except (FileNotFoundError, ConnectionRefusedError):
-        return None
-    except BlockingIOError:
-        return False
-
-
 def _timeval(seconds: float) -> bytes:
     whole, micros = divmod(max(1, int(seconds * 1e6)), 1_000_000)
     return struct.pack("ll", whole, micros)
@@ -196,9 +173,8 @@ class Mailbox:
         self._buffer = bytearray(MAX_MESSAGE_BYTES)
         self._uid = os.geteuid()
         self._addresses: Recent[tuple[ProcessInfo, str], str] = Recent(4096)
-        # Sockets connected to the peers this group's messages went to, by path (at most PEERS_KEPT): a
-        # send on one skips the kernel's lookup of the path, a send by path costs every time.
-        self._peers: dict[str, socket.socket] = {}
+        # (sockets kept connected to the peers this group's messages go to: no path lookup per send)
+        self._peers = host_dir.Connections(PEERS_KEPT, 2 * MAX_MESSAGE_BYTES)
         self._sock: socket.socket | None
         self._sock, self.path = _socket(me, namespace, f"direct messages of group {namespace}")
         self._rcvtimeo = 0.0  # SO_RCVTIMEO as set (0: none)
@@ -222,8 +198,7 @@ class Mailbox:
             self._sock = None
             if unbind:
                 host_dir.unbind(self.path)
-        for peer in list(self._peers):
-            self._forget(peer)
+        self._peers.close()
 
     def _closed(self) -> MailboxError:
         return MailboxError("this mailbox is closed")
@@ -274,48 +249,13 @@ class Mailbox:
 
     def _send(self, parts: Sequence[Buffer], address: str, timeout: float, keep: bool = True) -> bool:
         """Send one datagram to the socket at ``address``: through a socket kept connected to it
-        (``keep``; made on first use), else by path from this mailbox's own. False when nobody listens
-        there, or its queue stays full past ``timeout``."""
+        (``keep``), else by path from this mailbox's own. False when nobody listens there, or its queue
+        stays full past ``timeout``."""
         if self._sock is None:
             raise self._closed()
-        if not keep:
-            return bool(_send_by(self._sock, parts, (address,), timeout))
-        sock = self._peers.get(address)
-        if sock is not None:
-            sent = _send_by(sock, parts, (), timeout)
-            if sent is not None:
-                return sent
-            self._forget(address)  # (its peer closed: a socket bound there since is connected anew)
-        try:
-            sock = self._connect(address)
-        except (FileNotFoundError, ConnectionRefusedError):
-            return False
-        sent = _send_by(sock, parts, (), timeout)
-        if sent is None:
-            self._forget(address)
-        return bool(sent)
-
-    def _connect(self, address: str) -> socket.socket:
-        """A socket connected to ``address``, kept (the oldest ones closed past :data:`PEERS_KEPT`).
-
-        Raises:
-            FileNotFoundError, ConnectionRefusedError: nobody listens there."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_MESSAGE_BYTES)
-            sock.connect(address)
-        except BaseException:
-            sock.close()
-            raise
-        if len(self._peers) >= PEERS_KEPT:
-            self._forget(next(iter(self._peers)))
-        self._peers[address] = sock
-        return sock
-
-    def _forget(self, address: str) -> None:
-        sock = self._peers.pop(address, None)
-        if sock is not None:
-            sock.close()
+        if keep:
+            return self._peers.send(address, parts, timeout)
+        return bool(host_dir.send_by(self._sock, parts, (address,), timeout))
 
     def receive(
         self, call: int, senders: dict[int, ProcessInfo], timeout: float

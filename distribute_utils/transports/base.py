@@ -59,7 +59,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from .. import interrupts
 from ..owners import process_owned
@@ -87,10 +87,10 @@ class Context:
     arrived: dict[int, Any] = field(default_factory=dict)  # payloads that came inside claims, by sender
 
 
-@dataclass(frozen=True)
-class Destination:
+class Destination(NamedTuple):
     """What a sender knows of the rank its host route leads to, for the carriers it publishes through
-    (made by the router; see :meth:`Carrier.sending`)."""
+    (made by the router; see :meth:`Carrier.sending`). (A tuple: one is made per gather past the
+    attached sizes.)"""
 
     receiver: ProcessInfo | None  # the receiving process
     pool: bool = False  # it can open this process's descriptors (pooled segments, CUDA IPC, local disk)

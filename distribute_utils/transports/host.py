@@ -26,7 +26,7 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import SpaceError, TransportUnavailableError
 from ..owners import owned
@@ -36,21 +36,23 @@ from .base import Carrier, Destination, Route
 from .inline import INLINE_MAX_BYTES
 from .segment_pool import SegmentPool
 
-__all__ = ["HostRoute"]
+__all__ = ["HostRoute", "Step", "step"]
 
 logger = logging.getLogger(__name__)
 
 
-class _Step:
-    """One carrier of a route: its class's declarations, read once, and the carrier, made when first used."""
+class Step(NamedTuple):
+    """One carrier class of a route, with the declarations the route reads per payload (read once, by
+    :func:`step`)."""
 
-    __slots__ = ("carrier", "cls", "max_bytes", "takes")
+    cls: type[Carrier]
+    max_bytes: int | None
+    takes: Callable[[EncodedPayload], bool] | None
 
-    def __init__(self, cls: type[Carrier]) -> None:
-        self.cls = cls
-        self.max_bytes: int | None = cls.max_bytes
-        self.takes: Callable[[EncodedPayload], bool] | None = getattr(cls, "takes", None)
-        self.carrier: Carrier | None = None
+
+def step(cls: type[Carrier]) -> Step:
+    """``cls`` as a route's :class:`Step`."""
+    return Step(cls, cls.max_bytes, getattr(cls, "takes", None))
 
 
 class HostRoute(Route):
@@ -69,11 +71,10 @@ class HostRoute(Route):
     with its checksum.
     """
 
-    def __init__(
-        self, destination: Destination, chain: Sequence[type[Carrier]], *, what: str = "gather"
-    ) -> None:
+    def __init__(self, destination: Destination, chain: Sequence[Step], *, what: str = "gather") -> None:
         self._destination = destination
-        self._steps = [_Step(cls) for cls in chain]
+        self._steps = chain
+        self._made: dict[type[Carrier], Carrier] = {}  # (each carrier made once, when first used)
         self._what = what
 
     def publish(self, token: str, rank: int, payload: EncodedPayload) -> carriers.Sent:
@@ -81,20 +82,18 @@ class HostRoute(Route):
         # (the pool sizes itself by every payload, pooled or not)
         owned(SegmentPool).note_payload(nbytes, pooled=nbytes > INLINE_MAX_BYTES)
         refused: list[tuple[str, BaseException]] = []
-        for step in self._steps:
-            if (step.max_bytes is not None and nbytes > step.max_bytes) or (
-                step.takes is not None and not step.takes(payload)
-            ):
+        for cls, max_bytes, takes in self._steps:
+            if (max_bytes is not None and nbytes > max_bytes) or (takes is not None and not takes(payload)):
                 continue
+            carrier = self._made.get(cls)
             try:
-                carrier = step.carrier
                 if carrier is None:
-                    carrier = step.carrier = step.cls.sending(self._destination)  # type: ignore[attr-defined]
+                    carrier = self._made[cls] = cls.sending(self._destination)  # type: ignore[attr-defined]
                 sent = carriers.publish(
                     carrier, token, rank, payload.to_cpu().with_checksum() if carrier.checksums else payload
                 )
             except (OSError, TransportUnavailableError) as exc:  # (SpaceError is an OSError)
-                label = _label(step)
+                label = _label(carrier if carrier is not None else cls)
                 logger.debug("%s: rank %d's payload: %s refused it: %s", self._what, rank, label, exc)
                 refused.append((label, exc))
                 continue
@@ -147,10 +146,10 @@ class HostRoute(Route):
         return SpaceError(errno.ENOSPC, f"{first.strerror}{others}")
 
 
-def _label(step: _Step) -> str:
-    """How messages name ``step``'s carrier (its kind before it was made, when its label says where)."""
-    label = step.carrier.label if step.carrier is not None else step.cls.label
-    return label if isinstance(label, str) else step.cls.kind
+def _label(carrier: Carrier | type[Carrier]) -> str:
+    """How messages name a carrier (a class whose instances' label says where: its kind)."""
+    label = carrier.label
+    return label if isinstance(label, str) else carrier.kind
 
 
 def _why(exc: BaseException) -> Any:

@@ -30,7 +30,7 @@ from ..processes import ProcessInfo
 from .base import Carrier, Destination
 from .carriers import KINDS
 from .collective import CollectiveTransport
-from .host import HostRoute
+from .host import HostRoute, Step, step
 from .workspace import WorkspaceTransport
 
 __all__ = [
@@ -136,6 +136,8 @@ HOST_CARRIERS: tuple[type[Carrier], ...] = tuple(
 )
 """Every carrier a host route may use, in the order it tries them."""
 
+_CHAINS: dict[tuple[str, bool], tuple[Step, ...]] = {}  # (a route's carriers by request and GPU guess)
+
 
 def host_route(
     asked: Request,
@@ -153,11 +155,13 @@ def host_route(
     leaves shared memory (the local disk, the workspace) only when the request allows it. ``pool``: the
     receiver can open this process's descriptors; ``workspace``: the job's workspace carrier (a factory;
     None: no workspace_path)."""
-    chain = [
-        c
-        for c in HOST_CARRIERS
-        if (c.devices != "keeps_gpu" or (cuda and asked.free))
-        and (c.medium not in _LEAVES_SHARED_MEMORY or asked.spill)
-    ]
-    destination = Destination(receiver, pool=pool, workspace=workspace, workspace_path=workspace_path)
-    return HostRoute(destination, chain, what=what)
+    key = (asked.name, cuda)
+    chain = _CHAINS.get(key)
+    if chain is None:
+        chain = _CHAINS[key] = tuple(
+            step(c)
+            for c in HOST_CARRIERS
+            if (c.devices != "keeps_gpu" or (cuda and asked.free))
+            and (c.medium not in _LEAVES_SHARED_MEMORY or asked.spill)
+        )
+    return HostRoute(Destination(receiver, pool, workspace, workspace_path), chain, what=what)

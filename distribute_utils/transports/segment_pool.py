@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import host_dir
+from ..caches import Recent
 from ..errors import SpaceError
 from ..mailbox import ANCILLARY_SIZE, sender_pid
 from ..owners import process_owned
@@ -418,7 +419,8 @@ class Notices:
         self._name = ""
         self._path = ""
         self._tried = False
-        self._teller: socket.socket | None = None  # for sending notices (unbound)
+        self._tellers = host_dir.Connections()  # for sending notices: connected to the senders' sockets
+        self._paths: Recent[tuple[int, str], str] = Recent(256)  # (their paths)
 
     def name(self) -> str:
         """The name of this process's notice socket, for its receipts ("" when it cannot listen)."""
@@ -472,18 +474,19 @@ class Notices:
         then goes in a verdict)."""
         if not notice:
             return False
-        try:
-            if self._teller is None:
-                self._teller = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._teller.sendto(ident.encode(), _NO_WAIT, host_dir.socket_path(_notice_socket(pid, notice)))
+        path = self._paths.get((pid, notice))
+        if path is None:
+            path = self._paths.put((pid, notice), host_dir.socket_path(_notice_socket(pid, notice)))
+        try:  # (any thread may tell: a race closes a kept socket under another's send, which then fails)
+            return self._tellers.send(path, [ident.encode()])
         except OSError:
             return False
-        return True
 
     def forked(self) -> None:
         """A forked child must not read its parent's notices: it closes its copy (no shutdown)."""
         if self._sock is not None:
             self._sock.close()
+        self._tellers.close()
         self._lock, self._sock, self._name, self._tried = threading.Lock(), None, "", False
 
 
