@@ -18,9 +18,13 @@ Simulated topology: one ``/dev/shm`` (the round's plan is "one host"), eight ran
 (the watchdog's local peers, as eight ranks per host), no mailbox (the threads share a pid, so their
 network namespace is given as unknown): every round goes through the store.
 
-Per N, interleaved per repetition, timed from the release of all threads to the last one's return
-(before each, the janitor's deletions of earlier calls' keys are let finish: one thread here deletes
-the keys of all N simulated ranks, where each rank of a job deletes its own few in its own process):
+Per N, interleaved per repetition, timed from the release of all threads until the last one has
+returned and the janitor has deleted the keys the call made due (after a barrier: every key of the
+calls before it), so that the store's work of deleting is inside the clock (here one thread deletes
+the keys of all N simulated ranks, where each rank of a job deletes its own few in its own process).
+The store's server is a thread of this process: its CPU time in each call (``schedstat``) is reported
+too, with its growth exponent from 256 ranks up (target 1.2): key counts alone are linear by
+construction, the server's CPU is what it really pays.
 
 - ``torch barrier``: torch's store-barrier pattern, the O(N) reference: ``add`` on a counter, the last
   rank sets a key the others ``wait`` on;
@@ -31,11 +35,13 @@ the keys of all N simulated ranks, where each rank of a job deletes its own few 
   pipeline stage merges its 8 TP shards on a group of its own.
 
 The first call of each kind is timed and counted apart from the steady state (median over
-``--repeats``). Keys and bytes are reported for the first rank (rank 0) and the busiest other rank.
+``--repeats``). ``--real N ...`` runs real rank processes of one host instead: their gathers take the
+direct round (claims and verdicts through the ranks' mailboxes, no store), what every one-host job
+takes; its medians on rank 0 are printed beside gloo's barrier. Keys and bytes are reported for the first rank (rank 0) and the busiest other rank.
 Targets (met/missed printed): a sender's keys per round O(1) (the same at every N), the first rank's
 O(its list), our barrier within 2x torch's at every N, a growth exponent of the store's own work (the
-keys it serves per call) vs N (least squares over N >= 256) of at most 1.2; the time's exponent is
-printed beside it, not judged (threads of one process on few cores grow faster than the store's work:
+keys it serves per call, and its server thread's CPU per call) vs N (least squares over N >= 256) of
+at most 1.2; the time's exponent is printed beside it, not judged (threads of one process on few cores grow faster than the store's work:
 torch's own barrier included).
 
     python scripts/bench_sync_scale.py                     # N = 64, 256, 1024, 4096
@@ -195,6 +201,8 @@ class World:
     ) -> None:
         self.n, self.stores, self.world, self.tp, self.background = n, stores, world, tp, background
         self.torch_calls = 0
+        self.server_ns = 0  # the store server's CPU in the last call (ns; 0 with no server thread here)
+        self.deleting_s = 0.0  # the janitor's deleting after the last call, inside its clock
 
 
 def connect(port: int, count: int, workers: int = 128) -> list[dist.TCPStore]:
@@ -229,6 +237,28 @@ def make_world(master: dist.Store, n: int) -> World:
         if r < min(TP, n):
             tp[r] = sync.GroupSync(tuple(range(min(TP, n))), r, store, f"{prefix}/tp", directory)
     return World(n, stores, world, tp, background)
+
+
+def thread_ids() -> set[int]:
+    """This process's threads (their ids as ``/proc/self/task`` names them)."""
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def thread_cpu_ns(tids: set[int]) -> int:
+    """CPU time so far of the threads ``tids`` of this process, in ns (``schedstat``: not the 10 ms ticks
+    of ``stat``)."""
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+SERVER_THREADS: set[int] = set()
+"""The threads of the store's server (those a master ``TCPStore`` started here; see :func:`run_scale`)."""
 
 
 def run_threads(n: int, body: Callable[[int], None]) -> float:
@@ -294,11 +324,18 @@ def run_kind(w: World, kind: str, timeout: float) -> tuple[float, list[Counts]]:
     else:
         body = lambda r: tp_pp(w, r, timeout)  # noqa: E731
     # One thread of this process deletes every simulated rank's keys of earlier calls (in a job, each
-    # rank's own janitor deletes its few): done before the clock starts, not inside the next call.
+    # rank's own janitor deletes its few): what is due before the call is not this call's; what the call
+    # makes due (a barrier: the keys of every call before it) is deleted inside its clock.
     liveness.JANITOR.drain(timeout)
     before = [s.counts.copy() for s in w.stores]
+    server = thread_cpu_ns(SERVER_THREADS)
     seconds = run_threads(w.n, body)
-    return seconds, [s.counts.minus(b) for s, b in zip(w.stores, before)]
+    start = time.perf_counter()
+    liveness.JANITOR.drain(timeout)
+    deleting = time.perf_counter() - start
+    w.server_ns = thread_cpu_ns(SERVER_THREADS) - server
+    w.deleting_s = deleting
+    return seconds + deleting, [s.counts.minus(b) for s, b in zip(w.stores, before)]
 
 
 def summary(counts: list[Counts]) -> dict[str, int]:
@@ -331,7 +368,10 @@ def run_scale(
     threading.stack_size(512 * 1024)
     master: dist.Store
     if store == "tcp":
+        before = thread_ids()
         master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, use_libuv=True)
+        SERVER_THREADS.clear()
+        SERVER_THREADS.update(thread_ids() - before)  # (the server's loop: started by the master here)
     else:
         master = dist.HashStore()
     report: dict[int, dict[str, Any]] = {}
@@ -340,15 +380,24 @@ def run_scale(
         row: dict[str, Any] = {}
         for kind in kinds:
             seconds, counts = run_kind(w, kind, timeout)
-            row[f"{kind}/first"] = {"seconds": seconds, **summary(counts)}
+            row[f"{kind}/first"] = {"seconds": seconds, "server_us": w.server_ns / 1e3, **summary(counts)}
         times: dict[str, list[float]] = {k: [] for k in kinds}
+        served: dict[str, list[float]] = {k: [] for k in kinds}
+        deleting: dict[str, list[float]] = {k: [] for k in kinds}
         last: dict[str, list[Counts]] = {}
         for _ in range(repeats):  # interleaved, so that load changes hit every kind alike
             for kind in kinds:
                 seconds, last[kind] = run_kind(w, kind, timeout)
                 times[kind].append(seconds)
+                served[kind].append(w.server_ns / 1e3)
+                deleting[kind].append(w.deleting_s)
         for kind in kinds:
-            row[f"{kind}/steady"] = {"seconds": statistics.median(times[kind]), **summary(last[kind])}
+            row[f"{kind}/steady"] = {
+                "seconds": statistics.median(times[kind]),
+                "server_us": statistics.median(served[kind]),
+                "deleting_s": statistics.median(deleting[kind]),
+                **summary(last[kind]),
+            }
         row["background_keys_per_rank"] = w.background.counts.keys / n
         report[n] = row
         print(f"N={n} done ({time.strftime('%H:%M:%S')}, load {os.getloadavg()[0]:.1f})", file=sys.stderr)
@@ -358,6 +407,11 @@ def run_scale(
 def store_work(n: int, cell: dict[str, Any]) -> float:
     """Keys the store serves in one call of ``n`` ranks: every rank's together."""
     return float(cell["all_keys"])
+
+
+def server_cpu(n: int, cell: dict[str, Any]) -> float:
+    """The store server thread's CPU in one call of ``n`` ranks (µs)."""
+    return float(cell.get("server_us", 0.0))
 
 
 def growth(
@@ -424,12 +478,24 @@ def verdicts(report: dict[int, dict[str, Any]]) -> list[tuple[str, bool, str]]:
                     f"{slope:.2f} (of the time, not judged: {timed:.2f})",
                 )
             )
+        if all(report[n][f"{kind}/steady"].get("server_us") for n in ns):
+            cpu = growth(report, f"{kind}/steady", server_cpu)
+            assert cpu is not None
+            per = ", ".join(f"{report[n][kind + '/steady']['server_us']:.0f}" for n in ns)
+            out.append(
+                (
+                    f"{kind} growth exponent of the store server's CPU <= {TARGET_EXPONENT:g}",
+                    cpu <= TARGET_EXPONENT,
+                    f"{cpu:.2f} ({per} µs at N = {', '.join(map(str, ns))})",
+                )
+            )
     return out
 
 
 def print_report(report: dict[int, dict[str, Any]]) -> None:
     print(
-        f"{'N':>5} {'kind':>13} {'phase':>6} {'ms':>9} {'rank 0 keys':>11} {'bytes':>9} {'other keys':>10} {'bytes':>7}"
+        f"{'N':>5} {'kind':>13} {'phase':>6} {'ms':>9} {'rank 0 keys':>11} {'bytes':>9} {'other keys':>10} "
+        f"{'bytes':>7} {'server us':>10}"
     )
     for n, row in report.items():
         for name, cell in row.items():
@@ -438,7 +504,8 @@ def print_report(report: dict[int, dict[str, Any]]) -> None:
             kind, phase = name.split("/")
             print(
                 f"{n:>5} {kind:>13} {phase:>6} {cell['seconds'] * 1e3:>9.1f} {cell['first_keys']:>11} "
-                f"{cell['first_bytes']:>9} {cell['other_keys']:>10} {cell['other_bytes']:>7}"
+                f"{cell['first_bytes']:>9} {cell['other_keys']:>10} {cell['other_bytes']:>7} "
+                f"{cell.get('server_us', 0.0):>10.0f}"
             )
         print(f"{n:>5} background (watchdog, janitor) keys per rank: {row['background_keys_per_rank']:.1f}")
     for name, ok, figures in verdicts(report):
@@ -493,7 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real", type=int, nargs="*", help="world sizes of real rank processes")
     args = parser.parse_args(argv)
     if args.real:
-        print(f"real processes, medians on rank 0 (ms), load {os.getloadavg()[0]:.1f}")
+        print(
+            "real processes of one host (gathers take the direct round: mailboxes, no store), medians on "
+            f"rank 0 (ms), load {os.getloadavg()[0]:.1f}"
+        )
         print(f"{'ranks':>6} {'our barrier':>12} {'tiny gather':>12} {'gloo barrier':>13}")
         for n, row in run_real(args.real).items():
             print(
@@ -505,10 +575,14 @@ def main(argv: list[str] | None = None) -> int:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     print(f"commit {commit or '?'}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
+    from results.facts import load_average, run_facts
+
+    started, load_before = time.time(), load_average()
     report = run_scale(args.ranks, args.repeats, kinds=tuple(args.kinds), store=args.store)
     print_report(report)
     if args.json:
-        Path(args.json).write_text(json.dumps({"commit": commit, "report": report}, indent=1))
+        facts = run_facts(sys.argv, started, load_before)
+        Path(args.json).write_text(json.dumps({"commit": commit, "report": report, "run": facts}, indent=1))
     return 0
 
 
