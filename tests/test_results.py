@@ -76,3 +76,59 @@ def test_every_consolidation_figure_the_readme_quotes_is_a_ratio_of_the_raw_resu
     figures = re.sub(r"\(targets [^)]*\)", "", text).replace("1.15 GiB", "")  # (not figures: targets, size)
     quoted = NUMBER.findall(figures)
     assert len(quoted) == 8 and set(quoted) <= ratios, (quoted, sorted(ratios))
+
+
+BARRIER_SPAN = re.compile(r"<!-- barrier figures: docs/results/(\w+) -->(.*?)<!-- /barrier figures -->", re.S)
+
+
+def test_the_barrier_figures_the_readme_quotes_are_the_medians_of_the_committed_runs() -> None:
+    """Our barrier over torch's store barrier, per N: the median over the committed full runs of
+    ``bench_sync_scale.py`` (at least 5), as the README quotes them, and the span names that commit."""
+    import json
+    import statistics
+
+    spans = BARRIER_SPAN.findall((ROOT / "README.md").read_text())
+    assert len(spans) == 1, "the README's barrier figures are marked"
+    ((named, text),) = spans
+    assert f"commit {named}" in text
+    runs = sorted((ROOT / "docs" / "results" / named).glob("sync-scale-run*.json"))
+    assert len(runs) >= 5, runs
+    ratios: dict[str, list[float]] = {}
+    for path in runs:
+        tracked = subprocess.run(
+            ["git", "ls-files", "--error-unmatch", str(path)], cwd=ROOT, capture_output=True
+        )
+        assert tracked.returncode == 0, f"{path} is not committed"
+        for n, row in json.loads(path.read_text())["report"].items():
+            mine, torch = row["our_barrier/steady"]["seconds"], row["torch_barrier/steady"]["seconds"]
+            ratios.setdefault(n, []).append(mine / torch)
+    medians = {f"{statistics.median(v):.2f}" for v in ratios.values()}
+    figures = re.search(r"\(([^)]*)\)", text)  # (the first parenthesis: the medians, by N)
+    assert figures is not None
+    quoted = NUMBER.findall(figures.group(1))
+    assert len(quoted) == len(ratios) and set(quoted) <= medians, (quoted, sorted(medians))
+
+
+AGAINST_SPAN = re.compile(r"<!-- against figures: docs/results/(\w+) -->(.*?)<!-- /against figures -->", re.S)
+
+
+def test_the_against_figures_the_readme_quotes_are_ratios_of_the_committed_runs() -> None:
+    """The README's figures of the code against an older revision (``bench_latency.py --against``) are
+    ours / then of the committed runs' medians, rounded as quoted."""
+    import json
+
+    spans = AGAINST_SPAN.findall((ROOT / "README.md").read_text())
+    assert len(spans) == 1, "the README's against figures are marked"
+    ((named, text),) = spans
+    assert f"commit {named}" in text
+    ratios: set[str] = set()
+    for path in sorted((ROOT / "docs" / "results" / named).glob("latency-against-*.json")):
+        tracked = subprocess.run(
+            ["git", "ls-files", "--error-unmatch", str(path)], cwd=ROOT, capture_output=True
+        )
+        assert tracked.returncode == 0, f"{path} is not committed"
+        for methods in json.loads(path.read_text())["summary"].values():
+            for metric, (_, ours, _) in methods["ours"].items():
+                ratios.add(f"{ours / methods['then'][metric][1]:.2f}")
+    quoted = NUMBER.findall(text)
+    assert len(quoted) >= 12 and set(quoted) <= ratios, (quoted, sorted(ratios))
