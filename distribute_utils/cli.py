@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="with --to hf: a config.json fact the checkpoint lacks or the tokenizer's (VALUE read as JSON): "
-        "num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, rope_theta, rope_scaling, "
+        "hidden_act, num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, rope_theta, rope_scaling, "
         "max_position_embeddings, vocab_size, tie_word_embeddings, bos_token_id, eos_token_id, pad_token_id; "
         "vocab_size trims Megatron's padded vocabulary; repeatable",
     )

@@ -132,7 +132,16 @@ def test_torch_dist_to_hf_sharded(megatron_save: Callable[[str], Path], tmp_path
     )
     assert report.converted is not None and report.converted["trimmed"] == []
     assert (tmp_path / "model.safetensors.index.json").is_file() and len(report.files) > 3
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["eos_token_id"] is None and config["bos_token_id"] is None, (
+        "no token id given: none assumed"
+    )
+    assert not (tmp_path / "generation_config.json").exists()
     assert_megatrons_logits(tmp_path, save)
+    # TransformerEngine's names for the same norms (linear_qkv.layer_norm_weight, linear_fc1.layer_norm_weight)
+    te = tmp_path / "te"
+    consolidate_checkpoint(save / "torch_dist", te, to="hf", names="te", progress=False)
+    assert_megatrons_logits(te, save)
 
 
 def test_facts_the_checkpoint_lacks_are_asked_for_never_guessed(
@@ -149,11 +158,18 @@ def test_facts_the_checkpoint_lacks_are_asked_for_never_guessed(
         consolidate_checkpoint(copy, out, to="hf", swiglu=False, progress=False)
     proc = cli(str(copy), str(out), "--to", "hf", "--swiglu")
     assert proc.returncode == 1, proc.stderr
-    for key in ("num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta", "rope_scaling"):
+    for key in (
+        "hidden_act",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+    ):
         assert key in proc.stderr, proc.stderr
     assert "--hf-config KEY=VALUE" in proc.stderr and not out.exists()
     given = [
-        "num_attention_heads=4", "num_key_value_heads=2", "rms_norm_eps=1e-5", "rope_theta=10000",
+        "hidden_act=silu", "num_attention_heads=4", "num_key_value_heads=2", "rms_norm_eps=1e-5", "rope_theta=10000",
         "rope_scaling=null", "max_position_embeddings=32",
     ]  # fmt: skip
     proc = cli(str(copy), str(out), "--to", "hf", "--swiglu", "--quiet", *(f"--hf-config={g}" for g in given))
@@ -166,7 +182,8 @@ def test_facts_the_checkpoint_lacks_are_asked_for_never_guessed(
     [
         ({"num_attention_heads": 8}, r"num_attention_heads=8 contradicts the checkpoint, which says 4"),
         ({"vocab_size": 200}, r"vocab_size 200: the embedding has 128 rows; give 1 to 128"),
-        ({"hidden_act": "gelu"}, r"hidden_act: not a key this converter takes; valid: num_attention_heads"),
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu': Llama's MLP is SwiGLU, its activation silu"),
+        ({"rope_type": "yarn"}, r"rope_type: not a key this converter takes; valid: hidden_act"),
     ],
 )
 def test_a_contradicted_or_unknown_fact_is_refused_before_anything_is_written(
@@ -219,3 +236,12 @@ def test_llama3_untied_to_hf(
     )
     assert config["rope_scaling"]["rope_type"] == "llama3" and config["rope_scaling"]["factor"] == 8.0
     assert_megatrons_logits(tmp_path, save)
+
+
+def test_the_command_line_names_every_key_hf_config_takes() -> None:
+    """``consolidate --help`` lists every key ``--hf-config`` takes (the parser imports no torch, so it
+    names them itself)."""
+    from distribute_utils.consolidate.hf_llama import GIVEN_KEYS
+
+    shown = cli("--help").stdout
+    assert all(key in shown for key in GIVEN_KEYS), [k for k in GIVEN_KEYS if k not in shown]

@@ -45,6 +45,7 @@ HF_TARGETS = ("hf",)
 """What ``to=`` converts to: ``"hf"``, a ``transformers`` ``LlamaForCausalLM`` directory."""
 
 GIVEN_KEYS: dict[str, str] = {
+    "hidden_act": "silu: the MLP's activation is Llama's (asked when the checkpoint has no args to say so)",
     "num_attention_heads": "query heads",
     "num_key_value_heads": "key/value heads (Megatron's query groups)",
     "head_dim": "channels per head (Megatron's kv_channels)",
@@ -146,7 +147,9 @@ class HfConversion:
         a token id is known."""
         out = {"config.json": _json(self.config)}
         tokens = {
-            k: self.config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in self.config
+            k: self.config[k]
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if self.config.get(k) is not None
         }
         if tokens:
             out["generation_config.json"] = _json(tokens)
@@ -291,6 +294,10 @@ def _check_architecture(args: Any, specs: Mapping[str, TensorSpec], swiglu: bool
         ),
         ("add_qkv_bias", bool, "Llama's attention has no bias"),
         ("add_bias_linear", bool, "Llama's linear layers have no bias"),
+        ("apply_residual_connection_post_layernorm", bool, "Llama's residual comes before its norm"),
+        ("window_size", lambda v: v is not None, "Llama attends to the whole context, not a window"),
+        ("softmax_type", lambda v: v not in (None, "vanilla"), "Llama's attention uses the plain softmax"),
+        ("squared_relu", bool, "Llama's activation is SiLU"),
     )
     for name, bad, why in refusals:
         value = _arg(args, name)
@@ -309,7 +316,7 @@ def _check_architecture(args: Any, specs: Mapping[str, TensorSpec], swiglu: bool
         )
         raise ConversionError(f"Llama's MLP is SwiGLU; {said}")
     if args is None:
-        return
+        return  # (the architecture is then what the caller asserts: see _config)
     if _arg(args, "normalization") is None or _arg(args, "position_embedding_type") is None:
         missing = [n for n in ("normalization", "position_embedding_type") if _arg(args, n) is None]
         raise ConversionError(
@@ -356,7 +363,7 @@ def _config(
             "num_attention_heads": heads,
             "num_key_value_heads": groups if groups is not None else heads,
             "head_dim": _arg(args, "kv_channels"),
-            "rms_norm_eps": _arg(args, "norm_epsilon"),
+            "rms_norm_eps": _arg(args, "norm_epsilon") or _arg(args, "layernorm_epsilon"),  # (older Megatron)
             "rope_theta": _arg(args, "rotary_base"),
             "rope_scaling": scaling,
             "max_position_embeddings": _arg(args, "max_position_embeddings") or _arg(args, "seq_length"),
@@ -396,11 +403,19 @@ def _config(
         "max_position_embeddings",
     )
     missing = [k for k in (*required, "rope_scaling") if k not in config]
+    if args is None and "hidden_act" not in given:  # (the args' swiglu says SiLU; --swiglu only says gated)
+        missing.insert(0, "hidden_act")
     if missing:
         raise ConversionError(
-            f"the checkpoint does not say {', '.join(missing)} (no Megatron args for them); give each with "
-            f"--hf-config KEY=VALUE ({'; '.join(f'{k}: {GIVEN_KEYS[k]}' for k in missing)})"
+            f"the checkpoint does not say {', '.join(missing)} (neither its Megatron args nor its tensors); "
+            f"give each with --hf-config KEY=VALUE ({'; '.join(f'{k}: {GIVEN_KEYS[k]}' for k in missing)})"
         )
+    if config.pop("hidden_act", "silu") != "silu":
+        raise ConversionError(
+            f"hidden_act {given['hidden_act']!r}: Llama's MLP is SwiGLU, its activation silu"
+        )
+    for token in ("bos_token_id", "eos_token_id", "pad_token_id"):  # (absent, transformers assumes 1 and 2)
+        config.setdefault(token, None)
     vocab = config.setdefault("vocab_size", padded)
     if type(vocab) is not int or not 0 < vocab <= padded:
         raise ConversionError(f"vocab_size {vocab!r}: the embedding has {padded} rows; give 1 to {padded}")
@@ -425,8 +440,20 @@ def _megatron_name(key: str) -> str:
 
 
 def _check_heads(config: Mapping[str, Any], specs: Mapping[str, TensorSpec], layer: int) -> None:
-    """Heads, groups and head size against the first layer's QKV and projection shapes."""
+    """Heads, groups and head size against the first layer's QKV shape; the MLP's size against its
+    ``linear_fc1`` (gate and up)."""
     heads, groups, dim = (config[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    for name in (_QKV, _FC1):
+        if f"decoder.layers.{layer}.{name}" not in specs:
+            raise ConversionError(
+                f"the checkpoint has no decoder.layers.{layer}.{name}: not a whole GPT model"
+            )
+    fc1 = specs[f"decoder.layers.{layer}.{_FC1}"].shape[0]
+    if fc1 != 2 * config["intermediate_size"]:
+        raise ConversionError(
+            f"decoder.layers.{layer}.{_FC1} has {fc1} rows, linear_fc2 takes {config['intermediate_size']}: "
+            "not a gated MLP's [gate; up] (--swiglu given for a plain MLP?)"
+        )
     qkv = specs.get(f"decoder.layers.{layer}.{_QKV}")
     if not all(isinstance(v, int) and v > 0 for v in (heads, groups, dim)) or heads % groups:
         raise ConversionError(

@@ -21,6 +21,7 @@ import torch
 from ..errors import MergeError
 from .hf_llama import HfConversion
 from .merge_plan import MergePlanEntry
+from .merge_rules import Concat
 from .merge_write import write_merged
 from .plan import JobPlan, Options
 from .report import ConsolidationReport, peak_rss_bytes
@@ -46,6 +47,8 @@ def write_item(
     new name, or merged and then its pieces, one tensor at a time), naming the output on I/O errors."""
     renamed = conversion.renamed(entry) if conversion is not None else None
     if renamed is not None:
+        if not isinstance(item, torch.Tensor) and not isinstance(entry.rule, Concat):
+            item = entry.rule.merge(entry.name, item, ranks)  # (a merge error names the Megatron tensor)
         entry, conversion = renamed, None
     try:
         if conversion is not None:

@@ -96,6 +96,11 @@ class ConsolidationReport:
                 f"converted:  to Hugging Face {c['architecture']}: {len(c['renamed'])} renamed, {len(c['split'])} "
                 f"split (q/k/v, gate/up), {len(c['trimmed'])} trimmed to vocab_size {c['config']['vocab_size']}"
                 "; config.json written"
+                + (
+                    ""
+                    if c["config"].get("eos_token_id") is not None
+                    else " (no token ids: give --hf-config eos_token_id=N)"
+                )
             )
         if self.left_out:
             lines.append(f"left out:   {_left_out(self.left_out)}")
