@@ -44,6 +44,7 @@ __all__ = [
     "remove_dead_sockets",
     "send_by",
     "socket_path",
+    "timeval",
     "unbind",
 ]
 
@@ -204,6 +205,12 @@ def remove_dead_sockets(directory: str = PRIVATE_DIR) -> list[str]:
 _NO_WAIT = int(socket.MSG_DONTWAIT)
 
 
+def timeval(seconds: float) -> bytes:
+    """``seconds`` (at least 1 µs) as the ``struct timeval`` of ``SO_SNDTIMEO`` / ``SO_RCVTIMEO``."""
+    whole, micros = divmod(max(1, int(seconds * 1e6)), 1_000_000)
+    return struct.pack("ll", whole, micros)
+
+
 def send_by(
     sock: socket.socket, parts: Sequence[Any], to: tuple[str, ...] = (), timeout: float = 0.0
 ) -> bool | None:
@@ -218,8 +225,7 @@ def send_by(
     except BlockingIOError:  # the peer's queue is full: wait for room (rare)
         if timeout <= 0:
             return False
-    whole, micros = divmod(max(1, int(timeout * 1e6)), 1_000_000)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, micros))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(timeout))
     try:
         sock.sendmsg(parts, (), 0, *to)
         return True

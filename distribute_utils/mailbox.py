@@ -142,11 +142,6 @@ def _socket(process: ProcessInfo, namespace: str, what: str) -> tuple[socket.soc
     return sock, path
 
 
-def _timeval(seconds: float) -> bytes:
-    whole, micros = divmod(max(1, int(seconds * 1e6)), 1_000_000)
-    return struct.pack("ll", whole, micros)
-
-
 def sender_pid(ancillary: list[tuple[int, int, bytes]], uid: int) -> int | None:
     """The sending process's pid, as the kernel names it, when it runs as ``uid``; else None."""
     for level, kind, data in ancillary:
@@ -286,7 +281,7 @@ class Mailbox:
                 # One system call per message: a blocking read bounded by SO_RCVTIMEO, which is set only
                 # when the wait asked for differs much from the one set.
                 if wait > 0 and not (0.8 * self._rcvtimeo <= wait <= self._rcvtimeo):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wait))
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, host_dir.timeval(wait))
                     self._rcvtimeo = wait
                 try:
                     size, ancillary, flags, _ = sock.recvmsg_into(

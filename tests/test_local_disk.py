@@ -182,7 +182,7 @@ def test_the_router_places_carriers_by_their_medium_and_a_full_one_passes_the_pa
     try:
         routes = {
             name: router.host_route(
-                router.REQUESTS[name], me, pool=True, cuda=False, workspace=None, workspace_path="", what="t"
+                router.REQUESTS[name], me, pool=True, cuda=False, workspace=None, what="t"
             )
             for name in ("auto", "shm")
         }

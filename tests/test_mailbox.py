@@ -10,6 +10,7 @@ import socket
 import stat
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -285,3 +286,43 @@ def test_the_socket_of_a_killed_process_is_found_and_cleaned_a_live_one_kept(par
     assert os.path.exists(parent_box.path), "the live socket was kept"
     parent_box.close()
     assert not os.path.exists(parent_box.path), "a closed mailbox leaves no file"
+
+
+def test_kept_connections_reach_a_peer_bound_again_say_when_none_listens_and_stay_bounded(
+    tmp_path: Path,
+) -> None:
+    """The sockets a process keeps connected to its peers (``host_dir.Connections``, what mailboxes and
+    the pool's notices send through): a peer that closed and bound its path again gets the next message;
+    a path where nobody listens is a False, not an error; past ``kept`` the oldest is closed."""
+    directory = tmp_path / "private"
+    directory.mkdir(mode=0o700)
+
+    def listen(name: str) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(str(directory / name))
+        sock.settimeout(10)
+        return sock
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    first, second = listen("a.sock"), listen("b.sock")
+    kept = host_dir.Connections(kept=1)
+    assert kept.send(str(directory / "a.sock"), [b"one"]) and first.recv(16) == b"one"
+    first.close()
+    os.unlink(directory / "a.sock")
+    again = listen("a.sock")  # (the same path, a new socket: the kept one's peer is gone)
+    assert kept.send(str(directory / "a.sock"), [b"two"]) and again.recv(16) == b"two"
+    again.close()
+    os.unlink(directory / "a.sock")
+    assert kept.send(str(directory / "a.sock"), [b"three"]) is False
+    third = listen("c.sock")
+    before = open_fds()
+    for _ in range(3):  # two live peers, one kept: each new one's socket replaces the other's
+        assert kept.send(str(directory / "b.sock"), [b"four"]) and second.recv(16) == b"four"
+        assert kept.send(str(directory / "c.sock"), [b"five"]) and third.recv(16) == b"five"
+    assert open_fds() <= before + 1
+    kept.close()
+    assert open_fds() <= before
+    second.close()
+    third.close()

@@ -146,7 +146,6 @@ class Sender(Part):
             pool=directory.me.can_watch(info),
             cuda=self.cuda_wanted and receiver == self.first,
             workspace=self._workspace_now if self.workspace_path is not None else None,
-            workspace_path=str(self.workspace_path),
             what=self.what,
         )
 

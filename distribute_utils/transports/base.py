@@ -95,7 +95,6 @@ class Destination(NamedTuple):
     receiver: ProcessInfo | None  # the receiving process
     pool: bool = False  # it can open this process's descriptors (pooled segments, CUDA IPC, local disk)
     workspace: Callable[[], Carrier] | None = None  # the job's workspace carrier (None: no workspace_path)
-    workspace_path: str = ""  # the workspace's directory, for messages
 
 
 class Carrier(Protocol):

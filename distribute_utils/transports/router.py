@@ -146,7 +146,6 @@ def host_route(
     pool: bool,
     cuda: bool,
     workspace: Callable[[], Carrier] | None,
-    workspace_path: str,
     what: str,
 ) -> HostRoute:
     """A sender's route to ``receiver``, a rank of its host: :data:`HOST_CARRIERS` in order, less those the
@@ -164,4 +163,4 @@ def host_route(
             if (c.devices != "keeps_gpu" or (cuda and asked.free))
             and (c.medium not in _LEAVES_SHARED_MEMORY or asked.spill)
         )
-    return HostRoute(Destination(receiver, pool, workspace, workspace_path), chain, what=what)
+    return HostRoute(Destination(receiver, pool, workspace), chain, what=what)

@@ -59,7 +59,6 @@ logger = logging.getLogger(__name__)
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _TRUNCATED = int(socket.MSG_TRUNC)
-_NO_WAIT = int(socket.MSG_DONTWAIT)
 
 
 def shm_space() -> tuple[int, int]:
