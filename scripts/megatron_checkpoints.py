@@ -51,7 +51,9 @@ CASES: dict[str, dict[str, Any]] = {
     "uneven": dict(num_layers=5, first_stage_layers=3, last_stage_layers=2, swiglu=True, untie=True),
     # Llama 3 as Megatron-LM trains it: untied output layer, plain multi-head attention (no query
     # groups), RoPE with llama3 scaling (--use-rope-scaling): the --to hf conversion's second case
-    "llama": dict(num_layers=4, swiglu=True, rope=True, rmsnorm=True, bias=False, untie=True, rope_scaling=True),
+    "llama": dict(
+        num_layers=4, swiglu=True, rope=True, rmsnorm=True, bias=False, untie=True, rope_scaling=True
+    ),
     # mixture of experts (4 experts, top-2), gated experts
     "moe": dict(num_layers=2, num_experts=4, swiglu=True, bias=False, untie=True),
     # scripts/bench_consolidate.py: a LLaMA-shaped model of about 1.1 GiB (float32)
