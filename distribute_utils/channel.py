@@ -37,7 +37,7 @@ from .errors import PayloadError
 from .liveness import GRACE_S
 from .sync import RETRY_S, Call
 
-__all__ = ["Buffer", "Channel", "Judge", "MailboxChannel", "StoreChannel", "Take"]
+__all__ = ["Buffer", "Channel", "Judge", "Known", "MailboxChannel", "StoreChannel", "Take"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ Judge = Callable[[int, "list[Any] | str | None"], bool]
 """Reads a partner's answer to "what do you do in this call" (see :meth:`Call.receive_direct`)."""
 Take = Callable[[int, Buffer, "memoryview | None"], None]
 """Takes one sender's claim as it comes: ``(rank, claim, attached payload or None)``; may raise."""
+Known = Callable[[int, memoryview, memoryview], bool]
+"""Takes one sender's claim and attached payload as they come (a repeat's: False, not taken); may raise."""
 
 SMALL_CLAIM_BYTES = 4096  # larger claims (inline payloads) are overwritten once taken, not kept
 _CLAIM, _VERDICT = 0, 1  # kinds of direct messages (distribute_utils.mailbox)
@@ -228,12 +230,17 @@ class MailboxChannel:
 
     def await_verdict(self, what: str, judge: Judge) -> Buffer:
         call = self.call
+        found: dict[int, bytearray] = {}
+        if self._delivered:  # (most calls: nothing to send again)
+            call.receive_direct(
+                _VERDICT, [self.first], self.timeout, what, judge, found.__setitem__, None, True
+            )
+            return found[self.first]
 
         def undelivered() -> bool:  # the first rank did not listen yet, or its queue was full
             self._delivered = self._delivered or call.send_direct(self.first, _CLAIM, self._message, RETRY_S)
             return not self._delivered
 
-        found: dict[int, bytearray] = {}
         call.receive_direct(
             _VERDICT,
             [self.first],
@@ -241,10 +248,55 @@ class MailboxChannel:
             what,
             judge,
             found.__setitem__,  # (rank, verdict): no Python call per verdict
-            None if self._delivered else undelivered,
+            undelivered,
             second_chance=True,
         )
         return found[self.first]
+
+    # -- a repeat's (distribute_utils.roles.repeat): the round that goes well, without the general wait --
+    def heard(self, expected: bytes) -> bool:
+        """A sender whose claim was delivered: whether the one message its first rank sent it within the
+        grace is the verdict ``expected``. Anything else it heard is put back for :meth:`await_verdict`."""
+        if not self._delivered:
+            return False
+        sync = self.call.sync
+        first = {self.first: sync.infos[self.first]}
+        got = sync.mailbox().receive(self.call.number, first, min(GRACE_S, self.timeout))
+        if len(got) == 1 and got[0][1] == _VERDICT and got[0][2] == expected:
+            return True
+        self.unread(got, first)
+        return False
+
+    def take_known(self, senders: Sequence[int], known: Known) -> list[int]:
+        """The first rank: hand each of ``senders``' claims that come within the grace to ``known`` (as
+        :meth:`claims` hands them to ``take``), until it returns False for one or none comes in time; that
+        one and what came with it are put back for :meth:`claims`. Returns the senders not taken."""
+        sync = self.call.sync
+        mailbox = sync.mailbox()
+        missing = {r: sync.infos[r] for r in senders}
+        wait = min(GRACE_S, self.timeout)
+        while missing:
+            got = mailbox.receive(self.call.number, missing, wait)
+            for i, (rank, kind, data) in enumerate(got):
+                if rank not in missing:  # (taken already: as the general wait, it drops a second one)
+                    continue
+                message = memoryview(data)
+                if kind != _CLAIM or len(data) < _CLAIM_LENGTH.size:
+                    mailbox.unread(self.call.number, got[i:], missing)
+                    return list(missing)
+                end = _CLAIM_LENGTH.size + _CLAIM_LENGTH.unpack_from(message)[0]
+                if not known(rank, message[_CLAIM_LENGTH.size : end], message[end:]):
+                    mailbox.unread(self.call.number, got[i:], missing)
+                    return list(missing)
+                del missing[rank]
+            if not got:
+                break
+        return list(missing)
+
+    def unread(self, messages: list[tuple[int, int, bytearray]], senders: dict[int, Any]) -> None:
+        if messages:
+            sync = self.call.sync
+            sync.mailbox().unread(self.call.number, messages, senders)
 
     def give_up(self, claim: bytes, verdict: bytes | None = None, failed: Collection[int] = ()) -> None:
         # Each send waits a little while its partner's queue is full (GIVE_UP_WAIT_S): a rank that fails

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from os import PathLike
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,17 @@ from . import sync, wire
 from .caches import Recent
 from .errors import ArgumentError, UnsupportedTypeError
 from .mesh import ProcessGroupMesh
-from .roles import ATTACHED_MAX_BYTES, CheckIn, FirstRank, RankList, Round, Sender, error_of, raise_from
+from .roles import (
+    ATTACHED_MAX_BYTES,
+    CheckIn,
+    FirstRank,
+    RankList,
+    Round,
+    Sender,
+    error_of,
+    raise_from,
+    repeat,
+)
 from .transports.inline import INLINE_MAX_BYTES
 from .transports.router import REQUESTS, Request, request
 
@@ -124,17 +134,18 @@ class _RunsWhenEntered:
     def __enter__(self) -> list[Any]:
         value, ranks, group, transport, workspace_path, timeout, device, root, received_on = self._call
         seconds, error = _resolved(timeout)
-        return gather_on(
+        return _run(
             sync.companion(group, seconds),
             value,
             ranks,
-            group=group,
-            transport=transport,
-            workspace_path=workspace_path,
-            timeout=seconds if error is None else timeout,  # (a bad one: gather_on raises it on every rank)
-            device=device,
-            root=root,
-            received_on=received_on,
+            None,
+            group,
+            transport,
+            workspace_path,
+            seconds if error is None else timeout,  # (a bad one: gather_on raises it on every rank)
+            device,
+            root,
+            received_on,
         )
 
     def __exit__(self, *exc: object) -> None:
@@ -197,10 +208,39 @@ def gather_on(
     bounds the ranks (None: the default group's); ``group`` matters only to the collective transport.
     Every rank of ``companion.ranks`` must call it, in the same order as its other operations.
     """
+    return _run(
+        companion,
+        value,
+        ranks,
+        world_size,
+        group,
+        transport,
+        workspace_path,
+        timeout,
+        device,
+        root,
+        received_on,
+    )
+
+
+def _run(
+    companion: sync.GroupSync,
+    value: Any,
+    ranks: Sequence[int],
+    world_size: int | None,
+    group: dist.ProcessGroup | Sequence[int] | None,
+    transport: str,
+    workspace_path: str | PathLike[str] | None,
+    timeout: float | timedelta | None,
+    device: str | torch.device | None,
+    root: str,
+    received_on: str | None,
+) -> list[Any]:
+    """:func:`gather_on`, its arguments by position (the public gathers' call: no keyword binding per call)."""
     # A local mistake is posted in this rank's claim: its gather partners raise it too, none waits.
     # (gather_to_first's timeout comes resolved, a positive float: no second call to resolve it.)
     seconds, error = (timeout, None) if type(timeout) is float and timeout > 0 else _resolved(timeout)
-    with companion.exclusive("a gather"):
+    with companion.gathering:
         call = companion.new_call(seconds)
         if companion.disagreement is not None:  # an earlier call's partner named this rank in another list
             said = companion.take_disagreement()
@@ -234,7 +274,20 @@ def gather_on(
             if error is not None:
                 raise_from(error, "")
             return []
+        # A call like an earlier one of the same list and options that went well: its repeat (roles.repeat).
+        kept: Any = None
+        call_key: Hashable | None = None
+        if error is None:
+            call_key = repeat.key(this_call, listed, device, received_on, world_size)
+            try:
+                kept = companion.repeats.get(call_key)
+            except TypeError:  # (an option that cannot be a key: no repeat)
+                call_key = None
         if me == checked[0]:
+            if kept is not None:
+                found = kept.receive(this_call, value)
+                if found is not None:
+                    return found  # type: ignore[no-any-return]
             first = FirstRank(this_call, listed, received_on=received_on)
             error = first.decide(error)
             if error is None and device is not None:
@@ -242,7 +295,12 @@ def gather_on(
                     _check_device(device)
                 except ValueError as exc:
                     error = error_of(exc)
-            return first.receive(value, device, error)
+            values = first.receive(value, device, error)
+            if kept is None and call_key is not None and error is None:
+                repeat.first_repeat(first, device, companion.repeats, call_key)
+            return values
+        if kept is not None and kept.send(this_call, value):
+            return []
         # A sender's guess, from its own arguments (the first rank's are what count), whether its first
         # rank wants received tensors on a GPU: ``device`` a CUDA device, or a config gather restoring
         # senders' devices. A wrong guess costs speed only: a GPU buffer bound for the CPU is moved there
@@ -252,6 +310,8 @@ def gather_on(
         )
         sender = Sender(this_call, listed, cuda_wanted=cuda_wanted)
         sender.send(value, sender.decide(error))
+        if kept is None and call_key is not None and error is None:
+            repeat.sender_repeat(sender, companion.repeats, call_key)
         return []
 
 
@@ -280,15 +340,6 @@ def _check_device(device: str | torch.device | None) -> None:
 
 # -- public API ----------------------------------------------------------------------------------
 Workspace = str | PathLike[str] | None
-
-
-class _Options(TypedDict):
-    """The options each public gather passes on to :func:`gather_to_first`."""
-
-    transport: str
-    workspace_path: Workspace
-    timeout: float | timedelta | None
-    device: str | torch.device | None
 
 
 def get_tensors_parallel(
@@ -330,8 +381,9 @@ def get_tensors_parallel(
         SpaceError: no room for a payload in ``/dev/shm`` (and no workspace given) or in the
             workspace.
     """
-    options = _Options(transport=transport, workspace_path=workspace_path, timeout=timeout, device=device)
-    return gather_to_first(tensor, ranks, group, root="tensor", **options)
+    return _RunsWhenEntered(
+        (tensor, ranks, group, transport, workspace_path, timeout, device, "tensor", None)
+    )
 
 
 def get_configs_parallel(
@@ -360,8 +412,9 @@ def get_configs_parallel(
         DeviceUnavailableError: with ``device=None``, a received tensor's device does not exist on
             the first rank (sender, path and device named), on every rank, before anything is yielded.
     """
-    options = _Options(transport=transport, workspace_path=workspace_path, timeout=timeout, device=device)
-    return gather_to_first(config, ranks, group, root="config", **options)
+    return _RunsWhenEntered(
+        (config, ranks, group, transport, workspace_path, timeout, device, "config", None)
+    )
 
 
 def gather_tensors(
@@ -381,8 +434,9 @@ def gather_tensors(
     """
     ranks = mesh.ranks_along_axis(axis)
     group = mesh.cached_group_along_axis(axis) or ranks
-    options = _Options(transport=transport, workspace_path=workspace_path, timeout=timeout, device=device)
-    return gather_to_first(tensor, ranks, group, root="tensor", **options)
+    return _RunsWhenEntered(
+        (tensor, ranks, group, transport, workspace_path, timeout, device, "tensor", None)
+    )
 
 
 def gather_configs(
@@ -401,5 +455,6 @@ def gather_configs(
     """
     ranks = mesh.ranks_along_axis(axis)
     group = mesh.cached_group_along_axis(axis) or ranks
-    options = _Options(transport=transport, workspace_path=workspace_path, timeout=timeout, device=device)
-    return gather_to_first(config, ranks, group, root="config", **options)
+    return _RunsWhenEntered(
+        (config, ranks, group, transport, workspace_path, timeout, device, "config", None)
+    )

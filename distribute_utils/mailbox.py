@@ -166,6 +166,7 @@ class Mailbox:
             tuple[int, int, int, int, bytearray]
         ] = []  # later calls' (call, rank, kind, pid, data)
         self._buffer = bytearray(MAX_MESSAGE_BYTES)
+        self._buffers = [self._buffer]  # (recvmsg_into's argument, made once)
         self._uid = os.geteuid()
         self._addresses: Recent[tuple[ProcessInfo, str], str] = Recent(4096)
         # (sockets kept connected to the peers this group's messages go to: no path lookup per send)
@@ -223,6 +224,17 @@ class Mailbox:
         Raises:
             MailboxError: this mailbox is closed, or the message is larger than :data:`MAX_MESSAGE_BYTES`.
         """
+        return self.send_to(self._to(peer, self.namespace), call, rank, kind, parts, timeout)
+
+    def address_of(self, peer: ProcessInfo) -> str:
+        """``peer``'s mailbox of this group (:func:`address`), for :meth:`send_to`."""
+        return self._to(peer, self.namespace)
+
+    def send_to(
+        self, address: str, call: int, rank: int, kind: int, parts: Sequence[Buffer], timeout: float = 0.0
+    ) -> bool:
+        """:meth:`send` to the mailbox at ``address`` (:meth:`address_of` the peer; a caller that sends to
+        the same peers call after call keeps it)."""
         size = 0
         for p in parts:  # (a loop: a generator is a call per part, on every claim and verdict)
             size += memoryview(p).nbytes
@@ -230,7 +242,9 @@ class Mailbox:
             raise MailboxError(f"a message of {size} bytes is larger than {MAX_MESSAGE_BYTES}")
         if len(parts) > _MAX_PARTS:  # more than the kernel gathers in one call (IOV_MAX): one copy
             parts = [b"".join(parts)]
-        return self._send([_HEADER.pack(call, rank, kind), *parts], self._to(peer, self.namespace), timeout)
+        if self._sock is None:
+            raise self._closed()
+        return self._peers.send(address, [_HEADER.pack(call, rank, kind), *parts], timeout)
 
     def inquire(self, peer: ProcessInfo, call: int, rank: int, asking: Any = None) -> bool:
         """Ask ``peer`` (from its answering thread) what it does in call ``call`` of this group; the
@@ -238,19 +252,11 @@ class Mailbox:
         in that call (msgpack-able; handed to the peer's lookup, which may find that the two disagree).
         False when not sent."""
         question = msgpack.packb([self.namespace, self.me.to_wire(), asking])
-        return self._send(
-            [_HEADER.pack(call, rank, _INQUIRY), question], self._to(peer, _INQUIRIES), 0.0, False
-        )
-
-    def _send(self, parts: Sequence[Buffer], address: str, timeout: float, keep: bool = True) -> bool:
-        """Send one datagram to the socket at ``address``: through a socket kept connected to it
-        (``keep``), else by path from this mailbox's own. False when nobody listens there, or its queue
-        stays full past ``timeout``."""
         if self._sock is None:
             raise self._closed()
-        if keep:
-            return self._peers.send(address, parts, timeout)
-        return bool(host_dir.send_by(self._sock, parts, (address,), timeout))
+        # By path from this mailbox's own socket: the answer comes back to it.
+        parts = [_HEADER.pack(call, rank, _INQUIRY), question]
+        return bool(host_dir.send_by(self._sock, parts, (self._to(peer, _INQUIRIES),), 0.0))
 
     def receive(
         self, call: int, senders: dict[int, ProcessInfo], timeout: float
@@ -267,7 +273,7 @@ class Mailbox:
         sock = self._sock
         if sock is None:
             raise self._closed()
-        buffers = [self._buffer]
+        buffers = self._buffers
         deadline = time.monotonic() + timeout
         wait = timeout
         while not found:
@@ -294,6 +300,13 @@ class Mailbox:
             if wait <= 0:
                 wait = 0.0  # take what is queued, not waiting
         return found
+
+    def unread(
+        self, call: int, messages: Sequence[tuple[int, int, bytearray]], senders: dict[int, ProcessInfo]
+    ) -> None:
+        """Put ``messages`` of call ``call``, as :meth:`receive` gave them (from ``senders``), back: the next
+        :meth:`receive` of that call gives them first (a reader that hands its wait over to another)."""
+        self._kept[:0] = [(call, r, kind, senders[r].pid, data) for r, kind, data in messages if r in senders]
 
     @staticmethod
     def _polled(

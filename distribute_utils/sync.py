@@ -66,7 +66,7 @@ from .incarnation import (
     store_lost,
 )
 from .liveness import GRACE_S, JANITOR, TOMBSTONE, WATCH_INTERVAL_S, Watch, exited, wait_watched
-from .mailbox import ANSWER, Mailbox, MailboxError
+from .mailbox import ANSWER, Mailbox, MailboxError, address
 from .processes import ProcessInfo, process_alive
 
 __all__ = [
@@ -187,7 +187,8 @@ class Call:
         """Send one message (``parts``, concatenated) to ``rank``'s mailbox of this group; False when
         it does not listen (yet) or its queue stayed full for ``timeout`` seconds."""
         sync = self.sync
-        return sync.mailbox().send(sync.infos[rank], self.number, sync.rank, kind, parts, timeout)
+        mailbox = sync._mailbox or sync.mailbox()
+        return mailbox.send_to(sync.addresses[rank], self.number, sync.rank, kind, parts, timeout)
 
     def receive_direct(
         self,
@@ -217,10 +218,22 @@ class Call:
             PeerLostError: a rank exited or did not come within the timeout.
         """
         sync = self.sync
-        mailbox = sync.mailbox()
-        missing = {r: sync.infos[r] for r in ranks}
+        mailbox = sync._mailbox or sync.mailbox()
+        infos = sync.infos
+        missing = {r: infos[r] for r in ranks}
         there: dict[int, bool] = {}
         start = time.monotonic()
+        if undelivered is None:  # within the grace it only listens: the first wait, before the loop's set-up
+            self._take(
+                mailbox.receive(self.number, missing, min(GRACE_S, timeout)),
+                kind,
+                missing,
+                there,
+                judge,
+                arrived,
+            )
+            if not missing:
+                return
         deadline = start + timeout
         tick = start + min(GRACE_S, timeout)
         retry = start + RETRY_S if undelivered is not None else float("inf")
@@ -302,9 +315,13 @@ class GroupSync:
         self._collected = 0  # calls before this number have been collected
         self.own_keys: list[str] = []
         self._busy = threading.Lock()
+        self.gathering = _Exclusive(self, "a gather")
+        """Holds the group for one gather call (:meth:`exclusive`, made once: entered call after call)."""
         self._digests: Recent[tuple[int, ...], str] = Recent(4096)
         # The gather layer's routes over this group, kept for the incarnation (see roles.FirstRank.plan).
         self.routes: Recent[Any, Any] = Recent(256)
+        # Its repeats of calls that went well (roles.repeat), kept for the incarnation.
+        self.repeats: Recent[Any, Any] = Recent(64)
         # This rank's latest entries (see Call.record): call number % _RECORDS_KEPT -> [number, *entry].
         self.records: list[list[Any] | None] = [None] * _RECORDS_KEPT
         self.latest = -1  # the newest call recorded
@@ -312,6 +329,7 @@ class GroupSync:
         self.disagreement: tuple[int, int, str] | None = None  # (call, asker, message)
         self.failed_call = -1  # this rank's latest call that raised
         self.infos: dict[int, ProcessInfo] = {}  # ranks of direct rounds (see direct())
+        self.addresses: dict[int, str] = {}  # their mailboxes of this group
         self._direct: Recent[tuple[int, ...], bool] = Recent(4096)
         self._mailbox: Mailbox | None = None
         self._polling_decided = False
@@ -373,9 +391,9 @@ class GroupSync:
                 found = self.directory.together(key, self.store, timeout, what)
                 if found:  # a sender talks to its first rank only; the first rank to every sender
                     partners = key if self.rank == key[0] else key[:1]
-                    self.infos.update(
-                        (r, self.directory.info(r, self.store, timeout, what)) for r in partners
-                    )
+                    for r in partners:
+                        info = self.infos[r] = self.directory.info(r, self.store, timeout, what)
+                        self.addresses[r] = address(info, self.namespace)
                     if self._mailbox is not None and not self._polling_decided:
                         self._decide_polling(self._mailbox)
             self._direct.put(key, found)
@@ -425,11 +443,14 @@ class GroupSync:
         Every :data:`COLLECT_EVERY` calls without a barrier, a barrier comes first (as a call of
         its own), after which the keys of earlier calls are removed.
         """
-        if self._calls - self._collected >= COLLECT_EVERY:
+        number = self._calls
+        if number - self._collected >= COLLECT_EVERY:
             self._barrier(
                 self._next(), timeout, f"a barrier over ranks {short(self.ranks)} (collecting keys)"
             )
-        return self._next()
+            number = self._calls
+        self._calls = number + 1
+        return Call(self, number)
 
     def _next(self) -> Call:
         call = Call(self, self._calls)

@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _rank(rounds: int, top: int) -> dict[str, Any] | None:
+def _rank(rounds: int, top: int, sort: str = "ncalls") -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
@@ -56,7 +56,7 @@ def _rank(rounds: int, top: int) -> dict[str, Any] | None:
     calls = sum(entry[1] for entry in stats.stats.values())  # type: ignore[attr-defined]
     out = io.StringIO()
     stats.stream = out  # type: ignore[attr-defined]
-    stats.sort_stats("ncalls").print_stats(top)
+    stats.sort_stats(sort).print_stats(top)
     return {"calls_per_round": calls / rounds, "table": out.getvalue()}
 
 
@@ -65,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=3000)
-    parser.add_argument("--top", type=int, default=25, help="functions listed per rank, by calls")
+    parser.add_argument("--top", type=int, default=25, help="functions listed per rank")
+    parser.add_argument(
+        "--sort",
+        default="ncalls",
+        choices=("ncalls", "tottime", "cumulative"),
+        help="the order they are listed in",
+    )
     parser.add_argument("--against", metavar="REV", help="also profile the package at git revision REV")
     parser.add_argument("--quiet", action="store_true", help="only the calls per round")
     args = parser.parse_args(argv)
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 "import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2])\n"
                 "import json, profile_round\n"
                 "from distribute_utils.launch import run_local\n"
-                "print(json.dumps(run_local(profile_round._rank, 4, int(sys.argv[3]), int(sys.argv[4]))[:2]))\n"
+                "print(json.dumps(run_local(profile_round._rank, 4, int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])[:2]))\n"
             )
             done = subprocess.run(
                 [
@@ -93,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                     str(ROOT / "scripts"),
                     str(args.rounds),
                     str(args.top),
+                    args.sort,
                 ],
                 capture_output=True,
                 text=True,

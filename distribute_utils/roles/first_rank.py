@@ -21,7 +21,7 @@ import msgpack
 import torch
 
 from .. import wire
-from ..channel import Buffer
+from ..channel import Buffer, MailboxChannel
 from ..errors import DeviceUnavailableError, PayloadError, PeerLostError
 from ..processes import process_alive
 from ..transports import carriers
@@ -45,6 +45,8 @@ class FirstRank(Part):
     # State that most calls never change (class defaults: nothing to set up per call).
     _go_posted = False
     _cross: str | None = None
+    claims: dict[int, Claim] | None = None
+    """Its senders' claims, once the verdict is made (what :mod:`.repeat` looks at)."""
 
     def receive(
         self, own: Any, device: str | torch.device | None, error: tuple[Any, ...] | None
@@ -60,13 +62,12 @@ class FirstRank(Part):
         found: dict[int, Any] = {}  # each rank's value (on one host, as its claim comes)
         taken: set[int] = set()  # whose payloads were fetched: nothing of theirs is left to discard
         plan: Plan | None = None
+        notes: list[Any] = []
         try:
             if error is not None:
                 raise_from(error, "")
             decode_to, own_to = self.placement(device)
-            self.pin_maps = decode_to is not None and torch.cuda.is_initialized()
-            if isinstance(decode_to, torch.device) and decode_to.type == "cuda":
-                self._ipc_to = decode_to
+            self.aim(decode_to)
             plan = self.plan_and_tell()
             direct = plan.direct
             # What needs no claim is done before they come: after the last one, only its own part is left.
@@ -85,24 +86,71 @@ class FirstRank(Part):
                 else:
                     found[rank] = self.decode(buffer, rank, decode_to)
         except BaseException as exc:
-            # The partners are told what can still be told (a store that is gone cannot be: this error
-            # says more); what this rank keeps back and what senders published go whatever happens.
-            with contextlib.suppress(PeerLostError):
-                self.tell_go(error_of(exc), claims)
-            failed = Verdict(True, self.shown, self.digest, error_of(exc)).pack()
-            self.record("first", error_of(exc))  # (in a direct round, a sender past the grace reads it)
-            with contextlib.suppress(PeerLostError):
-                self.channel.give_up(
-                    self.claim("first", error_of(exc)).pack(),
-                    failed,
-                    [rank for rank, claim in claims.items() if claim.error is not None],
-                )
-            self.take_back_notes()
-            for rank, claim in claims.items():
-                if rank not in taken and rank not in found:  # (found: fetched as its claim came)
-                    self.discard(rank, claim.body)
-            self.remove_leftovers_of(getattr(exc, "missing", ()))
+            self.failed(exc, claims, found, taken)
             raise
+        return self.conclude(notes, claims, found, direct)
+
+    def aim(self, decode_to: torch.device | str | None) -> None:
+        """Where received tensors are decoded to (:meth:`placement`) sets how the receiving carriers read."""
+        self.pin_maps = decode_to is not None and torch.cuda.is_initialized()
+        if isinstance(decode_to, torch.device) and decode_to.type == "cuda":
+            self._ipc_to = decode_to
+
+    def take_over(
+        self,
+        channel: MailboxChannel,
+        claims: dict[int, Claim],
+        found: dict[int, Any],
+        decode_to: torch.device | str | None,
+        what: str,
+    ) -> list[Any]:
+        """A repeat (:mod:`.repeat`) recorded this call, placed this rank's value and took ``claims``
+        (decoded into ``found``), then met something it does not do (what it read and did not take is
+        back in the mailbox): take the other senders' claims and conclude as :meth:`receive` does."""
+        self.adopt(channel, what)
+        self.aim(decode_to)
+        senders = self.ranks[1:]
+        try:
+            self.take_claims([r for r in senders if r not in found], claims, decode_to, found)
+        except BaseException as exc:
+            self.failed(exc, claims, found, set())
+            raise
+        return self.conclude([], claims, found, senders)
+
+    def adopt(self, channel: MailboxChannel, what: str) -> None:
+        """Take this call's ``channel`` from a repeat (:mod:`.repeat`): a give-up then goes to this call's
+        store keys; ``what`` names the gather in messages as the repeat's did."""
+        self.channel, self.what = channel, what
+        channel.store = self.store_channel
+
+    def failed(
+        self, exc: BaseException, claims: dict[int, Claim], found: dict[int, Any], taken: set[int]
+    ) -> None:
+        """This call failed with ``exc``, ``claims`` taken (``found``, ``taken``: whose payloads were decoded,
+        fetched): tell the partners what can still be told (a store that is gone cannot be: this error
+        says more); what this rank keeps back and what senders published go whatever happens."""
+        with contextlib.suppress(PeerLostError):
+            self.tell_go(error_of(exc), claims)
+        failed = Verdict(True, self.shown, self.digest, error_of(exc)).pack()
+        self.record("first", error_of(exc))  # (in a direct round, a sender past the grace reads it)
+        with contextlib.suppress(PeerLostError):
+            self.channel.give_up(
+                self.claim("first", error_of(exc)).pack(),
+                failed,
+                [rank for rank, claim in claims.items() if claim.error is not None],
+            )
+        self.take_back_notes()
+        for rank, claim in claims.items():
+            if rank not in taken and rank not in found:  # (found: fetched as its claim came)
+                self.discard(rank, claim.body)
+        self.remove_leftovers_of(getattr(exc, "missing", ()))
+
+    def conclude(
+        self, notes: list[Any], claims: dict[int, Claim], found: dict[int, Any], direct: list[int]
+    ) -> list[Any]:
+        """Every claim taken and every value in ``found``: post the verdict to ``direct`` (with this rank's
+        ``notes`` and those in ``claims``); returns the values in list order."""
+        self.claims = claims
         theirs = notes  # (this rank's own, kept back if the verdict cannot be posted)
         for claim in claims.values():  # (a loop, no comprehension's call: most claims carry no notes)
             if claim.notes:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import wire
+from ..channel import MailboxChannel
 from ..errors import PeerLostError
 from ..transports import CollectiveTransport, carriers
 from ..transports.base import Carrier, Route
@@ -42,7 +43,18 @@ from .part import (
 )
 from .plan import Plan, make_plan
 
-__all__ = ["Sender"]
+__all__ = ["Sender", "attached_claim"]
+
+
+def attached_claim(listed: RankList, mode: str, nbytes: int) -> bytes:
+    """The packed claim of a sender of ``listed`` asking ``mode``, its ``nbytes`` payload inside its claim
+    message and no notes: the same call after call (kept per size)."""
+    return listed.kept(
+        ("attached", mode, nbytes),
+        lambda: Claim(
+            "send", listed.shown, listed.digest, mode, None, ["", [AttachedCarrier.kind, nbytes]]
+        ).pack(),
+    )
 
 
 class Sender(Part):
@@ -85,8 +97,7 @@ class Sender(Part):
                 if self._relayed:
                     notes = notes + self._relayed
                 if self._attached is not None and not notes:
-                    key = ("attached", self.mode, self._attached.nbytes)
-                    claim = self.listed.kept(key, lambda: self.claim("send", None, body).pack())
+                    claim = attached_claim(self.listed, self.mode, self._attached.nbytes)
                 else:
                     claim = self.claim("send", None, body, notes).pack()
             else:
@@ -98,7 +109,13 @@ class Sender(Part):
             self.record("send", error_of(exc))
             self.release(taken=False)
             raise
-        verdict = self.claim_and_wait(claim, error)
+        self.conclude(self.claim_and_wait(claim, error))
+
+    def conclude(self, verdict: Verdict | None) -> None:
+        """Release what this sender published and raise what ``verdict`` says (None: the list's success)."""
+        if verdict is None:  # (most calls: the success of this list, nothing to unpack or raise)
+            self.release(taken=True, answered=True)
+            return
         # A failed gather may never have read this payload: then nobody will report its segment free.
         succeeded = verdict.receiver and verdict.digest == self.digest and verdict.error is None
         self.release(taken=succeeded, answered=verdict.receiver and verdict.digest == self.digest)
@@ -228,10 +245,11 @@ class Sender(Part):
         return found
 
     # -- claiming and waiting --------------------------------------------------------------------
-    def claim_and_wait(self, claim: bytes, error: tuple[Any, ...] | None) -> Verdict:
+    def claim_and_wait(self, claim: bytes, error: tuple[Any, ...] | None) -> Verdict | None:
         """A sender: post its claim (with its payload when it is attached), send a deferred collective
-        payload once the first rank says "go", and wait for the verdict. On any failure its partners are
-        told what the channel can tell them (its failed claim) and what it published is released."""
+        payload once the first rank says "go", and wait for the verdict (None: :attr:`RankList.success`).
+        On any failure its partners are told what the channel can tell them (its failed claim) and what
+        it published is released."""
         channel = self.channel
         try:
             channel.post_claim(claim, self._attached.buffers() if self._attached is not None else ())
@@ -241,18 +259,45 @@ class Sender(Part):
             if self._deferred is not None:
                 self.send_deferred()
             found = channel.await_verdict(self.what, self.judge_first)
-            if found == self.listed.success:
-                return Verdict(True, self.shown, self.digest)
-            return Verdict.unpack(found)
+            return None if found == self.listed.success else Verdict.unpack(found)
         except BaseException as exc:
-            if not channel.delivered:  # the first rank never had the notes in this claim
-                self.take_back_notes()
-            error = error or error_of(exc)
-            self.record("send", error)
-            with contextlib.suppress(PeerLostError):  # (a store that is gone: this error says more)
-                channel.give_up(self.claim("send", error).pack())
-            self.release(taken=False)
+            self.failed(exc, error)
             raise
+
+    def failed(self, exc: BaseException, error: tuple[Any, ...] | None) -> None:
+        """Its claim posted (or not: ``channel.delivered``), this sender failed with ``exc`` (``error``:
+        its own error, posted already): tell its partners what the channel can, release what it published."""
+        channel = self.channel
+        if not channel.delivered:  # the first rank never had the notes in this claim
+            self.take_back_notes()
+        error = error or error_of(exc)
+        self.record("send", error)
+        with contextlib.suppress(PeerLostError):  # (a store that is gone: this error says more)
+            channel.give_up(self.claim("send", error).pack())
+        self.release(taken=False)
+
+    @property
+    def attached(self) -> bool:
+        """Whether its payload went inside its claim message (:meth:`attach`)."""
+        return self._attached is not None
+
+    def adopt(self, channel: MailboxChannel, payload: wire.EncodedPayload) -> None:
+        """Take this call's ``channel`` from a repeat (:mod:`.repeat`), which posted its claim with
+        ``payload`` attached and recorded it: a give-up then goes to this call's store keys."""
+        self.channel, self._attached = channel, payload
+        channel.store = self.store_channel
+
+    def take_over(self, channel: MailboxChannel, payload: wire.EncodedPayload) -> None:
+        """A repeat posted this call's claim through ``channel`` with ``payload`` attached and recorded
+        it, but heard no success within the grace: wait for the verdict and conclude as :meth:`send` does."""
+        self.adopt(channel, payload)
+        try:
+            found = channel.await_verdict(self.what, self.judge_first)
+            verdict = None if found == self.listed.success else Verdict.unpack(found)
+        except BaseException as exc:
+            self.failed(exc, None)
+            raise
+        self.conclude(verdict)
 
     def send_deferred(self) -> None:
         """A collective sender, its claim posted: send its payload once the first rank says "go"."""

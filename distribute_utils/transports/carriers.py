@@ -47,6 +47,7 @@ __all__ = [
     "Receiving",
     "Sent",
     "carrier_of",
+    "hooked",
     "inject",
     "publish",
     "published",
@@ -81,6 +82,12 @@ def inject(hook: FaultHook | None) -> FaultHook | None:
     """Call ``hook`` at this process's carrier fault points (see module doc; None: no hook). Returns
     the hook it replaces, to put back."""
     return _FAULTS.inject(hook)
+
+
+def hooked() -> bool:
+    """Whether a hook is set at this process's carrier fault points (a round that skips carriers then
+    goes the general way, where every point runs)."""
+    return _FAULTS.hook is not None
 
 
 def publish(through: Carrier, token: str, rank: int, payload: EncodedPayload) -> Sent:

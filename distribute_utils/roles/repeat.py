@@ -1,0 +1,223 @@
+"""Internal. A repeat: a gather call like this rank's last one of the same list and options that went well,
+run with what that call found out.
+
+A job gathers the same list with the same options call after call (ModelOpt's export makes about 194
+gathers, most of a few KiB), and a small gather's time is the Python each rank runs for it. When a call
+goes well here in a direct round (every rank of the list on this host: :meth:`.part.Part.decide`), a
+sender whose payload went inside its claim message keeps a :class:`SenderRepeat`, the first rank a
+:class:`FirstRepeat`, on the group's companion for the incarnation, under the list and every option of
+the call (:func:`key`). The next call with that key runs through it: the same messages, records and
+waits as the general path (:mod:`.sender`, :mod:`.first_rank`), in fewer steps. What it does not work
+out again, and why that is safe:
+
+- the list's checks, the direct round's decision, the plan and the first rank's placement rule: each a
+  function of the list, the options and where the ranks run, all fixed for the incarnation (the general
+  path keeps them for the incarnation too);
+- the carriers' objects: a payload inside the claim message needs none (a sender notes its size to the
+  segment pool, which sizes itself by every payload, as the attached carrier does);
+- a claim's unpacking and checks, on the first rank, when its bytes are those of a claim it checked
+  before: every check of a claim is a function of its bytes and of this rank's list and mode.
+
+Anything else goes the general way. Before anything is sent (notes to pass on, a carrier fault hook set,
+a value that does not encode or place, a payload past :data:`~.part.ATTACHED_MAX_BYTES`), the general
+path runs the call instead. After (no success heard within the grace, a claim that is not a plain
+attached one, any error), the role's general object takes the call over where the repeat is
+(``take_over``, or ``failed`` for an error), and the repeat is dropped.
+
+Call order: :func:`key`, then the kept repeat's ``send`` / ``receive`` from ``gather``, inside the call
+(its number taken, this rank's list checked, no error of its own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+from .. import wire
+from ..caches import Recent
+from ..channel import MailboxChannel
+from ..owners import owned
+from ..transports import carriers
+from ..transports.inline import AttachedCarrier
+from ..transports.segment_pool import SegmentPool
+from .first_rank import FirstRank
+from .part import ATTACHED_MAX_BYTES, Claim, RankList, Round
+from .placing import place_own
+from .sender import Sender, attached_claim
+
+__all__ = ["FirstRepeat", "SenderRepeat", "first_repeat", "key", "sender_repeat"]
+
+_CLAIMS_KEPT = 64  # distinct claims a first rank's repeat remembers as checked (sizes, senders' modes)
+
+
+def key(
+    round_: Round, listed: RankList, device: Any, received_on: str | None, world_size: int | None
+) -> Hashable:
+    """The call's key among its companion's repeats: the list and every option that changes a round (may
+    hold an unhashable option: the caller finds out)."""
+    _, _, asked, workspace_path, seconds, _, root = round_
+    return (listed, asked.name, workspace_path, seconds, root, device, received_on, world_size)
+
+
+class _Kept:
+    """Where a repeat is kept (its companion's repeats, under its key): a failed or handed-over call drops it."""
+
+    __slots__ = ("_at", "_key")
+
+    def __init__(self, at: Recent[Any, Any], call_key: Hashable) -> None:
+        self._at, self._key = at, call_key
+
+    def drop(self) -> None:
+        self._at.pop(self._key, None)
+
+
+class SenderRepeat(_Kept):
+    """A sender's repeat (see the module doc), made by :func:`sender_repeat`."""
+
+    __slots__ = ("_entry", "_listed", "_mode", "_pool", "_root")
+
+    def __init__(self, sender: Sender, at: Recent[Any, Any], call_key: Hashable) -> None:
+        super().__init__(at, call_key)
+        self._listed, self._mode, self._root = sender.listed, sender.mode, sender.root
+        self._entry = ["send", sender.shown, sender.digest, sender.mode, None, "direct"]  # (Part.record's)
+        self._pool = owned(SegmentPool)
+
+    def send(self, round_: Round, value: Any) -> bool:
+        """This rank's part in ``round_``'s call (a sender's), as :meth:`Sender.send` does it; False when the
+        call is no repeat: nothing was sent, the general path must run it."""
+        if carriers.reports.pending() or carriers.hooked():
+            return False  # (notes to deliver, fault points to run)
+        try:
+            payload = wire.encode(value, root=self._root, keep_device=True)
+        except Exception:
+            return False  # (the general path encodes it again, and posts the error to every partner)
+        nbytes = payload.nbytes
+        if nbytes > ATTACHED_MAX_BYTES:
+            return False
+        self._pool.note_payload(nbytes, pooled=False)
+        payload = payload.to_cpu()
+        listed = self._listed
+        claim = attached_claim(listed, self._mode, nbytes)
+        call = round_[1]
+        channel = MailboxChannel(call, listed.ranks, round_[4], _no_store, ATTACHED_MAX_BYTES)
+        try:
+            channel.post_claim(claim, payload.buffers())
+            call.record(self._entry)
+            if channel.heard(listed.success):
+                return True
+        except BaseException as exc:
+            self.drop()
+            sender = Sender(round_, listed)
+            sender.adopt(channel, payload)
+            sender.failed(exc, None)
+            raise
+        self.drop()
+        Sender(round_, listed).take_over(channel, payload)
+        return True
+
+
+class FirstRepeat(_Kept):
+    """The first rank's repeat (see the module doc), made by :func:`first_repeat`."""
+
+    __slots__ = ("_checked", "_checker", "_decode_to", "_entry", "_listed", "_own_to", "_root", "_what")
+
+    def __init__(
+        self, first: FirstRank, decode_to: Any, own_to: Any, at: Recent[Any, Any], call_key: Hashable
+    ) -> None:
+        super().__init__(at, call_key)
+        self._listed, self._root, self._what = first.listed, first.root, first.what
+        self._decode_to, self._own_to = decode_to, own_to
+        self._entry = ["first", first.shown, first.digest, first.mode, None, "direct"]  # (Part.record's)
+        self._checker = first  # (check_claim reads only what every call of this key shares)
+        # Claims checked before, by their bytes, with the payload size each states.
+        self._checked: Recent[bytes, tuple[Claim, int]] = Recent(_CLAIMS_KEPT)
+
+    def receive(self, round_: Round, value: Any) -> list[Any] | None:
+        """This rank's part in ``round_``'s call (the first rank's), as :meth:`FirstRank.receive` does it;
+        None when the call is no repeat: nothing was sent, the general path must run it."""
+        if carriers.reports.pending() or carriers.hooked():
+            return None
+        try:
+            own = place_own(value, self._own_to, self._root)
+        except Exception:
+            return None  # (the general path places it again, and posts the error to every partner)
+        listed = self._listed
+        call = round_[1]
+        call.record(self._entry)  # before waiting: a sender past the grace looks for it
+        channel = MailboxChannel(call, listed.ranks, round_[4], _no_store, ATTACHED_MAX_BYTES)
+        found: dict[int, Any] = {listed.first: own}
+        claims: dict[int, Claim] = {}
+        checked, decode_to = self._checked, self._decode_to
+
+        def known(rank: int, data: memoryview, attached: memoryview) -> bool:
+            seen = checked.get(data.tobytes())
+            if seen is None:
+                seen = self._check(rank, data.tobytes(), claims)
+                if seen is None:
+                    return False
+            claim, nbytes = seen
+            if attached.nbytes != nbytes:  # (as the attached carrier's fetch: the general path says it)
+                return False
+            claims[rank] = claim
+            found[rank] = FirstRank.decode(attached, rank, decode_to)
+            return True
+
+        senders = listed.ranks[1:]
+        try:
+            left = channel.take_known(senders, known)
+        except BaseException as exc:
+            self.drop()
+            first = FirstRank(round_, listed)
+            first.adopt(channel, self._what)
+            first.failed(exc, claims, found, set())
+            raise
+        if not left:
+            channel.post_verdict(listed.success, senders, self._what)
+            return list(map(found.__getitem__, listed.ranks))
+        self.drop()
+        return FirstRank(round_, listed).take_over(channel, claims, found, decode_to, self._what)
+
+    def _check(self, rank: int, data: bytes, claims: dict[int, Claim]) -> tuple[Claim, int] | None:
+        """``rank``'s claim, not seen before: checked as the general path checks it (raises as it does), and
+        kept when it is a plain attached one (None otherwise: the general path takes it)."""
+        try:
+            claim = Claim.unpack(data)
+        except (ValueError, TypeError):
+            return None  # (the general path says what is wrong with it)
+        claims[rank] = claim
+        self._checker.check_claim(rank, claim)
+        body = claim.body
+        receipt = body[1] if type(body) is list and len(body) == 2 and body[0] == "" else None
+        if (
+            claim.notes
+            or type(receipt) is not list
+            or len(receipt) != 2
+            or receipt[0] != AttachedCarrier.kind
+            or type(receipt[1]) is not int
+        ):
+            return None
+        return self._checked.put(data, (claim, receipt[1]))
+
+
+def _no_store() -> Any:
+    raise AssertionError("a repeat's channel gives up only once a general role has adopted it")
+
+
+def sender_repeat(sender: Sender, at: Recent[Any, Any], call_key: Hashable) -> None:
+    """Keep a repeat of ``sender``'s call, which went well, in ``at`` under ``call_key``, when it is one a
+    repeat can run: a direct round, its payload inside its claim message."""
+    if sender.channel.path == "direct" and sender.attached:
+        at.put(call_key, SenderRepeat(sender, at, call_key))
+
+
+def first_repeat(first: FirstRank, device: Any, at: Recent[Any, Any], call_key: Hashable) -> None:
+    """Keep a repeat of ``first``'s call, which went well, in ``at`` under ``call_key``, when it is one a
+    repeat can run: a direct round, every payload inside its claim message."""
+    claims = first.claims
+    if (
+        first.channel.path == "direct"
+        and claims is not None
+        and all(c.body is not None and c.body[1][0] == AttachedCarrier.kind for c in claims.values())
+    ):
+        decode_to, own_to = first.placement(device)
+        at.put(call_key, FirstRepeat(first, decode_to, own_to, at, call_key))
