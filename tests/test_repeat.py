@@ -1,0 +1,174 @@
+"""Gathers repeated call after call (the same list and options), as ModelOpt's export makes them, on 4 real
+ranks: exact whatever changes between calls (sizes across the attached bound, a late rank, an error, a
+disagreeing rank, a rank gone), and a repeated call running fewer Python calls than the general path.
+
+A call like the last one of its list and options that went well runs through that call's repeat
+(docs/performance.md, "The repeat"); anything unlike it goes the general way. Each case below repeats a
+gather enough times for the repeat to be kept, then changes one thing.
+"""
+
+from __future__ import annotations
+
+import collections
+import cProfile
+import os
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distribute_utils import GatherError, PeerLostError, get_configs_parallel, get_tensors_parallel
+
+from harness import Died, RankPool
+
+RANKS = [0, 1, 2, 3]
+WARM = 5  # calls that make a call's repeat (one that went well is enough; a few for good measure)
+# Tensor bytes that travel inside the claim message (under the 288 KiB bound) and past it, in turn.
+SIZES = (4 * 2**10, 200 * 2**10, 400 * 2**10, 16, 2**20, 280 * 2**10, 300 * 2**10, 4 * 2**10)
+LATE_S = 0.5  # far past the 0.05 s a repeat waits for the first message: the other ranks take the call over
+
+
+def _value(rank: int, i: int, nbytes: int = 4 * 2**10) -> torch.Tensor:
+    """Rank ``rank``'s tensor of call ``i``: ``nbytes`` of float32, each element telling both."""
+    return torch.arange(max(nbytes // 4, 1), dtype=torch.float32) + 1000.0 * rank + 10.0 * i
+
+
+def _gather(i: int, nbytes: int = 4 * 2**10, ranks: list[int] | None = None, **options: Any) -> list[str]:
+    """One gather of call ``i``'s tensors to rank 0; the problems the first rank finds in what it got."""
+    rank = dist.get_rank()
+    ranks = RANKS if ranks is None else ranks
+    with get_tensors_parallel(_value(rank, i, nbytes), ranks, timeout=30, **options) as got:
+        if rank != ranks[0]:
+            return []
+        return [f"call {i}: rank {r}" for r, t in zip(ranks, got) if not torch.equal(t, _value(r, i, nbytes))]
+
+
+def _warm(start: int = 0) -> list[str]:
+    return [p for i in range(start, start + WARM) for p in _gather(i)]
+
+
+def _sizes_across_the_attached_bound() -> list[str]:
+    problems = _warm()
+    for round_ in range(3):  # each size repeated, then the next: in and out of the repeat
+        for j, nbytes in enumerate(SIZES):
+            problems += _gather(100 * round_ + j, nbytes)
+            problems += _gather(100 * round_ + j + 50, nbytes)
+    return problems
+
+
+def test_sizes_across_the_attached_bound_stay_exact(ranks4: RankPool, no_shm_leak: None) -> None:
+    assert ranks4.run(_sizes_across_the_attached_bound) == [[], [], [], []]
+
+
+def _late(who: int) -> list[str]:
+    problems = _warm()
+    if dist.get_rank() == who:
+        threading.Event().wait(LATE_S)  # (only steers the path: any outcome but the exact one fails)
+    problems += _gather(WARM)
+    return problems + _warm(WARM + 1)  # and the repeat is made again
+
+
+@pytest.mark.parametrize("who", [0, 3], ids=["first rank late", "sender late"])
+def test_a_late_rank_is_taken_over_exactly(ranks4: RankPool, who: int) -> None:
+    assert ranks4.run(_late, who) == [[], [], [], []]
+
+
+def _error_after_repeats(case: str) -> list[str]:
+    """After repeats, one call fails in ``case``'s way on one rank; every rank's error, then the next
+    calls' problems."""
+    rank = dist.get_rank()
+    problems = _warm()
+    config: Any = {"i": WARM}
+    ranks, options = RANKS, {}
+    if case == "unencodable value" and rank == 2:
+        config = {"i": WARM, "act": lambda x: x}
+    elif case == "unplaceable value" and rank == 0:  # (the first rank's value is placed, not encoded)
+        config = {"i": WARM, "act": collections.Counter(a=1)}
+    elif case == "another transport" and rank == 1:
+        options = {"transport": "shm"}
+    elif case == "another order" and rank == 1:
+        ranks = [0, 2, 1, 3]
+    for _ in range(WARM):  # the config gather's own repeat
+        with get_configs_parallel({"i": 0}, RANKS, timeout=30):
+            pass
+    try:
+        with get_configs_parallel(config, ranks, timeout=30, **options):
+            pass
+    except (GatherError, TypeError, ValueError) as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    else:
+        outcome = "no error"
+    with get_configs_parallel({"i": rank}, RANKS, timeout=30) as got:  # the next call goes well
+        if rank == 0 and got != [{"i": r} for r in RANKS]:
+            problems.append(f"after the error: {got}")
+    return [outcome, *problems, *_warm(WARM + 1)]
+
+
+@pytest.mark.parametrize(
+    ("case", "culprit", "says"),
+    [
+        ("unencodable value", 2, "['act']"),
+        ("unplaceable value", 0, "['act']"),
+        ("another transport", 1, "transport"),
+        ("another order", 1, "ranks disagree on a gather"),
+    ],
+)
+def test_an_error_after_repeats_reaches_every_rank(
+    ranks4: RankPool, case: str, culprit: int, says: str
+) -> None:
+    results = ranks4.run(_error_after_repeats, case)
+    for rank, (outcome, *problems) in enumerate(results):
+        assert outcome != "no error" and says in outcome, (rank, outcome)
+        if rank != culprit:
+            assert f"rank {culprit}" in outcome or f"({culprit})" in outcome, (rank, outcome)
+        assert problems == [], (rank, problems)
+
+
+def _rank_gone(victim: int) -> str:
+    problems = _warm()
+    if dist.get_rank() == victim:
+        os._exit(0)  # a rank whose script ended early: it never makes the next call
+    try:
+        _gather(WARM)
+    except PeerLostError as exc:
+        return f"{exc.missing}|{exc}|{problems}"
+    return "no error"
+
+
+@pytest.mark.parametrize("victim", [2, 0], ids=["a sender", "the first rank"])
+def test_a_rank_gone_after_repeats_is_named(fresh_job, victim: int) -> None:
+    results = fresh_job(4).run(_rank_gone, victim, expect_deaths=True)
+    assert isinstance(results[victim], Died), results[victim]
+    for rank in {0, 1, 2, 3} - {victim}:
+        missing, message, problems = results[rank].split("|")
+        assert missing == f"({victim},)" and f"rank(s) [{victim}] exited" in message, (rank, message)
+        assert problems == "[]", problems
+
+
+def _calls_per_repeat(rounds: int) -> float | None:
+    """Python calls (every call cProfile counts) per repeated 4 KiB gather on ranks 0 and 1."""
+    for i in range(50):
+        _gather(i)
+    rank, value = dist.get_rank(), _value(dist.get_rank(), 0)
+    dist.barrier()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(rounds):
+        with get_tensors_parallel(value, RANKS):
+            pass
+    profile.disable()
+    dist.barrier()
+    if rank > 1:
+        return None
+    profile.create_stats()
+    return sum(entry[1] for entry in profile.stats.values()) / rounds  # type: ignore[attr-defined]
+
+
+def test_a_repeated_call_runs_fewer_python_calls(ranks4: RankPool) -> None:
+    """The general path runs about 270 calls per round on the first rank and 120 on a sender; a repeat
+    about 170 and 85 (docs/performance.md; ``scripts/profile_round.py`` prints them by function)."""
+    first, sender, *_ = ranks4.run(_calls_per_repeat, 200)
+    assert first is not None and first < 210, first
+    assert sender is not None and sender < 105, sender
