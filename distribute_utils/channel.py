@@ -224,9 +224,14 @@ class MailboxChannel:
         self.call.receive_direct(_CLAIM, senders, self.timeout, what, judge, arrived)
 
     def post_verdict(self, verdict: bytes, senders: Sequence[int], what: str) -> None:
-        for rank in senders:  # each waits in its mailbox, so there is room; one that left is not told
-            if not self.call.send_direct(rank, _VERDICT, [verdict], GRACE_S):
-                logger.warning("%s: rank %d no longer listens for its verdict", what, rank)
+        call = self.call
+        sync = call.sync
+        addresses = sync.addresses
+        # Each waits in its mailbox, so there is room; one that left is not told.
+        for i in sync.mailbox().send_each(
+            [addresses[r] for r in senders], call.number, sync.rank, _VERDICT, [verdict], GRACE_S
+        ):
+            logger.warning("%s: rank %d no longer listens for its verdict", what, senders[i])
 
     def await_verdict(self, what: str, judge: Judge) -> Buffer:
         call = self.call

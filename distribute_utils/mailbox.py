@@ -235,6 +235,24 @@ class Mailbox:
     ) -> bool:
         """:meth:`send` to the mailbox at ``address`` (:meth:`address_of` the peer; a caller that sends to
         the same peers call after call keeps it)."""
+        return self._peers.send(address, self._framed(call, rank, kind, parts), timeout)
+
+    def send_each(
+        self,
+        addresses: Sequence[str],
+        call: int,
+        rank: int,
+        kind: int,
+        parts: Sequence[Buffer],
+        timeout: float = 0.0,
+    ) -> list[int]:
+        """:meth:`send_to` one message to each of ``addresses`` (a first rank's verdict to its senders), framed
+        once; the positions in ``addresses`` of those not sent to."""
+        framed, send = self._framed(call, rank, kind, parts), self._peers.send
+        return [i for i, address in enumerate(addresses) if not send(address, framed, timeout)]
+
+    def _framed(self, call: int, rank: int, kind: int, parts: Sequence[Buffer]) -> list[Buffer]:
+        """The parts of a message with its header, checked (see :meth:`send`)."""
         size = 0
         for p in parts:  # (a loop: a generator is a call per part, on every claim and verdict)
             size += memoryview(p).nbytes
@@ -244,7 +262,7 @@ class Mailbox:
             parts = [b"".join(parts)]
         if self._sock is None:
             raise self._closed()
-        return self._peers.send(address, [_HEADER.pack(call, rank, kind), *parts], timeout)
+        return [_HEADER.pack(call, rank, kind), *parts]
 
     def inquire(self, peer: ProcessInfo, call: int, rank: int, asking: Any = None) -> bool:
         """Ask ``peer`` (from its answering thread) what it does in call ``call`` of this group; the
