@@ -11,6 +11,7 @@ callbacks are held process-wide (:class:`LentViews`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import mmap
 import os
@@ -56,7 +57,15 @@ def map_pooled(path: str, rank: int, inode: int, nbytes: int) -> SegmentMap:
         mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+    # The payload's pages mapped in one call, as it arrives (the first rank takes each claim as it comes,
+    # while other senders still copy): not one fault per 64 KiB as its reader walks it. Only the payload's
+    # pages (the segment's tail may have none yet: this must not make any).
+    with contextlib.suppress(OSError):  # (a kernel before 5.14: the reader faults them in)
+        mapping.madvise(_POPULATE_READ, 0, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
     return SegmentMap(mapping, inode, info.st_size, path)
+
+
+_POPULATE_READ = 22  # MADV_POPULATE_READ (Linux 5.14): fault the range's page tables in, reading
 
 
 def check_owned(info: os.stat_result, path: str, rank: int) -> None:
