@@ -4,7 +4,10 @@ Four local ranks (gloo, one host: the direct round) gather one float32 tensor of
 rank 0, ``--rounds`` times after 200 warm-up rounds; ranks 0 and 1 profile the timed rounds with
 ``cProfile`` (its clock: ``time.thread_time``, the calling thread's CPU). Prints each profiled rank's calls
 per round (every Python and built-in call cProfile counts) and its busiest functions. Calls, not time, are
-what this counts: compare two revisions with ``--against REV`` (the package at REV, in the same ranks).
+what the profile counts: compare two revisions with ``--against REV`` (the package at REV, one after the
+other). Before profiling, the same ranks time ``--rounds`` rounds unprofiled, each after a ``dist.barrier()``
+(as ``bench_latency.py``'s rounds start): the median of the calling thread's CPU per round (``time.thread_time_ns``;
+rank 0's includes summing the four tensors it got).
 
     python scripts/profile_round.py                      # this tree
     python scripts/profile_round.py --against dea47a4    # and the package at dea47a4, one after the other
@@ -16,6 +19,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import subprocess
 import sys
@@ -43,6 +47,13 @@ def _rank(rounds: int, top: int, sort: str = "ncalls") -> dict[str, Any] | None:
 
     for _ in range(200):
         one()
+    cpu = []  # each round's thread CPU, unprofiled, after a barrier (as bench_latency's rounds start)
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.thread_time_ns()
+        one()
+        cpu.append(time.thread_time_ns() - start)
+    cpu.sort()
     dist.barrier()
     profile = cProfile.Profile(time.thread_time)
     profile.enable()
@@ -52,12 +63,19 @@ def _rank(rounds: int, top: int, sort: str = "ncalls") -> dict[str, Any] | None:
     dist.barrier()
     if rank > 1:
         return None
+    import distribute_utils
+
     stats = pstats.Stats(profile, stream=io.StringIO())
     calls = sum(entry[1] for entry in stats.stats.values())  # type: ignore[attr-defined]
     out = io.StringIO()
     stats.stream = out  # type: ignore[attr-defined]
     stats.sort_stats(sort).print_stats(top)
-    return {"calls_per_round": calls / rounds, "table": out.getvalue()}
+    return {
+        "calls_per_round": calls / rounds,
+        "cpu_us": cpu[len(cpu) // 2] / 1e3,
+        "table": out.getvalue(),
+        "package": distribute_utils.__file__,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,10 +122,24 @@ def main(argv: list[str] | None = None) -> int:
                 capture_output=True,
                 text=True,
                 check=True,
+                # (the ranks are forked from a fresh server process: the tree comes first on its path too,
+                # before its working directory and the package as installed)
+                cwd=tree,
+                env={
+                    **os.environ,
+                    "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
+                },
             )
             first, sender = json.loads(done.stdout.strip().splitlines()[-1])
+            for profiled in (first, sender):
+                if not Path(profiled["package"]).resolve().is_relative_to(tree.resolve()):
+                    raise SystemExit(
+                        f"{label}: the ranks ran the package at {profiled['package']}, not {tree}'s"
+                    )
             print(
-                f"{label}: calls per round, first rank {first['calls_per_round']:.1f}, a sender {sender['calls_per_round']:.1f}"
+                f"{label}: calls per round, first rank {first['calls_per_round']:.1f}, a sender "
+                f"{sender['calls_per_round']:.1f}; thread CPU per round (median, µs, unprofiled), first rank "
+                f"{first['cpu_us']:.0f}, a sender {sender['cpu_us']:.0f}"
             )
             if not args.quiet:
                 print(f"--- first rank ({label})\n{first['table']}--- a sender ({label})\n{sender['table']}")
