@@ -1,8 +1,9 @@
 """Python calls per gather round, by function, on the first rank and on a sender (cProfile).
 
-Four local ranks (gloo, one host: the direct round) gather one float32 tensor of 1024 elements per rank to
-rank 0, ``--rounds`` times after 200 warm-up rounds; ranks 0 and 1 profile the timed rounds with
-``cProfile`` (its clock: ``time.thread_time``, the calling thread's CPU). Prints each profiled rank's calls
+Four local ranks (gloo, one host: the direct round) gather one float32 tensor of ``--elements`` (1024)
+elements per rank to rank 0, ``--rounds`` times after 200 warm-up rounds (fewer for large tensors); ranks
+0 and 1 profile the timed rounds with ``cProfile`` (its clock: ``time.thread_time``, the calling thread's
+CPU). Prints each profiled rank's calls
 per round (every Python and built-in call cProfile counts) and its busiest functions. Calls, not time, are
 what the profile counts: compare two revisions with ``--against REV`` (the package at REV, one after the
 other). Before profiling, the same ranks time ``--rounds`` rounds unprofiled, each after a ``dist.barrier()``
@@ -11,6 +12,7 @@ rank 0's includes summing the four tensors it got).
 
     python scripts/profile_round.py                      # this tree
     python scripts/profile_round.py --against dea47a4    # and the package at dea47a4, one after the other
+    python scripts/profile_round.py --elements 16777216 --rounds 10 --sort tottime    # 64 MiB per rank
 """
 
 from __future__ import annotations
@@ -31,21 +33,21 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _rank(rounds: int, top: int, sort: str = "ncalls") -> dict[str, Any] | None:
+def _rank(rounds: int, top: int, sort: str = "ncalls", elements: int = 1024) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
     from distribute_utils import get_tensors_parallel
 
     rank, ranks = dist.get_rank(), list(range(dist.get_world_size()))
-    value = torch.full((1024,), float(rank))
+    value = torch.full((elements,), float(rank))
 
     def one() -> None:
         with get_tensors_parallel(value, ranks) as got:
             for tensor in got:
                 tensor.sum()
 
-    for _ in range(200):
+    for _ in range(min(200, max(3, 2**28 // (4 * elements)))):  # (at most about 256 MiB per rank)
         one()
     cpu = []  # each round's thread CPU, unprofiled, after a barrier (as bench_latency's rounds start)
     for _ in range(rounds):
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("ncalls", "tottime", "cumulative"),
         help="the order they are listed in",
     )
+    parser.add_argument("--elements", type=int, default=1024, help="float32 elements per rank (4 KiB)")
     parser.add_argument("--against", metavar="REV", help="also profile the package at git revision REV")
     parser.add_argument("--quiet", action="store_true", help="only the calls per round")
     args = parser.parse_args(argv)
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 "import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2])\n"
                 "import json, profile_round\n"
                 "from distribute_utils.launch import run_local\n"
-                "print(json.dumps(run_local(profile_round._rank, 4, int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])[:2]))\n"
+                "print(json.dumps(run_local(profile_round._rank, 4, int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))[:2]))\n"
             )
             done = subprocess.run(
                 [
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                     str(args.rounds),
                     str(args.top),
                     args.sort,
+                    str(args.elements),
                 ],
                 capture_output=True,
                 text=True,
