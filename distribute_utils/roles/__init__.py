@@ -46,6 +46,10 @@ its first rank's info for it, the first rank its participants'):
 
 Senders on another host than the first rank wait for its plan (``plan``): the first
 participant on each remote host collects its host's payloads and forwards one bundle.
+
+A call like this rank's last one of the same list and options that went well in a direct round, every
+payload inside its claim, runs through that call's repeat (:mod:`.repeat`): the same messages in fewer
+steps; anything unlike it is taken over by the general role.
 """
 
 from __future__ import annotations
