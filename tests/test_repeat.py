@@ -67,7 +67,7 @@ def _late(who: int) -> list[str]:
     if dist.get_rank() == who:
         threading.Event().wait(LATE_S)  # (only steers the path: any outcome but the exact one fails)
     problems += _gather(WARM)
-    return problems + _warm(WARM + 1)  # and the repeat is made again
+    return problems + _warm(WARM + 1)  # and the calls after it go well
 
 
 @pytest.mark.parametrize("who", [0, 3], ids=["first rank late", "sender late"])
