@@ -47,7 +47,7 @@ def _rank(rounds: int, top: int, sort: str = "ncalls", elements: int = 1024) -> 
             for tensor in got:
                 tensor.sum()
 
-    for _ in range(min(200, max(3, 2**28 // (4 * elements)))):  # (at most about 256 MiB per rank)
+    for _ in range(min(200, max(3, 2**28 // (4 * elements)))):  # (warm-up: at most about 256 MiB per rank)
         one()
     cpu = []  # each round's thread CPU, unprofiled, after a barrier (as bench_latency's rounds start)
     for _ in range(rounds):
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 cwd=tree,
                 env={
                     **os.environ,
-                    "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
+                    "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p),
                 },
             )
             first, sender = json.loads(done.stdout.strip().splitlines()[-1])

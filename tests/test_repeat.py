@@ -13,6 +13,7 @@ import collections
 import cProfile
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -138,7 +139,7 @@ def _rank_gone(victim: int) -> str:
 
 
 @pytest.mark.parametrize("victim", [2, 0], ids=["a sender", "the first rank"])
-def test_a_rank_gone_after_repeats_is_named(fresh_job, victim: int) -> None:
+def test_a_rank_gone_after_repeats_is_named(fresh_job: Callable[[int], RankPool], victim: int) -> None:
     results = fresh_job(4).run(_rank_gone, victim, expect_deaths=True)
     assert isinstance(results[victim], Died), results[victim]
     for rank in {0, 1, 2, 3} - {victim}:

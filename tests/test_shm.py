@@ -253,6 +253,51 @@ def test_maps_of_large_segments_are_not_kept_and_kept_ones_are_bounded() -> None
     _empty_pools()
 
 
+def _rss_of_map_at(address: int) -> int:
+    """Bytes of the mapping holding ``address`` that this process's page tables map (``/proc/self/smaps``)."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):
+                start, end = (int(x, 16) for x in first.split("-"))
+                inside = start <= address < end
+            elif inside and first == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_fresh_map_of_a_pooled_segment_has_exactly_the_payloads_pages_mapped() -> None:
+    """A first rank's new map of a pooled segment (over 4 MiB: not kept) has the payload's page tables
+    filled as it is fetched, before anything reads it, and not the rest of the segment (a larger payload's
+    tail: the kernel may map a fault-around window past the end, 64 KiB by default, never a MiB)."""
+    import ctypes
+    import mmap
+
+    _empty_pools()
+    transport = shm.SharedMemoryTransport(pool=True)
+    large = torch.ones((6 * 2**20) // 4)
+    receipt = transport.publish("00000000000000f0", 1, wire.encode(large))
+    del large
+    wire.decode(transport.fetch("00000000000000f0", 1, receipt))  # (views gone at once: the map too)
+    smaller = torch.ones((5 * 2**20) // 4)
+    again = _publish_freed(transport, "00000000000000f1", smaller)
+    assert again.split(":")[2] == receipt.split(":")[2], "the same 6 MiB segment"
+    nbytes = int(again.split(":")[5])
+    buf = transport.fetch("00000000000000f1", 1, again)
+    mapped = _rss_of_map_at(ctypes.addressof(buf))
+    try:
+        mmap.mmap(-1, mmap.PAGESIZE).madvise(22)  # MADV_POPULATE_READ
+    except OSError:  # a kernel before 5.14: the reader faults the pages in; nothing more to check
+        assert mapped < nbytes
+    else:
+        paged = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        assert paged <= mapped < paged + 2**20, (mapped, nbytes)
+    assert torch.equal(wire.decode(buf), smaller)
+    del buf
+    _empty_pools()
+
+
 def mmap_of(nbytes: int) -> Any:
     import mmap
 

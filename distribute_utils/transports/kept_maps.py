@@ -59,7 +59,7 @@ def map_pooled(path: str, rank: int, inode: int, nbytes: int) -> SegmentMap:
         os.close(fd)
     # The payload's pages mapped in one call, as it arrives (the first rank takes each claim as it comes,
     # while other senders still copy): not one fault per 64 KiB as its reader walks it. Only the payload's
-    # pages (the segment's tail may have none yet: this must not make any).
+    # pages: the rest of the segment (a larger payload's) is not read.
     with contextlib.suppress(OSError):  # (a kernel before 5.14: the reader faults them in)
         mapping.madvise(_POPULATE_READ, 0, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
     return SegmentMap(mapping, inode, info.st_size, path)
