@@ -225,14 +225,44 @@ def test_the_first_rank_keeps_a_small_segments_map_and_sees_the_senders_new_byte
     _empty_pools()
 
 
-def test_maps_of_large_segments_are_not_kept_and_kept_ones_are_bounded() -> None:
+def test_a_big_segments_map_is_kept_while_its_sender_holds_the_segment() -> None:
+    """A map of a segment over 4 MiB is kept too, its page tables filled, for the segment's next payload;
+    it is watched (kept_maps' watch runs), and given up at the first look after its sender lets the
+    segment go."""
+    import ctypes
+
+    from distribute_utils.owners import owned, process_owned
+
     _empty_pools()
-    transport = shm.SharedMemoryTransport(pool=True)
-    big = torch.zeros(shm.KeptMaps.MAX_BYTES // 4 + 64)  # just over 4 MiB
+    pool = shm.SegmentPool()
+    transport = shm.SharedMemoryTransport(pool=pool)
+    big = torch.arange(shm.KeptMaps.MAX_BYTES // 4 + 2**16, dtype=torch.float32)  # 4.25 MiB
     receipt = transport.publish("00000000000000e0", 1, wire.encode(big))
     assert receipt.startswith("p:")
-    wire.decode(transport.fetch("00000000000000e0", 1, receipt))
-    assert shm.kept_maps() == (0, 0), "a segment over 4 MiB is unmapped once its views are gone"
+    got = wire.decode(transport.fetch("00000000000000e0", 1, receipt))
+    assert torch.equal(got, big) and shm.kept_maps() == (0, 0), "lent: not kept while viewed"
+    del got
+    segment_bytes = pool.held()[1]
+    assert shm.kept_maps() == (1, segment_bytes), "its views gone, the big map is kept"
+    assert process_owned(shm.BigSegmentWatch).running, "and watched"
+    keeper = owned(shm.KeptMaps)
+    assert keeper.drop_idle(), "its sender holds the segment: kept"
+    again = _publish_freed(transport, "00000000000000e1", big * 3)
+    assert again == receipt, "the same warm segment"
+    buf = transport.fetch("00000000000000e1", 1, again)
+    assert shm.kept_maps() == (0, 0), "taken from the kept maps"
+    assert _rss_of_map_at(ctypes.addressof(buf)) >= big.nbytes, "the kept map's page tables are filled"
+    assert torch.equal(wire.decode(buf), big * 3), "the sender's new bytes"
+    del buf
+    assert shm.kept_maps()[0] == 1
+    REPORTS.heed(1, REPORTS.take({PID: 1}))
+    assert pool.release() == segment_bytes, "the sender lets its segment go"
+    assert not keeper.drop_idle() and shm.kept_maps() == (0, 0), "the map goes at the next look"
+    _empty_pools()
+
+
+def test_kept_small_maps_are_bounded() -> None:
+    _empty_pools()
     kept = shm.KeptMaps()
     maps = [shm.SegmentMap(mmap_of(2**20), 0, 2**20) for _ in range(kept.MAX_TOTAL_BYTES // 2**20 + 3)]
     for i, item in enumerate(maps):  # one segment each of many senders
@@ -268,18 +298,21 @@ def _rss_of_map_at(address: int) -> int:
 
 
 def test_a_fresh_map_of_a_pooled_segment_has_exactly_the_payloads_pages_mapped() -> None:
-    """A first rank's new map of a pooled segment (over 4 MiB: not kept) has the payload's page tables
+    """A first rank's new map of a pooled segment has the payload's page tables
     filled as it is fetched, before anything reads it, and not the rest of the segment (a larger payload's
     tail: the kernel may map a fault-around window past the end, 64 KiB by default, never a MiB)."""
     import ctypes
     import mmap
+
+    from distribute_utils.owners import owned
 
     _empty_pools()
     transport = shm.SharedMemoryTransport(pool=True)
     large = torch.ones((6 * 2**20) // 4)
     receipt = transport.publish("00000000000000f0", 1, wire.encode(large))
     del large
-    wire.decode(transport.fetch("00000000000000f0", 1, receipt))  # (views gone at once: the map too)
+    wire.decode(transport.fetch("00000000000000f0", 1, receipt))  # (views gone at once)
+    owned(shm.KeptMaps).forget()  # (the next payload is mapped anew)
     smaller = torch.ones((5 * 2**20) // 4)
     again = _publish_freed(transport, "00000000000000f1", smaller)
     assert again.split(":")[2] == receipt.split(":")[2], "the same 6 MiB segment"
@@ -586,6 +619,7 @@ def _big_then_small_then_idle(keep_s: float) -> dict:
             assert not got or float(got[1][-1]) == 1.0
         del got
         out[f"{step}_pooled"] = shm.pooled_bytes()[1]
+        out[f"{step}_kept"] = shm.kept_maps()[1]
         if step == "first":
             for _ in range(shm.SegmentPool.KEEP_PAYLOADS + 1):
                 with get_tensors_parallel(torch.full((1024,), float(rank)), ranks):
@@ -596,9 +630,12 @@ def _big_then_small_then_idle(keep_s: float) -> dict:
     with get_tensors_parallel(torch.full((8,), float(rank)), ranks) as got:
         assert [float(t[0]) for t in got] == ([0.0, 1.0] if rank == 0 else [])
     deadline = time.monotonic() + 10 * keep_s + 30
-    while shm.pooled_bytes()[1] > shm.SegmentPool.BIG_BYTES and time.monotonic() < deadline:
+    while max(shm.pooled_bytes()[1], shm.kept_maps()[1]) > shm.SegmentPool.BIG_BYTES:
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.05)  # (the watch thread's own period is keep_s / 2)
     out["idle"] = shm.pooled_bytes()[1]
+    out["kept_idle"] = shm.kept_maps()[1]
     out["rss_idle_kib"] = _rss_shmem_kib()
     dist.barrier()
     return out
@@ -607,14 +644,16 @@ def _big_then_small_then_idle(keep_s: float) -> dict:
 def test_a_big_segment_is_given_back_once_unneeded_on_both_roles(fresh_job) -> None:
     """The stated bound (SegmentPool.BIG_BYTES): after a 256 MiB gather, a sender keeps its segment for
     at most KEEP_PAYLOADS sends that do not need it, or KEEP_S seconds when it sends no more; the first
-    rank maps none of it once its views are gone. (Before, 1 GiB stayed pooled until exit.)"""
+    rank keeps its map of it between rounds (KeptMaps), only until its watch sees the sender let it go.
+    (Before, 1 GiB stayed pooled until exit.)"""
     first, sender = fresh_job(2).run(_big_then_small_then_idle, 1.0, timeout=180)
     limit_kib = shm.SegmentPool.BIG_BYTES // 1024
     assert sender["first_pooled"] >= 256 * 2**20 and sender["second_pooled"] >= 256 * 2**20, sender
     assert sender["after_small"] <= shm.SegmentPool.BIG_BYTES, f"still pooled after small sends: {sender}"
     assert sender["idle"] <= shm.SegmentPool.BIG_BYTES, f"still pooled with no send for long: {sender}"
-    for role, r in (("sender", sender), ("first rank", first)):
-        assert r["rss_after_small_kib"] < limit_kib and r["rss_idle_kib"] < limit_kib, (role, r)
+    assert sender["rss_after_small_kib"] < limit_kib and sender["rss_idle_kib"] < limit_kib, sender
+    assert first["first_kept"] >= 256 * 2**20 and first["second_kept"] >= 256 * 2**20, "kept between rounds"
+    assert first["kept_idle"] == 0 and first["rss_idle_kib"] < limit_kib, f"still mapped: {first}"
     assert first["after_small"] == first["idle"] == 0, "the first rank pooled nothing of its own"
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ..errors import PayloadError, PeerLostError
 from ..owners import process_owned
 from .pinning import Registration
-from .segment_pool import FreedReports, Notices, SegmentPool
+from .segment_pool import BigSegmentWatch, FreedReports, Notices, SegmentPool
 
 __all__ = ["KeptMaps", "LentViews", "SegmentMap", "check_owned", "checked", "map_pooled"]
 
@@ -139,18 +139,21 @@ class KeptMaps:
     bounds, so that tests and tuning can read and drive it).
 
     Mapping a pooled segment (open through ``/proc``, check, map, later unmap) costs about 50 µs
-    per payload cold, a sixth of the first rank's call at 1 MiB. A map whose views are gone is kept
-    here, and the segment's next payload is lent from it: a shared map shows what the sender wrote
-    since.
-    Only segments of at most :attr:`MAX_BYTES`, at most :attr:`PER_SENDER` per sender process and
-    :attr:`MAX_TOTAL_BYTES` in all, least recently used given up first: a kept map holds its
-    segment's pages (and a descriptor: ``mmap`` dups it) even after the sender has let the segment
-    go; a map registered with CUDA (:meth:`SegmentMap.pin`) is kept whatever its size and counts in neither
-    bound, since registering again costs as much as a copy (its pages are its sender's pooled segment's,
-    unless the sender let that go: see below). A sender holds at most :attr:`SegmentPool.LIMIT`
-    segments at once, so a map beyond that is
-    one it let go; and when a sender's new segment comes, its other kept maps whose segment it no
-    longer holds are given up at once. :func:`.shm.release_shared_memory` forgets them all.
+    per payload cold, a sixth of the first rank's call at 1 MiB; for a big one, filling its page tables
+    costs more than a fifth of the first rank's CPU at 64 MiB. A map whose views are gone is kept here,
+    and the segment's next payload is lent from it: a shared map shows what the sender wrote since, and
+    its page tables stay filled. A sender holds at most :attr:`SegmentPool.LIMIT` segments at once, so
+    at most :attr:`PER_SENDER` maps are kept per sender process, least recently used given up first;
+    and when a sender's new segment comes, its other kept maps whose segment it no longer holds are
+    given up at once.
+
+    A kept map holds its segment's pages (and a descriptor: ``mmap`` dups it) even after the sender has
+    let the segment go. So a map of at most :attr:`MAX_BYTES` counts towards :attr:`MAX_TOTAL_BYTES`
+    in all; a larger map, or one registered with CUDA (:meth:`SegmentMap.pin`, where registering again
+    costs as much as a copy), counts in neither bound but is *watched*: kept only while its sender holds
+    its segment, looked up at each of that sender's payloads and every ``SegmentPool.KEEP_S / 2``
+    seconds by :class:`.segment_pool.BigSegmentWatch` (:meth:`drop_idle`). So its pages outlive the
+    sender's segment by at most that long. :func:`.shm.release_shared_memory` forgets them all.
     """
 
     MAX_BYTES = 4 * 2**20
@@ -168,7 +171,7 @@ class KeptMaps:
         """Forget the kept map ``key`` (with the lock held); returns it."""
         kept = self._maps.pop(key, None)
         if kept is not None:
-            self._bytes -= _counted(kept)
+            self._bytes -= self._counted(kept)
             idents = self._senders[key[0]]
             idents.remove(key[1])
             if not idents:
@@ -178,14 +181,14 @@ class KeptMaps:
     def take(self, pid: int, ident: str, inode: int, nbytes: int) -> SegmentMap | None:
         """The kept map of segment ``ident`` of process ``pid``, if it holds ``nbytes``. None for a
         segment new to it: its sender's other kept maps are then looked up and dropped if it let
-        their segment go (it may have, to make this one). Registered ones are looked up every time (a
-        sender gives back a large segment once its payloads shrink; the map would pin its pages)."""
+        their segment go (it may have, to make this one). Watched ones are looked up every time (a
+        sender gives back a large segment once its payloads shrink; the map would hold its pages)."""
         with self._lock:
             kept = self._pop((pid, ident))
             others = [
                 (i, self._maps[(pid, i)])
                 for i in self._senders.get(pid, ())
-                if kept is None or self._maps[(pid, i)].pinned is not None
+                if kept is None or self._watched(self._maps[(pid, i)])
             ]
         if others:
             self._drop_let_go(pid, others)
@@ -211,11 +214,7 @@ class KeptMaps:
     def keep(self, key: tuple[int, str], kept: SegmentMap, epoch: int) -> None:
         """Keep ``kept`` for the next payload of segment ``key`` (called as its last view goes, from
         any thread: never waits for the lock, and gives the map up when it is taken)."""
-        if (
-            epoch != self.epoch
-            or (kept.size > self.MAX_BYTES and kept.pinned is None)
-            or not self._lock.acquire(blocking=False)
-        ):
+        if epoch != self.epoch or not self._lock.acquire(blocking=False):
             return
         try:
             self._pop(key)
@@ -224,12 +223,35 @@ class KeptMaps:
                 self._pop((key[0], ident))
             self._senders.setdefault(key[0], []).append(key[1])
             self._maps[key] = kept
-            self._bytes += _counted(kept)
+            self._bytes += self._counted(kept)
             # The least recent counted map goes (unmapped once unreferenced).
             while self._bytes > self.MAX_TOTAL_BYTES:
-                self._pop(next(k for k, m in self._maps.items() if m.pinned is None))
+                self._pop(next(k for k, m in self._maps.items() if self._counted(m)))
         finally:
             self._lock.release()
+        if self._watched(kept):
+            process_owned(BigSegmentWatch).watch(self)
+
+    def drop_idle(self) -> bool:
+        """Give up the watched maps whose sender let their segment go; True while one is still kept
+        (:class:`.segment_pool.BigSegmentWatch` asks, from its thread)."""
+        with self._lock:
+            watched = [(key, m) for key, m in self._maps.items() if self._watched(m)]
+        by_sender: dict[int, list[tuple[str, SegmentMap]]] = {}
+        for (pid, ident), kept in watched:
+            by_sender.setdefault(pid, []).append((ident, kept))
+        for pid, maps in by_sender.items():
+            self._drop_let_go(pid, maps)
+        with self._lock:
+            return any(self._watched(m) for m in self._maps.values())
+
+    def _watched(self, kept: SegmentMap) -> bool:
+        """Whether ``kept`` is kept only while its sender holds its segment (see the class doc)."""
+        return kept.pinned is not None or kept.size > self.MAX_BYTES
+
+    def _counted(self, kept: SegmentMap) -> int:
+        """What ``kept`` counts towards :attr:`MAX_TOTAL_BYTES`: nothing when watched."""
+        return 0 if self._watched(kept) else kept.size
 
     def forget(self) -> None:
         """Unmap every kept map, and keep none of those lent now."""
@@ -244,11 +266,6 @@ class KeptMaps:
         self.forget()
 
     def held(self) -> tuple[int, int]:
-        """``(maps, bytes)`` kept."""
+        """``(maps, bytes)`` kept, watched ones included."""
         with self._lock:
-            return len(self._maps), self._bytes
-
-
-def _counted(kept: SegmentMap) -> int:
-    """What a kept map counts towards :attr:`KeptMaps.MAX_TOTAL_BYTES`: nothing when registered."""
-    return 0 if kept.pinned is not None else kept.size
+            return len(self._maps), sum(m.size for m in self._maps.values())

@@ -30,7 +30,7 @@ import time
 import weakref
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .. import host_dir
 from ..caches import Recent
@@ -46,6 +46,7 @@ __all__ = [
     "NOTICE_NAME",
     "BigSegmentWatch",
     "FreedReports",
+    "Idle",
     "Notices",
     "Pools",
     "Segment",
@@ -507,16 +508,27 @@ class Pools:
         self.retiring.clear()
 
 
+class Idle(Protocol):
+    """What :class:`BigSegmentWatch` looks after besides the pools: a holder of big shared memory that
+    gives back what is no longer needed when asked (any thread)."""
+
+    def drop_idle(self) -> bool:
+        """Give back what is idle; True while something big is still held."""
+        ...
+
+
 class BigSegmentWatch:
-    """Gives back big pooled segments in a process that no longer sends (process-wide:
+    """Gives back big shared memory in a process that no longer gathers (process-wide:
     ``process_owned(BigSegmentWatch)``): a daemon thread that, while any pool holds a segment of over
-    :attr:`SegmentPool.BIG_BYTES`, calls :meth:`SegmentPool.drop_idle` every ``KEEP_S / 2`` seconds;
-    it ends when none is left (started again by the next big payload) and at exit."""
+    :attr:`SegmentPool.BIG_BYTES` or a watched holder (:meth:`watch`: a first rank's kept maps of big
+    segments) still holds something big, calls their ``drop_idle`` every ``KEEP_S / 2`` seconds; it ends
+    when nothing big is left (started again by the next big payload or map) and at exit."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._wanted = False  # a big segment came since the thread last looked
+        self._holders: weakref.WeakSet[Idle] = weakref.WeakSet()
         self._stop = threading.Event()
         atexit.register(lambda: self._stop.set())  # (the child's own after a fork: see forked)
 
@@ -530,6 +542,13 @@ class BigSegmentWatch:
                 )
                 self._thread.start()
 
+    def watch(self, holder: Idle) -> None:
+        """``holder`` took something big: ask it too (until it says it holds nothing big), and make
+        sure the thread runs."""
+        with self._lock:
+            self._holders.add(holder)
+        self.start()
+
     @property
     def running(self) -> bool:
         """Whether its thread runs."""
@@ -539,17 +558,26 @@ class BigSegmentWatch:
         while not self._stop.wait(SegmentPool.KEEP_S / 2):
             with self._lock:
                 self._wanted = False
+                holders = list(self._holders)
             held = False
             for pool in process_owned(Pools):
                 held = pool.drop_idle() or held
+            for holder in holders:
+                if holder.drop_idle():
+                    held = True
+                else:
+                    with self._lock:
+                        self._holders.discard(holder)
             with self._lock:
                 if not held and not self._wanted:
                     self._thread = None
                     return
 
     def forked(self) -> None:
-        """A forked child starts without the thread (its parent's pools are closed there)."""
+        """A forked child starts without the thread (its parent's pools are closed there, and its maps
+        are its parent's to watch)."""
         self._lock, self._thread, self._wanted, self._stop = threading.Lock(), None, False, threading.Event()
+        self._holders = weakref.WeakSet()
 
 
 def heed_notices() -> None:

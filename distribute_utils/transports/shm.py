@@ -13,9 +13,10 @@ Segment ``/dev/shm/du_<token>_<rank>_<pid>``: ``token`` is unguessable and fresh
   time a GPU payload goes into it, and stays registered while pooled, so the copy runs at pinned speed.
 - ``fetch`` maps the segment copy-on-write, unlinks its name at once and returns the map:
   decoded tensors are views of it, valid for as long as they live. A pooled segment is mapped
-  shared instead (nobody else reads it until its receiver lets it go), and a small one's map is
-  kept for its next payload (see :class:`.kept_maps.KeptMaps`). A first rank that copies what it receives to
-  a GPU (``pin=True``) registers its map of a pooled segment once and keeps it, whatever its size.
+  shared instead (nobody else reads it until its receiver lets it go), and its map is kept for its
+  next payload (see :class:`.kept_maps.KeptMaps`: a big one only while its sender holds the segment).
+  A first rank that copies what it receives to a GPU (``pin=True``) registers its map of a pooled
+  segment once and keeps it, on the same terms.
 - ``release`` unlinks the sender's segment if the first rank never took it.
 
 No ``multiprocessing.shared_memory``: nothing is registered with the resource tracker.
@@ -43,11 +44,21 @@ from .base import Context, Destination, removed_on_interrupt
 from .files import unlink
 from .kept_maps import KeptMaps, SegmentMap, checked, map_pooled
 from .named_files import PREFIX, HostFile, named_files, remove_named
-from .segment_pool import NOTICE_NAME, FreedReports, Notices, Pools, SegmentPool, reserve, shm_space
+from .segment_pool import (
+    NOTICE_NAME,
+    BigSegmentWatch,
+    FreedReports,
+    Notices,
+    Pools,
+    SegmentPool,
+    reserve,
+    shm_space,
+)
 
 __all__ = [
     "REPORTS",
     "SEGMENT_PREFIX",
+    "BigSegmentWatch",
     "FreedReports",
     "KeptMaps",
     "SegmentMap",
