@@ -113,8 +113,9 @@ def test_every_command_is_run_or_excluded_with_a_reason() -> None:
     assert used == {p for p, _ in EXCLUDED}, f"exclusions that match no command: {set(dict(EXCLUDED)) - used}"
 
 
-#: Commands that test_cli.py runs too (``--nproc``, torchrun): run here only with ``-m slow``.
-SLOW = (r"--nproc \d", r"^torchrun ")
+#: Commands that other tests run too: run here only with ``-m slow``. ``--nproc`` and torchrun: test_cli.py;
+#: the legacy GQA save to Hugging Face, then loaded by ``transformers``: test_hf_export.py's command-line case.
+SLOW = (r"--nproc \d", r"^torchrun ", r"--to hf --hf-config vocab_size=100 ", r"from_pretrained\('hf-out'\)")
 
 
 def _marked(where: str, command: str) -> Any:
