@@ -525,9 +525,10 @@ class BigSegmentWatch:
     when nothing big is left (started again by the next big payload or map) and at exit."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # (reentrant: watch runs from a view's weakref callback, which may fire in this thread too)
+        self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
-        self._wanted = False  # a big segment came since the thread last looked
+        self._wanted = False  # a big segment or map came since the thread last looked
         self._holders: weakref.WeakSet[Idle] = weakref.WeakSet()
         self._stop = threading.Event()
         atexit.register(lambda: self._stop.set())  # (the child's own after a fork: see forked)
@@ -562,21 +563,25 @@ class BigSegmentWatch:
             held = False
             for pool in process_owned(Pools):
                 held = pool.drop_idle() or held
+            idle = []
             for holder in holders:
                 if holder.drop_idle():
                     held = True
                 else:
-                    with self._lock:
-                        self._holders.discard(holder)
+                    idle.append(holder)
             with self._lock:
-                if not held and not self._wanted:
+                if self._wanted:  # (taken since the look: an idle holder may hold it; asked again)
+                    continue
+                for holder in idle:
+                    self._holders.discard(holder)
+                if not held:
                     self._thread = None
                     return
 
     def forked(self) -> None:
         """A forked child starts without the thread (its parent's pools are closed there, and its maps
         are its parent's to watch)."""
-        self._lock, self._thread, self._wanted, self._stop = threading.Lock(), None, False, threading.Event()
+        self._lock, self._thread, self._wanted, self._stop = threading.RLock(), None, False, threading.Event()
         self._holders = weakref.WeakSet()
 
 
