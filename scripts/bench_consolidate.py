@@ -25,7 +25,10 @@ One run:
 
 Wall time is measured around each child process (interpreter start and ``import torch`` included). Peak
 memory is that of the **whole process tree** (the command and every rank it spawns): the largest sum of
-the tree's resident set sizes, sampled every 10 ms (``psutil``). A ``sync`` runs before each measured step.
+the tree's resident set sizes, sampled every 10 ms (``psutil``); the targets are judged by it. Beside it,
+the largest sum of their proportional set sizes (PSS): RSS counts a page that several processes map in each
+of them (a sender's shared-memory segment and the first rank's map of it), PSS once in all. A ``sync`` runs
+before each measured step.
 
 Usage::
 
@@ -161,13 +164,16 @@ def baseline_worker(fmt: str, input_dir: str, output_dir: str, to_hf: str = "") 
 
 
 class _TreePeak:
-    """Largest sum of RSS over a process and its descendants, sampled every 10 ms."""
+    """Largest sum of RSS over a process and its descendants, sampled every 10 ms; and of their PSS
+    (``/proc/<pid>/smaps_rollup``), where a page several of them map (a rank's shared-memory segment and
+    the first rank's map of it) counts once in all: RSS counts it in each."""
 
     def __init__(self, pid: int) -> None:
         import psutil
 
         self._proc = psutil.Process(pid)
         self.peak = 0
+        self.peak_pss = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -176,7 +182,7 @@ class _TreePeak:
         import psutil
 
         while not self._stop.is_set():
-            total = 0
+            total = pss = 0
             try:
                 procs = [self._proc, *self._proc.children(recursive=True)]
             except psutil.Error:
@@ -184,13 +190,24 @@ class _TreePeak:
             for p in procs:
                 with contextlib.suppress(psutil.Error):
                     total += p.memory_info().rss
-            self.peak = max(self.peak, total)
+                    pss += _pss(p.pid)
+            self.peak, self.peak_pss = max(self.peak, total), max(self.peak_pss, pss)
             self._stop.wait(0.01)
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, int]:
+        """``(peak RSS sum, peak PSS sum)``, in bytes."""
         self._stop.set()
         self._thread.join()
-        return self.peak
+        return self.peak, self.peak_pss
+
+
+def _pss(pid: int) -> int:
+    """``pid``'s proportional set size in bytes (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+    except (OSError, StopIteration):
+        return 0
 
 
 def _run(cmd: list[str]) -> dict[str, Any]:
@@ -200,10 +217,10 @@ def _run(cmd: list[str]) -> dict[str, Any]:
     sampler = _TreePeak(proc.pid)
     out, err = proc.communicate()
     wall = time.perf_counter() - start
-    peak = sampler.stop()
+    peak, peak_pss = sampler.stop()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-3000:]}")
-    return {"wall_s": wall, "tree_peak_bytes": peak, "stdout": out}
+    return {"wall_s": wall, "tree_peak_bytes": peak, "tree_peak_pss_bytes": peak_pss, "stdout": out}
 
 
 def _compare(a: Path, b: Path) -> int:
@@ -256,6 +273,7 @@ def _bench_format(fmt: str, inp: Path, work: Path, ranks: int, repeats: int, to_
         result[method] = {
             "wall_s": statistics.median(r["wall_s"] for r in rs),
             "tree_peak_bytes": statistics.median(r["tree_peak_bytes"] for r in rs),
+            "tree_peak_pss_bytes": statistics.median(r["tree_peak_pss_bytes"] for r in rs),
             "walls": [round(r["wall_s"], 3) for r in rs],
         }
     base = result["baseline"]
@@ -301,8 +319,8 @@ def _table(r: dict[str, Any]) -> str:
         f"TP {r['tp']} x PP {r['pp']}; medians of {r['repeats']} interleaved runs; load average "
         f"{load[0]:.1f} before, {load[1]:.1f} after",
         "",
-        "| format | method | wall s | peak memory of the process tree MiB |",
-        "|---|---|---:|---:|",
+        "| format | method | wall s | peak memory of the process tree MiB | its peak PSS MiB |",
+        "|---|---|---:|---:|---:|",
     ]
     labels = {
         "baseline": "naive: load all, torch.cat, save_file",
@@ -319,7 +337,10 @@ def _table(r: dict[str, Any]) -> str:
                 continue
             hf = " --to hf" if r.get("to_hf") else ""
             label = labels.get(method, f"`consolidate --nproc {r['tp'] * r['pp']}{hf}`")
-            lines.append(f"| {fmt} | {label} | {m['wall_s']:.2f} | {m['tree_peak_bytes'] / 2**20:.0f} |")
+            lines.append(
+                f"| {fmt} | {label} | {m['wall_s']:.2f} | {m['tree_peak_bytes'] / 2**20:.0f} "
+                f"| {m['tree_peak_pss_bytes'] / 2**20:.0f} |"
+            )
     lines.append("")
     for fmt in ("legacy", "torch_dist"):
         t, m = r[fmt]["time_ratio"], r[fmt]["memory_ratio"]
