@@ -26,9 +26,11 @@ One run:
 Wall time is measured around each child process (interpreter start and ``import torch`` included). Peak
 memory is that of the **whole process tree** (the command and every rank it spawns): the largest sum of
 the tree's resident set sizes, sampled every 10 ms (``psutil``); the targets are judged by it. Beside it,
-the largest sum of their proportional set sizes (PSS): RSS counts a page that several processes map in each
-of them (a sender's shared-memory segment and the first rank's map of it), PSS once in all. A ``sync`` runs
-before each measured step.
+with ``--pss``, the largest sum of their proportional set sizes (PSS): RSS counts a page that several
+processes map in each of them (a sender's shared-memory segment and the first rank's map of it), PSS once in
+all. Reading PSS walks each process's page tables every 10 ms, which slows the largest processes most (the
+naive baseline's): compare the memory of such runs, not their times. A ``sync`` runs before each measured
+step.
 
 Usage::
 
@@ -168,10 +170,11 @@ class _TreePeak:
     (``/proc/<pid>/smaps_rollup``), where a page several of them map (a rank's shared-memory segment and
     the first rank's map of it) counts once in all: RSS counts it in each."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, pss: bool) -> None:
         import psutil
 
         self._proc = psutil.Process(pid)
+        self._pss = pss  # (reading smaps_rollup walks page tables: milliseconds per large process)
         self.peak = 0
         self.peak_pss = 0
         self._stop = threading.Event()
@@ -190,15 +193,15 @@ class _TreePeak:
             for p in procs:
                 with contextlib.suppress(psutil.Error):
                     total += p.memory_info().rss
-                    pss += _pss(p.pid)
+                    pss += _pss(p.pid) if self._pss else 0
             self.peak, self.peak_pss = max(self.peak, total), max(self.peak_pss, pss)
             self._stop.wait(0.01)
 
-    def stop(self) -> tuple[int, int]:
-        """``(peak RSS sum, peak PSS sum)``, in bytes."""
+    def stop(self) -> tuple[int, int | None]:
+        """``(peak RSS sum, peak PSS sum or None when not sampled)``, in bytes."""
         self._stop.set()
         self._thread.join()
-        return self.peak, self.peak_pss
+        return self.peak, self.peak_pss if self._pss else None
 
 
 def _pss(pid: int) -> int:
@@ -210,11 +213,11 @@ def _pss(pid: int) -> int:
         return 0
 
 
-def _run(cmd: list[str]) -> dict[str, Any]:
+def _run(cmd: list[str], pss: bool) -> dict[str, Any]:
     os.sync()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    sampler = _TreePeak(proc.pid)
+    sampler = _TreePeak(proc.pid, pss)
     out, err = proc.communicate()
     wall = time.perf_counter() - start
     peak, peak_pss = sampler.stop()
@@ -243,7 +246,9 @@ def _compare(a: Path, b: Path) -> int:
     return len(names)
 
 
-def _bench_format(fmt: str, inp: Path, work: Path, ranks: int, repeats: int, to_hf: bool) -> dict[str, Any]:
+def _bench_format(
+    fmt: str, inp: Path, work: Path, ranks: int, repeats: int, to_hf: bool, pss: bool
+) -> dict[str, Any]:
     hf = ["--to", "hf"] if to_hf else []
     cli = [sys.executable, "-m", "distribute_utils", "consolidate", str(inp), *hf]
     methods: dict[str, list[str]] = {
@@ -261,7 +266,7 @@ def _bench_format(fmt: str, inp: Path, work: Path, ranks: int, repeats: int, to_
                 tail = [str(out), *(["--to-hf"] if to_hf else [])]
             else:
                 tail = [str(out), "--quiet", "--json"]
-            runs[method].append(_run([*cmd, *tail]))
+            runs[method].append(_run([*cmd, *tail], pss))
     identical = 0
     for method in methods:
         if method != "baseline":
@@ -273,7 +278,7 @@ def _bench_format(fmt: str, inp: Path, work: Path, ranks: int, repeats: int, to_
         result[method] = {
             "wall_s": statistics.median(r["wall_s"] for r in rs),
             "tree_peak_bytes": statistics.median(r["tree_peak_bytes"] for r in rs),
-            "tree_peak_pss_bytes": statistics.median(r["tree_peak_pss_bytes"] for r in rs),
+            "tree_peak_pss_bytes": statistics.median(r["tree_peak_pss_bytes"] for r in rs) if pss else None,
             "walls": [round(r["wall_s"], 3) for r in rs],
         }
     base = result["baseline"]
@@ -339,7 +344,7 @@ def _table(r: dict[str, Any]) -> str:
             label = labels.get(method, f"`consolidate --nproc {r['tp'] * r['pp']}{hf}`")
             lines.append(
                 f"| {fmt} | {label} | {m['wall_s']:.2f} | {m['tree_peak_bytes'] / 2**20:.0f} "
-                f"| {m['tree_peak_pss_bytes'] / 2**20:.0f} |"
+                f"| {'-' if m['tree_peak_pss_bytes'] is None else round(m['tree_peak_pss_bytes'] / 2**20)} |"
             )
     lines.append("")
     for fmt in ("legacy", "torch_dist"):
@@ -374,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         "--to-hf",
         action="store_true",
         help="every method writes a Hugging Face LlamaForCausalLM checkpoint: the naive one converts in memory",
+    )
+    parser.add_argument(
+        "--pss",
+        action="store_true",
+        help="also sample the tree's PSS (slows the sampled runs: compare memory only, not time)",
     )
     parser.add_argument("--baseline-worker", nargs=3, metavar=("FMT", "IN", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -416,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         load_before = os.getloadavg()[0]
         for fmt in ("legacy", "torch_dist"):
-            result[fmt] = _bench_format(fmt, src / fmt, work, args.tp * args.pp, args.repeats, args.to_hf)
+            result[fmt] = _bench_format(
+                fmt, src / fmt, work, args.tp * args.pp, args.repeats, args.to_hf, args.pss
+            )
         result["tiny_s"] = _tiny(work)
         result["load_average"] = [load_before, os.getloadavg()[0]]
         print(_table(result))

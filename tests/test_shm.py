@@ -226,9 +226,10 @@ def test_the_first_rank_keeps_a_small_segments_map_and_sees_the_senders_new_byte
 
 
 def test_a_big_segments_map_is_kept_while_its_sender_holds_the_segment() -> None:
-    """A map of a segment over 4 MiB is kept too, its page tables filled, for the segment's next payload;
-    it is watched (kept_maps' watch runs), and given up at the first look after its sender lets the
-    segment go."""
+    """A map of a segment over 4 MiB is kept too, its page tables filled, for the segment's next payload
+    (a smaller one finds the first one's pages mapped: a fresh map fills only the payload's); it is watched
+    from its first lending, a forked child forgets it, and it is given up at the first look after its
+    sender lets the segment go."""
     import ctypes
 
     from distribute_utils.owners import owned, process_owned
@@ -236,25 +237,38 @@ def test_a_big_segments_map_is_kept_while_its_sender_holds_the_segment() -> None
     _empty_pools()
     pool = shm.SegmentPool()
     transport = shm.SharedMemoryTransport(pool=pool)
-    big = torch.arange(shm.KeptMaps.MAX_BYTES // 4 + 2**16, dtype=torch.float32)  # 4.25 MiB
+    big = torch.arange(shm.KeptMaps.MAX_BYTES // 4 + 2**18, dtype=torch.float32)  # 5 MiB
     receipt = transport.publish("00000000000000e0", 1, wire.encode(big))
     assert receipt.startswith("p:")
+    keeper = owned(shm.KeptMaps)
     got = wire.decode(transport.fetch("00000000000000e0", 1, receipt))
     assert torch.equal(got, big) and shm.kept_maps() == (0, 0), "lent: not kept while viewed"
+    assert process_owned(shm.BigSegmentWatch).watching(keeper), "watched from its lending"
+    assert keeper.drop_idle(), "lent: still held"
     del got
     segment_bytes = pool.held()[1]
     assert shm.kept_maps() == (1, segment_bytes), "its views gone, the big map is kept"
-    assert process_owned(shm.BigSegmentWatch).running, "and watched"
-    keeper = owned(shm.KeptMaps)
     assert keeper.drop_idle(), "its sender holds the segment: kept"
-    again = _publish_freed(transport, "00000000000000e1", big * 3)
-    assert again == receipt, "the same warm segment"
+    smaller = big[: 2**18]  # 1 MiB, pooled, in the same segment
+    again = _publish_freed(transport, "00000000000000e1", smaller * 3)
+    assert again.split(":")[2] == receipt.split(":")[2], "the same warm segment"
     buf = transport.fetch("00000000000000e1", 1, again)
     assert shm.kept_maps() == (0, 0), "taken from the kept maps"
-    assert _rss_of_map_at(ctypes.addressof(buf)) >= big.nbytes, "the kept map's page tables are filled"
-    assert torch.equal(wire.decode(buf), big * 3), "the sender's new bytes"
+    mapped = _rss_of_map_at(ctypes.addressof(buf))
+    assert mapped >= big.nbytes, f"the kept map's pages ({mapped} bytes mapped), not a fresh map's"
+    assert torch.equal(wire.decode(buf), smaller * 3), "the sender's new bytes"
     del buf
     assert shm.kept_maps()[0] == 1
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        os.write(write, repr(shm.kept_maps()).encode())
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 100) == b"(0, 0)", "a forked child forgets its copies of the maps"
+    os.close(read)
+    assert os.waitpid(child, 0)[1] == 0
+    assert shm.kept_maps() == (1, segment_bytes), "the parent's are untouched"
     REPORTS.heed(1, REPORTS.take({PID: 1}))
     assert pool.release() == segment_bytes, "the sender lets its segment go"
     assert not keeper.drop_idle() and shm.kept_maps() == (0, 0), "the map goes at the next look"
@@ -601,6 +615,32 @@ def _rss_shmem_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
 
 
+def _shm_mapped_bytes() -> int:
+    """Bytes of ``/dev/shm`` files this process maps (``/proc/self/maps``), touched or not."""
+    total = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(shm.SHM_DIR + "/"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                total += end - start
+    return total
+
+
+def _shm_mapped_in_a_forked_child() -> int:
+    """:func:`_shm_mapped_bytes` of a child forked now (a DataLoader worker's case)."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        os.write(write, str(_shm_mapped_bytes()).encode())
+        os._exit(0)
+    os.close(write)
+    seen = int(os.read(read, 100))
+    os.close(read)
+    os.waitpid(child, 0)
+    return seen
+
+
 def _big_then_small_then_idle(keep_s: float) -> dict:
     """A 256 MiB gather, the first rank dropping its views, then KEEP_PAYLOADS + 1 small gathers; then
     another 256 MiB one and no send after it: what each rank holds and maps at each point."""
@@ -621,6 +661,10 @@ def _big_then_small_then_idle(keep_s: float) -> dict:
         out[f"{step}_pooled"] = shm.pooled_bytes()[1]
         out[f"{step}_kept"] = shm.kept_maps()[1]
         if step == "first":
+            out["mapped"], out["mapped_in_a_forked_child"] = (
+                _shm_mapped_bytes(),
+                _shm_mapped_in_a_forked_child(),
+            )
             for _ in range(shm.SegmentPool.KEEP_PAYLOADS + 1):
                 with get_tensors_parallel(torch.full((1024,), float(rank)), ranks):
                     pass
@@ -653,6 +697,7 @@ def test_a_big_segment_is_given_back_once_unneeded_on_both_roles(fresh_job) -> N
     assert sender["idle"] <= shm.SegmentPool.BIG_BYTES, f"still pooled with no send for long: {sender}"
     assert sender["rss_after_small_kib"] < limit_kib and sender["rss_idle_kib"] < limit_kib, sender
     assert first["first_kept"] >= 256 * 2**20 and first["second_kept"] >= 256 * 2**20, "kept between rounds"
+    assert first["mapped"] >= 256 * 2**20 > first["mapped_in_a_forked_child"], "a forked child unmaps them"
     assert first["kept_idle"] == 0 and first["rss_idle_kib"] < limit_kib, f"still mapped: {first}"
     assert first["after_small"] == first["idle"] == 0, "the first rank pooled nothing of its own"
 

@@ -21,7 +21,7 @@ import weakref
 from dataclasses import dataclass
 
 from ..errors import PayloadError, PeerLostError
-from ..owners import process_owned
+from ..owners import after_fork, process_owned
 from .pinning import Registration
 from .segment_pool import BigSegmentWatch, FreedReports, Notices, SegmentPool
 
@@ -163,6 +163,8 @@ class KeptMaps:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._maps: collections.OrderedDict[tuple[int, str], SegmentMap] = collections.OrderedDict()
+        self._lent: set[int] = set()  # ids of watched maps lent now (set.add / discard: atomic)
+        _EVERY.add(self)
         self._senders: dict[int, list[str]] = {}  # each sender's kept segment ids, least recent first
         self._bytes = 0
         self.epoch = 0  # maps lent before the last release are not kept
@@ -214,6 +216,7 @@ class KeptMaps:
     def keep(self, key: tuple[int, str], kept: SegmentMap, epoch: int) -> None:
         """Keep ``kept`` for the next payload of segment ``key`` (called as its last view goes, from
         any thread: never waits for the lock, and gives the map up when it is taken)."""
+        self._lent.discard(id(kept))
         if epoch != self.epoch or not self._lock.acquire(blocking=False):
             return
         try:
@@ -229,12 +232,17 @@ class KeptMaps:
                 self._pop(next(k for k, m in self._maps.items() if self._counted(m)))
         finally:
             self._lock.release()
+
+    def lending(self, kept: SegmentMap) -> None:
+        """The receiver lends ``kept`` now (before :meth:`SegmentMap.lend`; not from a weakref callback): a
+        watched one is watched from now on, until it is given up (:class:`.segment_pool.BigSegmentWatch`)."""
         if self._watched(kept):
+            self._lent.add(id(kept))
             process_owned(BigSegmentWatch).watch(self)
 
     def drop_idle(self) -> bool:
-        """Give up the watched maps whose sender let their segment go; True while one is still kept
-        (:class:`.segment_pool.BigSegmentWatch` asks, from its thread)."""
+        """Give up the watched maps whose sender let their segment go; True while one is still kept or
+        lent (:class:`.segment_pool.BigSegmentWatch` asks, from its thread)."""
         with self._lock:
             watched = [(key, m) for key, m in self._maps.items() if self._watched(m)]
         by_sender: dict[int, list[tuple[str, SegmentMap]]] = {}
@@ -243,7 +251,14 @@ class KeptMaps:
         for pid, maps in by_sender.items():
             self._drop_let_go(pid, maps)
         with self._lock:
-            return any(self._watched(m) for m in self._maps.values())
+            return bool(self._lent) or any(self._watched(m) for m in self._maps.values())
+
+    def forked(self) -> None:
+        """In a forked child: every map forgotten (the child's copies of them would hold the segments'
+        pages with nothing to watch them); the views it inherited stay valid."""
+        self._lock = threading.Lock()  # (the parent's may have been held at the fork)
+        self._lent = set()
+        self.forget()
 
     def _watched(self, kept: SegmentMap) -> bool:
         """Whether ``kept`` is kept only while its sender holds its segment (see the class doc)."""
@@ -269,3 +284,14 @@ class KeptMaps:
         """``(maps, bytes)`` kept, watched ones included."""
         with self._lock:
             return len(self._maps), sum(m.size for m in self._maps.values())
+
+
+_EVERY: weakref.WeakSet[KeptMaps] = weakref.WeakSet()  # every group's and the process's (see _forked)
+
+
+def _forked() -> None:
+    for keeper in list(_EVERY):
+        keeper.forked()
+
+
+after_fork(_forked)

@@ -520,13 +520,13 @@ class Idle(Protocol):
 class BigSegmentWatch:
     """Gives back big shared memory in a process that no longer gathers (process-wide:
     ``process_owned(BigSegmentWatch)``): a daemon thread that, while any pool holds a segment of over
-    :attr:`SegmentPool.BIG_BYTES` or a watched holder (:meth:`watch`: a first rank's kept maps of big
-    segments) still holds something big, calls their ``drop_idle`` every ``KEEP_S / 2`` seconds; it ends
-    when nothing big is left (started again by the next big payload or map) and at exit."""
+    :attr:`SegmentPool.BIG_BYTES` or a watched holder (:meth:`watch`: a first rank's kept maps of
+    segments over 4 MiB) still holds something, calls their ``drop_idle`` every ``KEEP_S / 2`` seconds; it
+    ends when none is left (started again by the next big payload or watched map) and at exit. (A first
+    rank whose senders keep their segments keeps its maps, so its watch runs as long: a look every 2.5 s.)"""
 
     def __init__(self) -> None:
-        # (reentrant: watch runs from a view's weakref callback, which may fire in this thread too)
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._wanted = False  # a big segment or map came since the thread last looked
         self._holders: weakref.WeakSet[Idle] = weakref.WeakSet()
@@ -545,10 +545,15 @@ class BigSegmentWatch:
 
     def watch(self, holder: Idle) -> None:
         """``holder`` took something big: ask it too (until it says it holds nothing big), and make
-        sure the thread runs."""
+        sure the thread runs. (Not from a weakref callback: it may start a thread.)"""
         with self._lock:
             self._holders.add(holder)
         self.start()
+
+    def watching(self, holder: Idle) -> bool:
+        """Whether ``holder`` is asked (until it says it holds nothing big)."""
+        with self._lock:
+            return holder in self._holders
 
     @property
     def running(self) -> bool:
@@ -556,6 +561,14 @@ class BigSegmentWatch:
         return self._thread is not None
 
     def _run(self) -> None:
+        try:
+            self._look_until_idle()
+        except Exception:  # (a failed look must not leave the watch marked running: start runs it again)
+            logger.warning("the big shared memory watch stopped", exc_info=True)
+            with self._lock:
+                self._thread = None
+
+    def _look_until_idle(self) -> None:
         while not self._stop.wait(SegmentPool.KEEP_S / 2):
             with self._lock:
                 self._wanted = False
@@ -579,9 +592,9 @@ class BigSegmentWatch:
                     return
 
     def forked(self) -> None:
-        """A forked child starts without the thread (its parent's pools are closed there, and its maps
-        are its parent's to watch)."""
-        self._lock, self._thread, self._wanted, self._stop = threading.RLock(), None, False, threading.Event()
+        """A forked child starts without the thread (its parent's pools are closed there, and its kept
+        maps forgotten: :meth:`.kept_maps.KeptMaps.forked`)."""
+        self._lock, self._thread, self._wanted, self._stop = threading.Lock(), None, False, threading.Event()
         self._holders = weakref.WeakSet()
 
 

@@ -199,6 +199,7 @@ class SharedMemoryTransport:
                 kept = map_pooled(f"/proc/{pid}/fd/{fd_text}", rank, inode, nbytes)
             if self._pin:
                 kept.pin()
+            keeper.lending(kept)
             buf: Any = kept.lend(nbytes, (pid, ident), notice, keeper)
         else:
             buf = map_named(segment_path(token, rank, pid), rank, nbytes)
