@@ -72,6 +72,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (its results package, however it is loaded)
 
 from results.facts import load_average, run_facts
 
@@ -188,6 +189,8 @@ class _Floor:
                     os.close(fd)
                 self.views[r] = torch.frombuffer(self.maps[r], dtype=torch.uint8)
         dist.barrier()
+        if self.rank != 0:  # every map made: the name goes now, so a killed run leaves nothing in /dev/shm
+            os.unlink(f"{run_prefix()}{nbytes}-{os.getpid()}")
 
     def run(self, tensor: torch.Tensor, check: Callable[[str, int], None]) -> None:
         if self.rank != 0:
@@ -205,9 +208,6 @@ class _Floor:
         self.views.clear()
         for m in self.maps.values():
             m.close()
-        if self.rank != 0:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{run_prefix()}{self.nbytes}-{os.getpid()}")
 
 
 def _all_pids() -> list[int]:
@@ -459,8 +459,8 @@ def _busy(n: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def segments_removed_at_end() -> Iterator[None]:
-    """Name this run's floor segments, and remove them when it ends, however: ranks that failed never
-    closed theirs."""
+    """Name this run's floor segments, and remove them when it ends, however: ranks that failed before
+    every map was made never unlinked theirs."""
     os.environ["DU_BENCH_RUN"] = secrets.token_hex(4)
     try:
         yield
