@@ -271,8 +271,48 @@ def test_a_big_segments_map_is_kept_while_its_sender_holds_the_segment() -> None
     assert shm.kept_maps() == (1, segment_bytes), "the parent's are untouched"
     REPORTS.heed(1, REPORTS.take({PID: 1}))
     assert pool.release() == segment_bytes, "the sender lets its segment go"
+    # Its next payload comes in a new segment: the map of the one it let go is given up as it is fetched.
+    other = transport.publish("00000000000000e2", 1, wire.encode(big * 5))
+    assert other.split(":")[2] != receipt.split(":")[2], "a new segment"
+    got = wire.decode(transport.fetch("00000000000000e2", 1, other))
+    assert shm.kept_maps() == (0, 0) and torch.equal(got, big * 5), "the let-go segment's map is gone"
+    del got
+    assert shm.kept_maps() == (1, pool.held()[1]), "the new segment's map is kept"
+    REPORTS.heed(1, REPORTS.take({PID: 1}))
+    assert pool.release() == segment_bytes
     assert not keeper.drop_idle() and shm.kept_maps() == (0, 0), "the map goes at the next look"
     _empty_pools()
+
+
+def test_the_watch_starts_again_after_a_failed_look(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A look that raises ends the watch's thread without leaving it marked running, so the next thing
+    to watch starts it again (else big maps would stay until exit)."""
+    import threading
+    import time
+
+    monkeypatch.setattr(shm.SegmentPool, "KEEP_S", 0.02)  # (a tunable bound: a look every 10 ms)
+    watch = shm.BigSegmentWatch()
+
+    class FailsOnce:
+        def __init__(self) -> None:
+            self.looks = 0
+            self.looked_again = threading.Event()
+
+        def drop_idle(self) -> bool:
+            self.looks += 1
+            if self.looks == 1:
+                raise RuntimeError("a look that fails")
+            self.looked_again.set()
+            return False
+
+    holder = FailsOnce()
+    watch.watch(holder)
+    deadline = time.monotonic() + 30
+    while watch.running and time.monotonic() < deadline:
+        time.sleep(0.01)  # (the thread's own period)
+    assert not watch.running and holder.looks == 1, "the failed look ended the thread"
+    watch.watch(holder)
+    assert holder.looked_again.wait(30), "started again, it looks again"
 
 
 def test_kept_small_maps_are_bounded() -> None:
