@@ -60,8 +60,8 @@ class Watch:
     """One wait in progress: the keys a rank waits on, and whose death would fill them.
 
     ``awaited`` maps a rank to the key its death must fill (with :data:`TOMBSTONE` plus its
-    rank number; only its ``get`` is used, for this host's ranks); ``arrived_key`` (for barriers) tells
-    whether the rank had arrived first.
+    rank number; only its ``get`` is used, for this host's ranks); ``arrived`` (for barriers) tells,
+    through the watch's store, whether the rank had arrived first.
     """
 
     def __init__(
@@ -69,9 +69,9 @@ class Watch:
         source: PeerDirectory,
         store: dist.Store,
         awaited: Mapping[int, str],
-        arrived_key: Callable[[int], str] | None,
+        arrived: Callable[[dist.Store, int], bool] | None,
     ) -> None:
-        self.source, self.store, self.awaited, self.arrived_key = source, store, awaited, arrived_key
+        self.source, self.store, self.awaited, self.arrived = source, store, awaited, arrived
         self.since = time.monotonic()
 
 
@@ -198,7 +198,7 @@ class Watchdog:
         key = watch.awaited.get(rank)
         if key is None:
             return
-        if watch.arrived_key is not None and watch.store.check([watch.arrived_key(rank)]):
+        if watch.arrived is not None and watch.arrived(watch.store, rank):
             return  # it arrived, then exited: not what anybody waits for
         watch.store.compare_set(key, b"", TOMBSTONE + str(rank).encode())  # type: ignore[arg-type]  # torch's stub: compare_set takes bytes too
 

@@ -478,17 +478,30 @@ class GroupSync:
         with self.exclusive(what):
             self._barrier(self._next(), timeout, what)
 
+    def arrival_key(self, rank: int) -> str:
+        """The key where ``rank`` says which barrier it last entered: one per rank for the group's life,
+        overwritten with the barrier's call number (not one per barrier, which the janitor would then
+        delete: N store requests per barrier). Read by :meth:`arrived` only on a barrier's failure path."""
+        return f"{self.namespace}/in/{rank}"
+
+    @staticmethod
+    def arrived(store: dist.Store, key: str, number: int) -> bool:
+        """Whether the rank whose :meth:`arrival_key` is ``key`` has entered barrier ``number`` (or a later
+        one: calls only go forward), read through ``store``."""
+        if not store.check([key]):
+            return False
+        return int(store.get(key)) >= number
+
     def _barrier(self, call: Call, timeout: float, what: str) -> None:
         n = len(self.ranks)
-        go = call.key("go")
+        go, number = call.key("go"), call.number
         try:
-            self.store.set(call.key("in", self.rank), b"1")  # type: ignore[arg-type]  # torch's stub: set takes bytes too
+            self.store.set(self.arrival_key(self.rank), str(number))
             arrived = self.store.add(call.key("count"), 1)
             if arrived >= n:
                 self.store.set(go, b"1")  # type: ignore[arg-type]  # torch's stub: set takes bytes too
         except Exception as exc:
             raise store_lost(what, exc, self.store) from None
-        self.own_keys.append(call.key("in", self.rank))
         if arrived < n:
             watch = None
             if self.directory is not None:  # (without one, dead peers are found at the timeout)
@@ -496,14 +509,14 @@ class GroupSync:
                     self.directory,
                     self.directory.watch_client(timeout),
                     _Every(self.members, self.rank, go),  # (not a dict of N ranks: O(1) per rank)
-                    lambda r: call.key("in", r),
+                    lambda store, r: self.arrived(store, self.arrival_key(r), number),
                 )
             try:
                 value = wait_watched(self.store, [go], [-1], timeout, what, watch, tombstones=False)[0]
             except PeerLostError as exc:
                 if not exc.missing:  # the store itself is gone: nobody can be named from it
                     raise
-                missing = [r for r in self.ranks if r != self.rank and not self.has(call.key("in", r))]
+                missing = [r for r in self.ranks if r != self.rank and not self._arrived(r, number)]
                 if not missing:
                     raise
                 generation, lookup = self.generation if self.generation is not None else (None, None)
@@ -514,12 +527,17 @@ class GroupSync:
                     f"{what}: rank(s) [{dead}] exited while ranks {short(self.ranks)} were waiting for them",
                     [dead],
                 )
-        self._collect(call.number)
+        self._collect(number)
+
+    def _arrived(self, rank: int, number: int) -> bool:
+        try:
+            return self.arrived(self.store, self.arrival_key(rank), number)
+        except Exception:
+            return False
 
     def _collect(self, barrier_number: int) -> None:
         """Every rank has left every call before ``barrier_number``: remove our keys of those."""
-        keys, self.own_keys = self.own_keys, self.own_keys[-1:]  # keep this barrier's arrival key
-        keys = keys[:-1]
+        keys, self.own_keys = self.own_keys, []
         if self.rank == self.ranks[0]:
             previous = Call(self, self._collected - 1) if self._collected > 0 else None
             if previous is not None:

@@ -489,7 +489,7 @@ def test_a_new_incarnation_on_the_same_store_never_reads_the_old_keys() -> None:
     """Re-made on the very same store, the default group gets a new generation: the keys the
     old one left (not collected: the process may have crashed) are never read again."""
     master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-    namespaces, results, left = [], [], []
+    namespaces, results, left, stale = [], [], [], []
     try:
         for _ in range(2):
             dist.init_process_group("gloo", store=master, rank=0, world_size=1)
@@ -497,8 +497,9 @@ def test_a_new_incarnation_on_the_same_store_never_reads_the_old_keys() -> None:
             with get_configs_parallel({"a": len(namespaces)}, [0], timeout=10) as got:
                 results.append(got[0]["a"])
             namespaces.append(sync.companion(None).namespace)
-            stale = f"{namespaces[0]}/0/in/0"  # the first incarnation's barrier key
-            left.append(bool(dist.distributed_c10d._get_default_store().check([stale])))
+            if not stale:
+                stale.append(sync.companion(None).arrival_key(0))  # the first incarnation's barrier key
+            left.append(bool(dist.distributed_c10d._get_default_store().check(stale)))
             dist.destroy_process_group()
     finally:
         if dist.is_initialized():
@@ -532,6 +533,55 @@ def test_store_host_gone_is_a_peer_lost_error() -> None:
     waiter.join(40)
     assert failure and isinstance(failure[0], PeerLostError), failure
     assert "rendezvous store" in str(failure[0]) or "did not arrive" in str(failure[0])
+
+
+def _barrier_ranks(store_port: int, n: int, rounds: list[tuple[int, ...]]) -> list[list[Any]]:
+    """``n`` ranks of one group, threads with a store client each, entering barrier after barrier: the
+    ranks of ``rounds[i]`` enter the i-th (timeout 1 s). Each rank's outcome per barrier: "ok" or the
+    missing ranks its error named."""
+    outcomes: list[list[Any]] = [[] for _ in range(n)]
+
+    def rank(r: int) -> None:
+        client = dist.TCPStore(
+            "127.0.0.1", store_port, 1, is_master=False, timeout=datetime.timedelta(seconds=60)
+        )
+        group = sync.GroupSync(tuple(range(n)), r, client, "test/arrivals")
+        for entering in rounds:
+            if r not in entering:
+                break
+            try:
+                group.barrier(1.0)
+                outcomes[r].append("ok")
+            except PeerLostError as exc:
+                outcomes[r].append(tuple(exc.missing))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return outcomes
+
+
+def test_a_barrier_names_the_rank_that_entered_earlier_barriers_but_not_this_one() -> None:
+    """A rank's arrival is one key for the group's life, overwritten with the barrier's number: a rank that
+    entered the earlier barriers but not this one is named late (its key holds an earlier number), and
+    the ranks that entered are not."""
+    master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    outcomes = _barrier_ranks(master.port, 3, [(0, 1, 2)] * 3 + [(0, 1)])
+    assert outcomes[2] == ["ok"] * 3
+    assert outcomes[0] == outcomes[1] == ["ok"] * 3 + [(2,)], outcomes
+
+
+def test_the_janitor_deletes_no_key_per_rank_per_barrier() -> None:
+    """Barriers make no key per rank that must be deleted (each rank overwrites its one arrival key): the
+    janitor's deletions per barrier are the first rank's two (the counter and the key waited on), not
+    one per rank (``scripts/bench_sync_scale.py``'s counted store; its background client is the
+    janitor's and the watchdog's)."""
+    bench = load_script("bench_sync_scale")
+    report = bench.run_scale([8, 64], repeats=3, kinds=("our_barrier",), store="hash")
+    for n in (8, 64):
+        assert report[n]["background_keys_per_rank"] * n <= 2 * 5, (n, report[n])
 
 
 def test_store_keys_per_round_a_sender_constant_the_first_rank_linear() -> None:
