@@ -9,7 +9,8 @@ included, needs no extra process group, and names the ranks that did not arrive.
 Every operation costs O(N) store operations for N ranks, never N²:
 
 - a **barrier** is torch's own pattern: each rank posts an arrival key, ``add``\\ s to a counter,
-  and the last one to arrive posts the key everybody waits on (one wait per rank);
+  and the last one to arrive posts the key everybody waits on (one wait per rank); the arrival key
+  is the rank's one key for the group's life, overwritten with the barrier's number (nothing to delete);
 - a **gather call** (:class:`Call`, driven by :mod:`distribute_utils.gather`): each rank posts
   one *claim*; the first rank of each gather reads only its own participants' claims and
   posts one *verdict*; a sender waits for that one verdict. One hop each way. Ranks of one
@@ -17,7 +18,7 @@ Every operation costs O(N) store operations for N ranks, never N²:
   :meth:`Call.receive_direct`; :mod:`distribute_utils.mailbox`): no store operation at all.
 - an **exchange** (all-gather of small values) goes to the group's first rank and back.
 
-Keys are removed by the rank that posted them once every rank has provably moved on: after
+Other keys are removed by the rank that posted them once every rank has provably moved on: after
 the next barrier of the group (one is added every :data:`COLLECT_EVERY` calls).
 
 State belongs to one *incarnation* of the default process group. When the default group is
