@@ -80,6 +80,47 @@ def _rank(rounds: int, top: int, sort: str = "ncalls", elements: int = 1024) -> 
     }
 
 
+def profile_tree(
+    tree: Path, rounds: int, top: int = 25, sort: str = "ncalls", elements: int = 1024
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The first rank's and a sender's profile (as :func:`_rank` returns them) of the package in ``tree``,
+    on 4 fresh local ranks; raises SystemExit when the ranks ran another copy of the package."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2])\n"
+        "import json, profile_round\n"
+        "from distribute_utils.launch import run_local\n"
+        "print(json.dumps(run_local(profile_round._rank, 4, int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))[:2]))\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(tree),
+            str(ROOT / "scripts"),
+            str(rounds),
+            str(top),
+            sort,
+            str(elements),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        # (the ranks are forked from a fresh server process: the tree comes first on its path too,
+        # before its working directory and the package as installed)
+        cwd=tree,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p),
+        },
+    )
+    first, sender = json.loads(done.stdout.strip().splitlines()[-1])
+    for profiled in (first, sender):
+        if not Path(profiled["package"]).resolve().is_relative_to(tree.resolve()):
+            raise SystemExit(f"{tree}: the ranks ran the package at {profiled['package']}, not {tree}'s")
+    return first, sender
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -105,41 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
             trees.append((args.against, Path(tmp)))
         for label, tree in trees:
-            code = (
-                "import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2])\n"
-                "import json, profile_round\n"
-                "from distribute_utils.launch import run_local\n"
-                "print(json.dumps(run_local(profile_round._rank, 4, int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))[:2]))\n"
-            )
-            done = subprocess.run(
-                [
-                    sys.executable,
-                    "-c",
-                    code,
-                    str(tree),
-                    str(ROOT / "scripts"),
-                    str(args.rounds),
-                    str(args.top),
-                    args.sort,
-                    str(args.elements),
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-                # (the ranks are forked from a fresh server process: the tree comes first on its path too,
-                # before its working directory and the package as installed)
-                cwd=tree,
-                env={
-                    **os.environ,
-                    "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p),
-                },
-            )
-            first, sender = json.loads(done.stdout.strip().splitlines()[-1])
-            for profiled in (first, sender):
-                if not Path(profiled["package"]).resolve().is_relative_to(tree.resolve()):
-                    raise SystemExit(
-                        f"{label}: the ranks ran the package at {profiled['package']}, not {tree}'s"
-                    )
+            first, sender = profile_tree(tree, args.rounds, args.top, args.sort, args.elements)
             print(
                 f"{label}: calls per round, first rank {first['calls_per_round']:.1f}, a sender "
                 f"{sender['calls_per_round']:.1f}; thread CPU per round (median, µs, unprofiled), first rank "

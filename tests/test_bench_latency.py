@@ -184,3 +184,27 @@ def test_a_failed_run_leaves_none_of_its_floor_segments(monkeypatch: pytest.Monk
         assert other.exists(), "another run's is not"
     finally:
         other.unlink(missing_ok=True)
+
+
+@pytest.mark.slow  # (mypyc compiles 11 modules: about 2 minutes on 2 cores)
+def test_bench_compiled_runs_the_compiled_package_and_writes_every_pair(tmp_path: Path) -> None:
+    """``scripts/bench_compiled.py`` compiles the hot modules of a copy of HEAD and measures both copies:
+    the compiled one really runs compiled code (a small part of the interpreted one's Python calls per
+    round), and each pair's ratios are those of its raw figures."""
+    out = tmp_path / "compiled.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_compiled.py"), "--pairs", "1", "--rounds", "30", "--reps", "3"]
+        + ["--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (pair,) = json.loads(out.read_text())["pairs"]
+    compiled, interpreted = pair["compiled"], pair["interpreted"]
+    assert compiled["calls"][0] < 0.5 * interpreted["calls"][0], (compiled["calls"], interpreted["calls"])
+    assert compiled["calls"][1] < 0.5 * interpreted["calls"][1], (compiled["calls"], interpreted["calls"])
+    cpu = pair["ratios"]["thread CPU, first rank"]
+    assert cpu == compiled["thread_cpu_us"][0] / interpreted["thread_cpu_us"][0]
+    assert "median of the pairs" in done.stdout
