@@ -192,9 +192,9 @@ def test_bench_compiled_runs_the_compiled_package_and_writes_every_pair(tmp_path
     the compiled one really runs compiled code (a small part of the interpreted one's Python calls per
     round), and each pair's ratios are those of its raw figures."""
     out = tmp_path / "compiled.json"
+    args = ["--pairs", "1", "--rounds", "30", "--reps", "3", "--json", str(out)]
     done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_compiled.py"), "--pairs", "1", "--rounds", "30", "--reps", "3"]
-        + ["--json", str(out)],
+        [sys.executable, str(SCRIPTS / "bench_compiled.py"), *args],
         capture_output=True,
         text=True,
         timeout=900,
