@@ -74,6 +74,9 @@ def _rank_main(
     try:
         conn.send_bytes(pickle.dumps(result))
     except Exception:
+        # The launcher died while this rank ran, and its watch has not ended the rank yet: end as it would.
+        if not process_alive(launcher):
+            interrupts.end(signal.SIGTERM)
         conn.send_bytes(pickle.dumps(("err", ("result could not be sent back", traceback.format_exc()))))
     # Run the exit handlers (they remove workspace namespaces), then skip the seconds that
     # tearing down torch's modules costs: the result is already with the parent.
