@@ -24,12 +24,12 @@ from harness import SCRIPTS, load_script
 Table = dict[str, dict[str, float]]
 
 
-def _bench(*args: str) -> str:
+def _bench(*args: str, script: str = "bench_latency.py", timeout: float = 300) -> str:
     done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_latency.py"), *args],
+        [sys.executable, str(SCRIPTS / script), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -193,18 +193,11 @@ def test_bench_compiled_runs_the_compiled_package_and_writes_every_pair(tmp_path
     round), and each pair's ratios are those of its raw figures."""
     out = tmp_path / "compiled.json"
     args = ["--pairs", "1", "--rounds", "30", "--reps", "3", "--json", str(out)]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_compiled.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    printed = _bench(*args, script="bench_compiled.py", timeout=900)
     (pair,) = json.loads(out.read_text())["pairs"]
     compiled, interpreted = pair["compiled"], pair["interpreted"]
     assert compiled["calls"][0] < 0.5 * interpreted["calls"][0], (compiled["calls"], interpreted["calls"])
     assert compiled["calls"][1] < 0.5 * interpreted["calls"][1], (compiled["calls"], interpreted["calls"])
     cpu = pair["ratios"]["thread CPU, first rank"]
     assert cpu == compiled["thread_cpu_us"][0] / interpreted["thread_cpu_us"][0]
-    assert "median of the pairs" in done.stdout
+    assert "median of the pairs" in printed

@@ -714,7 +714,12 @@ def _big_then_small_then_idle(keep_s: float) -> dict:
     with get_tensors_parallel(torch.full((8,), float(rank)), ranks) as got:
         assert [float(t[0]) for t in got] == ([0.0, 1.0] if rank == 0 else [])
     deadline = time.monotonic() + 10 * keep_s + 30
-    while max(shm.pooled_bytes()[1], shm.kept_maps()[1]) > shm.SegmentPool.BIG_BYTES:
+    limit_kib = shm.SegmentPool.BIG_BYTES // 1024
+    # (a map given up is unmapped once the watch thread's look, which still refers to it, has returned)
+    while (
+        max(shm.pooled_bytes()[1], shm.kept_maps()[1]) > shm.SegmentPool.BIG_BYTES
+        or _rss_shmem_kib() >= limit_kib
+    ):
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)  # (the watch thread's own period is keep_s / 2)
