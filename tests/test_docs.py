@@ -114,8 +114,17 @@ def test_every_command_is_run_or_excluded_with_a_reason() -> None:
 
 
 #: Commands that other tests run too: run here only with ``-m slow``. ``--nproc`` and torchrun: test_cli.py;
-#: the legacy GQA save to Hugging Face, then loaded by ``transformers``: test_hf_export.py's command-line case.
-SLOW = (r"--nproc \d", r"^torchrun ", r"--to hf --hf-config vocab_size=100 ", r"from_pretrained\('hf-out'\)")
+#: the legacy GQA save to Hugging Face (then loaded by ``transformers``), and the README's ``--to hf`` line:
+#: test_hf_export.py's command-line case; the demo with its defaults: test_cli.py's ``test_python_m_demo``
+#: (the console script's demo runs here with ``--keep``, quickstart.md's).
+SLOW = (
+    r"--nproc \d",
+    r"^torchrun ",
+    r"--to hf --hf-config vocab_size=100 ",
+    r" --to hf$",
+    r"from_pretrained\('hf-out'\)",
+    r"(^|&& )distribute-utils demo$",
+)
 
 
 def _marked(where: str, command: str) -> Any:
