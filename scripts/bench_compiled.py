@@ -97,6 +97,23 @@ def latency(tree: Path, reps: int) -> dict[str, Any]:
         return json.loads(Path(out.name).read_text())["summary"]  # type: ignore[no-any-return]
 
 
+def check_loads(tree: Path, compiled: bool) -> None:
+    """Raise SystemExit unless a script of ``tree`` (which puts ``tree`` first on its path, as
+    ``bench_latency.py`` does) loads ``tree``'s mailbox, compiled or not as ``compiled`` says."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import distribute_utils.mailbox as m; print(m.__file__)"
+    )
+    found = Path(
+        subprocess.run(
+            [sys.executable, "-c", code, str(tree)], cwd=tree, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )
+    if not found.resolve().is_relative_to(tree.resolve()) or (found.suffix == ".so") != compiled:
+        raise SystemExit(
+            f"{tree}'s scripts load {found}, not its {'compiled' if compiled else 'interpreted'} mailbox"
+        )
+
+
 def measure(tree: Path, rounds: int, reps: int) -> dict[str, Any]:
     first, sender = profile_round.profile_tree(tree, rounds, top=0)
     return {
@@ -146,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         interpreted_tree = copy_of(args.rev, Path(tmp) / "interpreted")
         compiled_tree = copy_of(args.rev, Path(tmp) / "compiled")
         compile_hot_path(compiled_tree)
+        check_loads(compiled_tree, compiled=True)
+        check_loads(interpreted_tree, compiled=False)
         for i in range(args.pairs):
             order = [("compiled", compiled_tree), ("interpreted", interpreted_tree)]
             pair = {

@@ -579,9 +579,10 @@ def test_the_janitor_deletes_no_key_per_rank_per_barrier() -> None:
     one per rank (``scripts/bench_sync_scale.py``'s counted store; its background client is the
     janitor's and the watchdog's)."""
     bench = load_script("bench_sync_scale")
-    report = bench.run_scale([8, 64], repeats=3, kinds=("our_barrier",), store="hash")
-    for n in (8, 64):
-        assert report[n]["background_keys_per_rank"] * n <= 2 * 5, (n, report[n])
+    report = bench.run_scale([8], repeats=3, kinds=("our_barrier",), store="hash")
+    # The background client is the watchdog's too: a wait past its grace reads up to one key per rank.
+    # The janitor's two per barrier are 1.25 per rank here; one per rank per barrier (the old layout) 3.75.
+    assert report[8]["background_keys_per_rank"] <= 2.5, report[8]
 
 
 def test_store_keys_per_round_a_sender_constant_the_first_rank_linear() -> None:
