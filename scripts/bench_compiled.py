@@ -4,9 +4,9 @@ with its hot modules compiled by mypyc, in turn.
 A repeated small gather's path (the public call's front, the group's companion, the direct round's
 channel and mailbox, the repeat, the wire format, the caches: :data:`MODULES`) is compiled with mypyc
 (mypy's compiler of type-annotated Python to C extensions) in a copy of the package at ``--rev`` made
-with ``git archive``. The copy's one change: :class:`~distribute_utils.mailbox.Mailbox` is made a
-non-native class, because mypyc's native classes take no weak references and the package keeps its
-mailboxes in a ``WeakSet`` (closed in a forked child). The interpreted side is another copy of the same
+with ``git archive`` (:func:`profile_round.tree_at`). The copy's one change:
+:class:`~distribute_utils.mailbox.Mailbox` is made a non-native class, because mypyc's native classes
+take no weak references and the package keeps its mailboxes in a ``WeakSet`` (closed in a forked child). The interpreted side is another copy of the same
 revision. Then, ``--pairs`` times, each copy in turn (which goes first alternates):
 
 - ``profile_round.py``'s measure (:func:`profile_round.profile_tree`, 4 KiB, ``--rounds``): Python calls
@@ -52,14 +52,6 @@ MODULES = (
     "distribute_utils/wire/payload.py",
 )
 _MAILBOX = "class Mailbox:"
-
-
-def copy_of(rev: str, where: Path) -> Path:
-    """The tree at ``rev``, written under ``where``."""
-    where.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
-    return where
 
 
 def compile_hot_path(tree: Path) -> None:
@@ -160,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     started, load_before = time.time(), load_average()
     pairs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="du-compiled-") as tmp:
-        interpreted_tree = copy_of(args.rev, Path(tmp) / "interpreted")
-        compiled_tree = copy_of(args.rev, Path(tmp) / "compiled")
+        interpreted_tree = profile_round.tree_at(args.rev, Path(tmp) / "interpreted")
+        compiled_tree = profile_round.tree_at(args.rev, Path(tmp) / "compiled")
         compile_hot_path(compiled_tree)
         check_loads(compiled_tree, compiled=True)
         check_loads(interpreted_tree, compiled=False)

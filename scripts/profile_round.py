@@ -80,6 +80,14 @@ def _rank(rounds: int, top: int, sort: str = "ncalls", elements: int = 1024) -> 
     }
 
 
+def tree_at(rev: str, where: Path) -> Path:
+    """The repository's tree at ``rev`` (``git archive``), written into ``where`` (made here)."""
+    where.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
+    return where
+
+
 def profile_tree(
     tree: Path, rounds: int, top: int = 25, sort: str = "ncalls", elements: int = 1024
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -140,11 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     trees = [("this tree", ROOT)]
     with tempfile.TemporaryDirectory(prefix="du-profile-") as tmp:
         if args.against:
-            archive = subprocess.run(
-                ["git", "archive", args.against], cwd=ROOT, capture_output=True, check=True
-            )
-            subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-            trees.append((args.against, Path(tmp)))
+            trees.append((args.against, tree_at(args.against, Path(tmp) / "tree")))
         for label, tree in trees:
             first, sender = profile_tree(tree, args.rounds, args.top, args.sort, args.elements)
             print(
