@@ -19,6 +19,10 @@ Methods:
 - ``floor``: each sender copies its bytes into its own warm ``/dev/shm`` segment that it and rank 0
   keep mapped from the start, and sends one Unix datagram to rank 0, which reads every byte of each
   segment as its datagram comes. No checks, no verdict: the least any gather through memory does;
+- ``answered``: the floor, and each sender then waits for rank 0's one-byte answer, sent to each once
+  rank 0 has read every segment: the least any gather does that tells every sender how the call ended
+  (ours must: an error on any rank is raised on every rank). ``ours/answered`` is what our own work
+  costs over that hop, ``answered/floor`` what the hop costs (not printed with ``--against``);
 - ``gloo``: ``dist.gather`` into preallocated outputs;
 - ``modelopt``: ModelOpt's ``get_tensors_parallel`` (when ``nvidia-modelopt`` is installed).
 
@@ -29,8 +33,9 @@ to rank 0 and waits for its one-byte reply; rank 0 reads them all, then replies)
     python scripts/bench_latency.py                 # the default sweep, ~2 minutes on 2 cores
     python scripts/bench_latency.py --sizes 4K 64K --reps 20 --json out.json
 
-Prints three tables (all done, rank 0, cpu) of medians with the ratios ours/floor, gloo/ours and
-modelopt/ours of those medians, the 10th and 90th percentile of all done, and the tiny round trip.
+Prints three tables (all done, rank 0, cpu) of medians with the ratios ours/floor, gloo/ours,
+modelopt/ours, ours/answered and answered/floor of those medians, the 10th and 90th percentile of all
+done, and the tiny round trip.
 
 ``--busy N`` runs N spinning processes beside the ranks (a machine shared with other jobs).
 
@@ -203,6 +208,25 @@ class _Floor:
             total += sum_of_bytes([self.views[sender]])
         check("floor", total)
 
+    def run_answered(self, tensor: torch.Tensor, check: Callable[[str, int], None]) -> None:
+        """:meth:`run`, then each sender waits for rank 0's one-byte answer, sent once every segment is read."""
+        sock = self.dgram.sock
+        if self.rank != 0:
+            self.views[self.rank].copy_(tensor.view(torch.uint8))
+            sock.sendto(self.rank.to_bytes(4, "little"), self.dgram.names[0])
+            if sock.recv(1) != b"1":
+                raise RuntimeError(f"answered: rank {self.rank} read another answer")
+            return
+        total = sum_of_bytes([tensor])
+        peers = []
+        for _ in range(1, self.world):
+            data, peer = sock.recvfrom(4)
+            total += sum_of_bytes([self.views[int.from_bytes(data, "little")]])
+            peers.append(peer)
+        check("answered", total)
+        for peer in peers:
+            sock.sendto(b"1", peer)
+
     def close(self) -> None:
         dist.barrier()  # rank 0 lets go of its views first
         self.views.clear()
@@ -274,6 +298,7 @@ def _size_methods(
                 check("gloo", sum_of_bytes(outputs))
 
         methods["gloo"] = gloo
+        methods["answered"] = lambda: floor.run_answered(tensor, check)
         mo = _modelopt()
         if mo is not None:
             methods["modelopt"] = library("modelopt", mo.get_tensors_parallel)
@@ -384,6 +409,7 @@ def _print(summary: dict[str, Any], sizes: list[str], nproc: int, reps: dict[str
     ratios = [("ours", "then"), ("ours", "floor"), ("then", "floor")] if against else [("ours", "floor")]
     if not against:
         ratios += [(m, "ours") for m in ("gloo", "modelopt") if m in first]
+        ratios += [("ours", "answered"), ("answered", "floor")]
     print(
         f"whole-round gather, {nproc} ranks, one float32 tensor per rank to rank 0, every byte read; "
         f"medians over {', '.join(f'{s} {reps[s]}' for s in sizes)} rounds; load {load}"

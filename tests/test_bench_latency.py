@@ -84,9 +84,9 @@ def test_the_sweep_times_whole_rounds_and_prints_ratios_of_its_figures(tmp_path:
     for table in tables.values():
         _assert_consistent(table, out)
     done, rank0 = tables["all done"]["4K"], tables["rank 0"]["4K"]
-    for method in ("ours", "floor", "gloo", "modelopt"):
+    for method in ("ours", "floor", "answered", "gloo", "modelopt"):
         assert done[method] > 0 and done[method] >= rank0[method], (method, out)
-    assert {"ours/floor", "gloo/ours", "modelopt/ours"} <= set(done), out
+    assert {"ours/floor", "gloo/ours", "modelopt/ours", "ours/answered", "answered/floor"} <= set(done), out
     tiny = tables["tiny round trip"]
     assert set(tiny) == {"all done", "rank 0", "cpu"}, out
     assert {"ours", "gather_object", "ping", "ours/ping", "gather_object/ours"} == set(tiny["all done"]), out

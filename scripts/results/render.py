@@ -98,69 +98,44 @@ def render(paths: Sequence[str]) -> str:
         "All done (what the job waits for):",
         "",
     ]
-    lines += _table(
-        [
-            "size",
-            "ours",
-            "floor",
-            "gloo",
-            "ModelOpt",
-            "ours/floor (target <= 1.5)",
-            "gloo/ours (target >= 1; >= 6 at 64 MiB)",
-            "ModelOpt/ours (target >= 10 at 64 MiB)",
-        ],
-        [
-            [
-                _NAMES[s],
-                *_row(
-                    runs,
-                    s,
-                    "all done",
-                    [
-                        ("ours", None),
-                        ("floor", None),
-                        ("gloo", None),
-                        ("modelopt", None),
-                        ("ours", "floor"),
-                        ("gloo", "ours"),
-                        ("modelopt", "ours"),
-                    ],
-                ),
-            ]
-            for s in sizes
-        ],
-    )
+    # The floor with its answer (runs since it was added to the bench; older raw files render without it).
+    answered = all("answered" in r["summary"][s] for r in runs for s in sizes)
+    done: list[tuple[str, str | None]] = [
+        ("ours", None),
+        ("floor", None),
+        ("gloo", None),
+        ("modelopt", None),
+        ("ours", "floor"),
+        ("gloo", "ours"),
+        ("modelopt", "ours"),
+    ]
+    done_header = [
+        "size",
+        "ours",
+        "floor",
+        "gloo",
+        "ModelOpt",
+        "ours/floor (target <= 1.5)",
+        "gloo/ours (target >= 1; >= 6 at 64 MiB)",
+        "ModelOpt/ours (target >= 10 at 64 MiB)",
+    ]
+    per_rank: list[tuple[str, str | None]] = [
+        ("ours", None),
+        ("ours", "floor"),
+        ("gloo", "ours"),
+        ("modelopt", "ours"),
+    ]
+    per_rank_header = ["ours/floor", "gloo/ours", "ModelOpt/ours"]
+    if answered:
+        done += [("answered", None), ("ours", "answered"), ("answered", "floor")]
+        done_header += ["floor answered", "ours/answered", "answered/floor"]
+        per_rank += [("ours", "answered"), ("answered", "floor")]
+        per_rank_header += ["ours/answered", "answered/floor"]
+    lines += _table(done_header, [[_NAMES[s], *_row(runs, s, "all done", done)] for s in sizes])
     lines += ["", "Rank 0's own wall time, and the CPU of all ranks per round:", ""]
     lines += _table(
-        [
-            "size",
-            "rank 0: ours ms",
-            "ours/floor",
-            "gloo/ours",
-            "ModelOpt/ours",
-            "CPU: ours ms",
-            "ours/floor",
-            "gloo/ours",
-            "ModelOpt/ours",
-        ],
-        [
-            [
-                _NAMES[s],
-                *_row(
-                    runs,
-                    s,
-                    "rank 0",
-                    [("ours", None), ("ours", "floor"), ("gloo", "ours"), ("modelopt", "ours")],
-                ),
-                *_row(
-                    runs,
-                    s,
-                    "cpu",
-                    [("ours", None), ("ours", "floor"), ("gloo", "ours"), ("modelopt", "ours")],
-                ),
-            ]
-            for s in sizes
-        ],
+        ["size", "rank 0: ours ms", *per_rank_header, "CPU: ours ms", *per_rank_header],
+        [[_NAMES[s], *_row(runs, s, "rank 0", per_rank), *_row(runs, s, "cpu", per_rank)] for s in sizes],
     )
     lines += ["", "The tiny round trip:", ""]
     tiny = [
