@@ -23,6 +23,13 @@ Methods:
   rank 0 has read every segment: the least any gather does that tells every sender how the call ended
   (ours must: an error on any rank is raised on every rank). ``ours/answered`` is what our own work
   costs over that hop, ``answered/floor`` what the hop costs (not printed with ``--against``);
+- ``bare``: the round's two messages in as little Python as they take, at sizes whose payload fits in
+  one datagram (up to 64 KiB): each sender encodes its tensor in the library's own payload format
+  (:func:`distribute_utils.wire.encode`) and sends it inside one claim datagram; rank 0 takes each
+  claim only from the process that rank runs as (the kernel's ``SCM_CREDENTIALS``), checks the claim's
+  bytes, copies the payload out and decodes it (:func:`distribute_utils.wire.decode`), then sends every
+  sender a verdict, which each checks. No records, repeats, fallbacks or error paths: what any round
+  with our format and our checks costs in Python; ``ours/bare`` is the rest of our per-call work;
 - ``gloo``: ``dist.gather`` into preallocated outputs;
 - ``modelopt``: ModelOpt's ``get_tensors_parallel`` (when ``nvidia-modelopt`` is installed).
 
@@ -34,7 +41,7 @@ to rank 0 and waits for its one-byte reply; rank 0 reads them all, then replies)
     python scripts/bench_latency.py --sizes 4K 64K --reps 20 --json out.json
 
 Prints three tables (all done, rank 0, cpu) of medians with the ratios ours/floor, gloo/ours,
-modelopt/ours, ours/answered and answered/floor of those medians, the 10th and 90th percentile of all
+modelopt/ours, ours/answered, answered/floor, ours/bare and bare/floor of those medians, the 10th and 90th percentile of all
 done, and the tiny round trip.
 
 ``--busy N`` runs N spinning processes beside the ranks (a machine shared with other jobs).
@@ -64,6 +71,7 @@ import random
 import secrets
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tarfile
@@ -81,7 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # (its results package
 
 from results.facts import load_average, run_facts
 
-from distribute_utils import get_configs_parallel, get_tensors_parallel
+from distribute_utils import get_configs_parallel, get_tensors_parallel, wire
 from distribute_utils.launch import run_local
 
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20}
@@ -234,6 +242,75 @@ class _Floor:
             m.close()
 
 
+BARE_MAX = 64 << 10
+"""The largest size ``bare`` runs at: its payload travels inside one datagram."""
+_BARE_HEAD = struct.Struct("<QI")  # a bare message: the call's number, the sender's rank
+_BARE_CLAIM = b"bare claim: the same bytes call after call, as a repeated gather's".ljust(64)
+_BARE_VERDICT = b"bare verdict: success"
+_CREDENTIALS = struct.Struct("iII")  # struct ucred: pid, uid, gid
+
+
+class _Bare:
+    """The ``bare`` round (see the module doc): one socket per rank bound for the whole run, taking
+    the kernel's credentials of each message."""
+
+    def __init__(self) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.pids = _all_pids()
+        self.names = [f"\0du-bench-bare-{os.environ.get('DU_BENCH_RUN', 'solo')}-{p}" for p in self.pids]
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.bind(self.names[self.rank])
+        self.buffer = bytearray(2 * BARE_MAX)
+        self.buffers = [self.buffer]
+        self.ancillary = socket.CMSG_SPACE(_CREDENTIALS.size)
+        self.uid, self.call = os.geteuid(), 0
+
+    def _take(self, want: int | None) -> tuple[int, memoryview]:
+        """One message: its sender's rank (``want``: the only one taken) and its bytes after the head."""
+        size, ancillary, _, _ = self.sock.recvmsg_into(self.buffers, self.ancillary)
+        call, rank = _BARE_HEAD.unpack_from(self.buffer)
+        pid = uid = None
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                pid, uid, _ = _CREDENTIALS.unpack_from(data)
+        if (
+            call != self.call
+            or uid != self.uid
+            or (want is not None and rank != want)
+            or pid != self.pids[rank]
+        ):
+            raise RuntimeError(
+                f"bare: rank {self.rank} took a message it must not (call {call}, rank {rank})"
+            )
+        return rank, memoryview(self.buffer)[_BARE_HEAD.size : size]
+
+    def run(self, tensor: torch.Tensor, check: Callable[[str, int], None]) -> None:
+        self.call += 1
+        head = _BARE_HEAD.pack(self.call, self.rank)
+        if self.rank != 0:
+            payload = wire.encode(tensor, root="tensor")
+            self.sock.sendmsg([head, _BARE_CLAIM, *payload.buffers()], (), 0, self.names[0])
+            if self._take(0)[1] != _BARE_VERDICT:
+                raise RuntimeError(f"bare: rank {self.rank} read another verdict")
+            return
+        got = [tensor]
+        for _ in range(1, self.world):
+            _, message = self._take(None)
+            if message[: len(_BARE_CLAIM)] != _BARE_CLAIM:
+                raise RuntimeError("bare: rank 0 read another claim")
+            value = wire.decode(bytearray(message[len(_BARE_CLAIM) :]))  # (its own copy: views of it)
+            if not isinstance(value, torch.Tensor):
+                raise RuntimeError(f"bare: rank 0 decoded a {type(value).__name__}")
+            got.append(value)
+        check("bare", sum_of_bytes(got))
+        for name in self.names[1:]:
+            self.sock.sendmsg([head, _BARE_VERDICT], (), 0, name)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def _all_pids() -> list[int]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, os.getpid())
@@ -272,7 +349,7 @@ def _gatherers(against: Any | None) -> dict[str, Callable[..., Any]]:
 
 
 def _size_methods(
-    tensor: torch.Tensor, floor: _Floor, check: _Check, against: Any | None
+    tensor: torch.Tensor, floor: _Floor, bare: _Bare, check: _Check, against: Any | None
 ) -> dict[str, Callable[[], None]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = list(range(world))
@@ -299,6 +376,8 @@ def _size_methods(
 
         methods["gloo"] = gloo
         methods["answered"] = lambda: floor.run_answered(tensor, check)
+        if tensor.nbytes <= BARE_MAX:
+            methods["bare"] = lambda: bare.run(tensor, check)
         mo = _modelopt()
         if mo is not None:
             methods["modelopt"] = library("modelopt", mo.get_tensors_parallel)
@@ -346,7 +425,7 @@ def _rank(sizes: list[str], reps: int | None, against_path: str | None) -> dict[
         import du_against  # type: ignore[import-not-found]
 
         against = du_against
-    dgram = _Dgram()
+    dgram, bare = _Dgram(), _Bare()
     report: dict[str, Any] = {}
     try:
         for name in sizes:
@@ -354,7 +433,7 @@ def _rank(sizes: list[str], reps: int | None, against_path: str | None) -> dict[
             tensor = torch.full((nbytes // 4,), float(dist.get_rank()))
             floor = _Floor(nbytes, dgram)
             try:
-                methods = _size_methods(tensor, floor, _Check(tensor), against)
+                methods = _size_methods(tensor, floor, bare, _Check(tensor), against)
                 count = _reps_for(nbytes, reps)
                 report[name] = _interleaved(methods, count, warm=min(10, max(2, count // 10)))
             finally:
@@ -363,6 +442,7 @@ def _rank(sizes: list[str], reps: int | None, against_path: str | None) -> dict[
     finally:
         dist.barrier()
         dgram.close()
+        bare.close()
     return report
 
 
@@ -389,8 +469,8 @@ def summarise(per_rank: list[dict[str, list[Stamp]]]) -> dict[str, dict[str, tup
 
 def _table(title: str, rows: dict[str, dict[str, float]], ratios: list[tuple[str, str]]) -> None:
     """One table: a row per label, a column per method (ms, 3 decimals), then the ratios of the printed
-    rows' unrounded values (2 decimals)."""
-    methods = list(next(iter(rows.values())))
+    rows' unrounded values (2 decimals); ``-`` where a row has no such method (``bare`` at large sizes)."""
+    methods = list(dict.fromkeys(m for row in rows.values() for m in row))
     print(title)
     print(
         f"{'':>10}" + "".join(f" {m:>13}" for m in methods) + "".join(f" {f'{a}/{b}':>18}" for a, b in ratios)
@@ -398,8 +478,10 @@ def _table(title: str, rows: dict[str, dict[str, float]], ratios: list[tuple[str
     for label, row in rows.items():
         print(
             f"{label:>10}"
-            + "".join(f" {row[m]:13.3f}" for m in methods)
-            + "".join(f" {row[a] / row[b]:18.2f}" for a, b in ratios)
+            + "".join(f" {row[m]:13.3f}" if m in row else f" {'-':>13}" for m in methods)
+            + "".join(
+                f" {row[a] / row[b]:18.2f}" if a in row and b in row else f" {'-':>18}" for a, b in ratios
+            )
         )
 
 
@@ -409,7 +491,7 @@ def _print(summary: dict[str, Any], sizes: list[str], nproc: int, reps: dict[str
     ratios = [("ours", "then"), ("ours", "floor"), ("then", "floor")] if against else [("ours", "floor")]
     if not against:
         ratios += [(m, "ours") for m in ("gloo", "modelopt") if m in first]
-        ratios += [("ours", "answered"), ("answered", "floor")]
+        ratios += [("ours", "answered"), ("answered", "floor"), ("ours", "bare"), ("bare", "floor")]
     print(
         f"whole-round gather, {nproc} ranks, one float32 tensor per rank to rank 0, every byte read; "
         f"medians over {', '.join(f'{s} {reps[s]}' for s in sizes)} rounds; load {load}"

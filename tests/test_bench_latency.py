@@ -54,7 +54,8 @@ def _tables(out: str) -> dict[str, Table]:
             if not row.startswith(" ") or len(cells) <= len(header):
                 break
             label = " ".join(cells[: len(cells) - len(header)])
-            rows[label] = dict(zip(header, map(float, cells[-len(header) :]), strict=True))
+            values = zip(header, cells[-len(header) :], strict=True)
+            rows[label] = {column: float(cell) for column, cell in values if cell != "-"}  # (-: not run)
         tables[title] = rows
     return tables
 
@@ -78,21 +79,25 @@ def _assert_consistent(table: Table, out: str) -> None:
 
 
 def test_the_sweep_times_whole_rounds_and_prints_ratios_of_its_figures(tmp_path: Path) -> None:
-    out = _bench("--sizes", "4K", "--reps", "3", "--busy", "1", "--json", str(tmp_path / "r.json"))
+    out = _bench("--sizes", "4K", "1M", "--reps", "3", "--busy", "1", "--json", str(tmp_path / "r.json"))
     tables = _tables(out)
     assert set(tables) == {"all done", "rank 0", "cpu", "tiny round trip"}, out
     for table in tables.values():
         _assert_consistent(table, out)
     done, rank0 = tables["all done"]["4K"], tables["rank 0"]["4K"]
-    for method in ("ours", "floor", "answered", "gloo", "modelopt"):
+    for method in ("ours", "floor", "answered", "bare", "gloo", "modelopt"):
         assert done[method] > 0 and done[method] >= rank0[method], (method, out)
     assert {"ours/floor", "gloo/ours", "modelopt/ours", "ours/answered", "answered/floor"} <= set(done), out
+    assert {"ours/bare", "bare/floor"} <= set(done), out
+    big = tables["all done"]["1M"]  # (a payload past one datagram: no bare round, its cells "-")
+    assert "bare" not in big and "ours/bare" not in big and {"ours", "floor", "answered"} <= set(big), out
     tiny = tables["tiny round trip"]
     assert set(tiny) == {"all done", "rank 0", "cpu"}, out
     assert {"ours", "gather_object", "ping", "ours/ping", "gather_object/ours"} == set(tiny["all done"]), out
     assert "1 spinning processes beside the ranks" in out, out
     saved = json.loads((tmp_path / "r.json").read_text())
-    assert saved["reps"] == {"4K": 3, "tiny": 3}, saved
+    assert saved["reps"] == {"4K": 3, "1M": 3, "tiny": 3}, saved
+    assert "bare" in saved["summary"]["4K"] and "bare" not in saved["summary"]["1M"], saved
     assert round(saved["summary"]["4K"]["ours"]["all done"][1], 3) == done["ours"], saved
 
 

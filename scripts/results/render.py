@@ -49,10 +49,12 @@ def _row(
     runs: Sequence[dict[str, Any]], size: str, what: str, figures: Sequence[tuple[str, str | None]]
 ) -> list[str]:
     """One table row's cells: a method's median (``(method, None)``) or a ratio of two methods' medians
-    (``(over, under)``), each over the runs."""
+    (``(over, under)``), each over the runs; ``-`` where a run has no such method at this size."""
     cells = []
     for top, bottom in figures:
-        if bottom is None:
+        if any(m not in r["summary"][size] for r in runs for m in (top, bottom) if m is not None):
+            cells.append("-")
+        elif bottom is None:
             cells.append(_cell([_median(r, size, top, what) for r in runs]))
         else:
             cells.append(_cell([_median(r, size, top, what) / _median(r, size, bottom, what) for r in runs]))
@@ -98,7 +100,8 @@ def render(paths: Sequence[str]) -> str:
         "All done (what the job waits for):",
         "",
     ]
-    # The floor with its answer (runs since it was added to the bench; older raw files render without it).
+    # The floor with its answer and the bare round (runs since they were added to the bench; older raw files
+    # render without them; bare runs only at sizes whose payload fits in one datagram).
     answered = all("answered" in r["summary"][s] for r in runs for s in sizes)
     done: list[tuple[str, str | None]] = [
         ("ours", None),
@@ -127,10 +130,17 @@ def render(paths: Sequence[str]) -> str:
     ]
     per_rank_header = ["ours/floor", "gloo/ours", "ModelOpt/ours"]
     if answered:
-        done += [("answered", None), ("ours", "answered"), ("answered", "floor")]
-        done_header += ["floor answered", "ours/answered", "answered/floor"]
-        per_rank += [("ours", "answered"), ("answered", "floor")]
-        per_rank_header += ["ours/answered", "answered/floor"]
+        done += [
+            ("answered", None),
+            ("bare", None),
+            ("ours", "answered"),
+            ("answered", "floor"),
+            ("ours", "bare"),
+            ("bare", "floor"),
+        ]
+        done_header += ["answered", "bare", "ours/answered", "answered/floor", "ours/bare", "bare/floor"]
+        per_rank += [("ours", "bare"), ("bare", "floor")]
+        per_rank_header += ["ours/bare", "bare/floor"]
     lines += _table(done_header, [[_NAMES[s], *_row(runs, s, "all done", done)] for s in sizes])
     lines += ["", "Rank 0's own wall time, and the CPU of all ranks per round:", ""]
     lines += _table(
