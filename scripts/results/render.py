@@ -139,8 +139,8 @@ def render(paths: Sequence[str]) -> str:
             ("bare", "floor"),
         ]
         done_header += ["answered", "bare", "ours/answered", "answered/floor", "ours/bare", "bare/floor"]
-        per_rank += [("ours", "bare"), ("bare", "floor")]
-        per_rank_header += ["ours/bare", "bare/floor"]
+        per_rank += [("ours", "bare"), ("bare", "floor"), ("answered", "floor")]
+        per_rank_header += ["ours/bare", "bare/floor", "answered/floor"]
     lines += _table(done_header, [[_NAMES[s], *_row(runs, s, "all done", done)] for s in sizes])
     lines += ["", "Rank 0's own wall time, and the CPU of all ranks per round:", ""]
     lines += _table(
