@@ -29,7 +29,7 @@ Methods:
   claim datagram; rank 0 takes each claim only from the process that rank runs as (the kernel's
   ``SCM_CREDENTIALS``), checks the claim's bytes, copies the payload out and decodes it
   (:func:`distribute_utils.wire.decode` where the head is new, a view where it is one it checked), then
-  sends every sender a verdict, which each checks. No records, repeats, fallbacks or error paths: a
+  sends every sender a verdict, which each checks. No records, deadlines, fallbacks or error paths: a
   round with our format and our checks and little else; ``ours/bare`` is the rest of our per-call work;
 - ``gloo``: ``dist.gather`` into preallocated outputs;
 - ``modelopt``: ModelOpt's ``get_tensors_parallel`` (when ``nvidia-modelopt`` is installed).
@@ -38,7 +38,7 @@ Then the tiny round trip (``{"a": 1}`` from every rank): ``ours`` (``get_configs
 ``gather_object`` (``dist.gather_object``) and ``ping`` (each sender sends the bytes in one datagram
 to rank 0 and waits for its one-byte reply; rank 0 reads them all, then replies).
 
-    python scripts/bench_latency.py                 # the default sweep, ~2 minutes on 2 cores
+    python scripts/bench_latency.py                 # the default sweep, 1-2.5 minutes on 2 cores
     python scripts/bench_latency.py --sizes 4K 64K --reps 20 --json out.json
 
 Prints three tables (all done, rank 0, cpu) of medians with the ratios ours/floor, gloo/ours,
