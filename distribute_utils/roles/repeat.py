@@ -16,7 +16,12 @@ out again, and why that is safe:
 - the carriers' objects: a payload inside the claim message needs none (a sender notes its size to the
   segment pool, which sizes itself by every payload, as the attached carrier does);
 - a claim's unpacking and checks, on the first rank, when its bytes are those of a claim it checked
-  before: every check of a claim is a function of its bytes and of this rank's list and mode.
+  before: every check of a claim is a function of its bytes and of this rank's list and mode;
+- a lone tensor's payload head (:class:`~distribute_utils.wire.LoneHead`): a sender whose last payload
+  was one plain CPU tensor sends the next one of the same dtype and shape behind that payload's head
+  (the bytes :func:`~distribute_utils.wire.encode` makes), and the first rank views a sender's payload
+  whose head bytes and length are those of its last one, which it decoded (every check of a head is a
+  function of its bytes; the length is checked every time).
 
 Anything else goes the general way. Before anything is sent (notes to pass on, a carrier fault hook set,
 a value that does not encode or place, a payload past :data:`~.part.ATTACHED_MAX_BYTES`), the general
@@ -74,28 +79,33 @@ class _Kept:
 class SenderRepeat(_Kept):
     """A sender's repeat (see the module doc), made by :func:`sender_repeat`."""
 
-    __slots__ = ("_entry", "_listed", "_mode", "_pool", "_root")
+    __slots__ = ("_entry", "_listed", "_lone", "_mode", "_pool", "_root")
 
     def __init__(self, sender: Sender, at: Recent[Any, Any], call_key: Hashable) -> None:
         super().__init__(at, call_key)
         self._listed, self._mode, self._root = sender.listed, sender.mode, sender.root
         self._entry = ["send", sender.shown, sender.digest, sender.mode, None, "direct"]  # (Part.record's)
         self._pool = owned(SegmentPool)
+        self._lone: wire.LoneHead | None = None  # the head of its last payload, when that was one tensor
 
     def send(self, round_: Round, value: Any) -> bool:
         """This rank's part in ``round_``'s call (a sender's), as :meth:`Sender.send` does it; False when the
         call is no repeat: nothing was sent, the general path must run it."""
         if carriers.reports.pending() or carriers.hooked():
             return False  # (notes to deliver, fault points to run)
-        try:
-            payload = wire.encode(value, root=self._root, keep_device=True)
-        except Exception:
-            return False  # (the general path encodes it again, and posts the error to every partner)
+        lone = self._lone
+        payload = lone.encode(value) if lone is not None else None  # (a tensor like the last one: its head)
+        if payload is None:
+            try:
+                payload = wire.encode(value, root=self._root, keep_device=True)
+            except Exception:
+                return False  # (the general path encodes it again, and posts the error to every partner)
+            if payload.nbytes > ATTACHED_MAX_BYTES:
+                return False
+            payload = payload.to_cpu()
+            self._lone = wire.LoneHead.of_payload(value, payload)
         nbytes = payload.nbytes
-        if nbytes > ATTACHED_MAX_BYTES:
-            return False
         self._pool.note_payload(nbytes, pooled=False)
-        payload = payload.to_cpu()
         listed = self._listed
         claim = attached_claim(listed, self._mode, nbytes)
         call = round_[1]
@@ -119,7 +129,18 @@ class SenderRepeat(_Kept):
 class FirstRepeat(_Kept):
     """The first rank's repeat (see the module doc), made by :func:`first_repeat`."""
 
-    __slots__ = ("_checked", "_checker", "_decode_to", "_entry", "_listed", "_own_to", "_root", "_what")
+    __slots__ = (
+        "_checked",
+        "_checker",
+        "_decode_to",
+        "_entry",
+        "_heads",
+        "_listed",
+        "_own_to",
+        "_root",
+        "_views",
+        "_what",
+    )
 
     def __init__(
         self, first: FirstRank, decode_to: Any, own_to: Any, at: Recent[Any, Any], call_key: Hashable
@@ -131,6 +152,9 @@ class FirstRepeat(_Kept):
         self._checker = first  # (check_claim reads only what every call of this key shares)
         # Claims checked before, by their bytes, with the payload size each states.
         self._checked: Recent[bytes, tuple[Claim, int]] = Recent(_CLAIMS_KEPT)
+        # Each sender's last payload head, when that payload was one tensor decoded to a view of it.
+        self._heads: dict[int, wire.LoneHead] = {}
+        self._views = decode_to is None  # (wire.decode's views on the CPU: a tensor gather's placement)
 
     def receive(self, round_: Round, value: Any) -> list[Any] | None:
         """This rank's part in ``round_``'s call (the first rank's), as :meth:`FirstRank.receive` does it;
@@ -147,7 +171,7 @@ class FirstRepeat(_Kept):
         channel = MailboxChannel(call, listed.ranks, round_[4], _no_store, ATTACHED_MAX_BYTES)
         found: dict[int, Any] = {listed.first: own}
         claims: dict[int, Claim] = {}
-        checked, decode_to = self._checked, self._decode_to
+        checked, decode_to, heads, views = self._checked, self._decode_to, self._heads, self._views
 
         def known(rank: int, data: memoryview, attached: memoryview) -> bool:
             seen = checked.get(data.tobytes())
@@ -159,7 +183,14 @@ class FirstRepeat(_Kept):
             if attached.nbytes != nbytes:  # (as the attached carrier's fetch: the general path says it)
                 return False
             claims[rank] = claim
-            found[rank] = FirstRank.decode(attached, rank, decode_to)
+            lone = heads.get(rank)
+            value = lone.view(attached) if lone is not None else None  # (a head like its last one)
+            if value is None:
+                value = FirstRank.decode(attached, rank, decode_to)
+                lone = wire.LoneHead.of_decoded(attached, value) if views else None
+                if lone is not None:
+                    heads[rank] = lone
+            found[rank] = value
             return True
 
         senders = listed.ranks[1:]

@@ -20,7 +20,8 @@ Typical use::
 The modules, each importing only those before it: :mod:`.format` (constants, prefix fields, dtype
 table, shared helpers) <- :mod:`.payload` (:class:`EncodedPayload` and its writes) <-
 :mod:`.encoding` (:func:`encode`); :mod:`.format` <- :mod:`.header` (prefix, header map, tensor
-table checks) and :mod:`.tree` (the config tree's msgpack) <- :mod:`.decoding` (:func:`decode`).
+table checks) and :mod:`.tree` (the config tree's msgpack) <- :mod:`.decoding` (:func:`decode`);
+:mod:`.payload` and :mod:`.decoding` <- :mod:`.lone` (:class:`LoneHead`: a lone tensor's head, kept).
 This package re-exports their public names: use ``wire.X``.
 """
 
@@ -46,6 +47,7 @@ from .format import (
     VERSION,
 )
 from .header import TABLE_BYTES_CONSTANT, TABLE_BYTES_PER_BYTE, PayloadPrefix, read_prefix, stated_length
+from .lone import LoneHead
 from .payload import EncodedPayload, as_uint8, pwrite_all
 
 __all__ = [
@@ -67,6 +69,7 @@ __all__ = [
     "TABLE_BYTES_PER_BYTE",
     "VERSION",
     "EncodedPayload",
+    "LoneHead",
     "PayloadPrefix",
     "as_uint8",
     "decode",

@@ -37,7 +37,7 @@ from .format import (
 from .header import Slot, parse_header, read_prefix, tensor_table
 from .tree import decode_tree
 
-__all__ = ["decode", "decode_split", "head_known", "tensor_buffer", "unusable_device"]
+__all__ = ["checked_lone_slot", "decode", "decode_split", "head_known", "tensor_buffer", "unusable_device"]
 
 _FEW_TENSORS = 2  # payloads with at most this many tensors view each with its own frombuffer
 
@@ -281,6 +281,21 @@ def _head_key(mv: memoryview, max_header_bytes: int) -> bytes | None:
 
 # Checked heads (prefix and header): their bytes -> what they say.
 _HEADS: Recent[Any, Any] = Recent(RECENT_MAX)
+
+
+def checked_lone_slot(buf: Any) -> tuple[int, Slot] | None:
+    """The stated length and tensor entry of the payload in ``buf`` when :func:`decode` took its head as
+    checked before (every check passed) and its tree is one tensor with bytes, on the CPU at its sender,
+    with no checksum; None otherwise (for :class:`.lone.LoneHead`)."""
+    mv = bytes_view(buf)
+    key = _head_key(mv, DEFAULT_MAX_HEADER_BYTES)
+    known = _HEADS.get(key) if key is not None else None
+    if known is None:
+        return None
+    flags, _, total_len, _, _, table, lone = known
+    if not lone or flags & FLAG_CHECKSUM or table[0].device != "cpu" or not table[0].nbytes:
+        return None
+    return total_len, table[0]
 
 
 def head_known(buf: Any, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> bool:

@@ -27,6 +27,7 @@ __all__ = [
     "as_uint8",
     "contiguous",
     "crc_of",
+    "lone_tensor_payload",
     "pwrite_all",
     "segments_after",
 ]
@@ -275,6 +276,16 @@ def _write_from_devices(
     finally:
         for stream in streams.values():  # (also after a failure: no copy may land in a buffer let go)
             stream.synchronize()
+
+
+def lone_tensor_payload(head: bytes, tensor: torch.Tensor, tail: int) -> EncodedPayload:
+    """The payload of ``head``, then the bytes of ``tensor`` (a contiguous CPU tensor), then ``tail`` zero
+    bytes, its byte views made at once (for :class:`.lone.LoneHead`, which checked all three)."""
+    data = _tensor_bytes(tensor)
+    payload = EncodedPayload(len(head) + data.nbytes + tail, head, ((len(head), tensor),))
+    segments = (memoryview(head), data)
+    payload._cache["segments"] = (*segments, _zeros(tail)) if tail else segments
+    return payload
 
 
 def segments_after(pos: int, chunks: tuple[tuple[int, torch.Tensor], ...], nbytes: int) -> list[memoryview]:

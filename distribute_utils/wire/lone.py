@@ -1,0 +1,95 @@
+"""A lone tensor's payload head, kept for the next payloads: what a repeated ``get_tensors_parallel`` sends.
+
+A gather of one tensor, call after call, sends payloads that differ only in the tensor's bytes: the head
+(prefix, header and padding up to the tensor) is the same for every tensor of one dtype and shape, and
+so is the zero padding after it. A :class:`LoneHead` keeps those bytes:
+
+- a sender makes one with :meth:`LoneHead.of_payload` from a payload :func:`.encode` made of one plain
+  tensor; :meth:`LoneHead.encode` then gives another such tensor's payload without encoding it again:
+  the bytes :func:`.encode` would give (None for any other value: encode it);
+- a receiver makes one with :meth:`LoneHead.of_decoded` from a payload :func:`.decode` took (its head
+  checked); :meth:`LoneHead.view` then decodes a payload of the same head bytes and length as
+  :func:`.decode` would, into a view of its bytes (None for any other: decode it). Every check
+  :func:`.decode` makes of a head is a function of its bytes; the length is checked every time.
+
+Neither keeps a tensor or a buffer: a head is bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .decoding import checked_lone_slot
+from .format import FLAG_CHECKSUM, PREFIX_STRUCT, bytes_view
+from .payload import EncodedPayload, lone_tensor_payload
+
+__all__ = ["LoneHead"]
+
+
+class LoneHead:
+    """The head and tail of the payload of one plain CPU tensor of a dtype and shape (see the module doc)."""
+
+    __slots__ = ("count", "dtype", "head", "nbytes", "shape", "tail")
+
+    def __init__(self, head: bytes, nbytes: int, dtype: torch.dtype, shape: torch.Size) -> None:
+        self.head, self.nbytes, self.dtype, self.shape = head, nbytes, dtype, shape
+        self.count = shape.numel()
+        self.tail = nbytes - len(head) - self.count * dtype.itemsize  # zero bytes after the tensor's
+
+    @classmethod
+    def of_payload(cls, value: Any, payload: EncodedPayload) -> LoneHead | None:
+        """The head of ``payload``, which :func:`.encode` made of ``value``, when ``value`` is one plain
+        contiguous CPU tensor with bytes and ``payload`` carries no checksum; else None."""
+        if not _plain(value) or len(payload.chunks) != 1 or payload.chunks[0][1] is not value:
+            return None
+        if PREFIX_STRUCT.unpack_from(payload.head)[2] & FLAG_CHECKSUM:
+            return None  # (a checksum differs payload to payload)
+        return cls(payload.head, payload.nbytes, value.dtype, value.shape)
+
+    @classmethod
+    def of_decoded(cls, buffer: Any, value: Any) -> LoneHead | None:
+        """The head of the payload in ``buffer``, which :func:`.decode` took and decoded to ``value`` on
+        the CPU, when that is one tensor with bytes; else None."""
+        if type(value) is not torch.Tensor or not value.is_cpu:
+            return None
+        found = checked_lone_slot(buffer)
+        if found is None:
+            return None
+        total, slot = found
+        head = bytes(bytes_view(buffer)[: slot.offset])
+        if slot.dtype is not value.dtype or list(value.shape) != list(slot.shape):
+            return None
+        return cls(head, total, value.dtype, value.shape)
+
+    def encode(self, value: Any) -> EncodedPayload | None:
+        """``value``'s payload, as :func:`.encode` makes it, when it is a plain contiguous CPU tensor of this
+        head's dtype and shape; else None."""
+        if not _plain(value) or value.dtype is not self.dtype or value.shape != self.shape:
+            return None
+        return lone_tensor_payload(self.head, value, self.tail)
+
+    def view(self, buffer: memoryview) -> torch.Tensor | None:
+        """The tensor of the payload in ``buffer`` (writable, the payload's length exactly) when its head is
+        this one: a view of its bytes, as :func:`.decode` gives it; else None."""
+        head = self.head
+        if buffer.nbytes != self.nbytes or buffer.readonly or buffer[: len(head)] != head:
+            return None
+        tensor = torch.frombuffer(buffer, dtype=self.dtype, count=self.count, offset=len(head))
+        return tensor if len(self.shape) == 1 else tensor.view(self.shape)
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is a tensor :func:`.encode` puts in its payload as it is: a plain, strided,
+    contiguous CPU tensor with bytes, outside autograd, neither conjugated nor negated lazily."""
+    return (
+        type(value) is torch.Tensor
+        and value.is_cpu
+        and value.layout is torch.strided
+        and value.is_contiguous()
+        and not value.is_conj()
+        and not value.is_neg()
+        and not value.requires_grad
+        and value.nbytes > 0
+    )
