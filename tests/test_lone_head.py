@@ -9,7 +9,7 @@ import torch
 from distribute_utils import wire
 from distribute_utils.wire import LoneHead, decode, encode
 
-# (dtype, shape): with and without zero padding after the tensor, one and several dimensions, a scalar.
+# (dtype, shape): sizes that are and are not multiples of the alignment, one and several dimensions, a scalar.
 KINDS = [
     (torch.float32, (1024,)),
     (torch.float32, (3,)),
@@ -65,12 +65,25 @@ def test_a_sender_encodes_anything_else_again() -> None:
         "a parameter": torch.nn.Parameter(other.clone()),
         "in autograd": leaf,
         "a conjugate's imaginary part": torch.zeros(8, 4, dtype=torch.complex64).conj().imag,
+        # (contiguous, of the head's dtype and shape: only the lazy negation tells; torch makes such views
+        # itself, e.g. inside conj().imag arithmetic, and has no public call that returns one)
+        "negated lazily": torch._neg_view(torch.arange(32.0).reshape(8, 4)),
         "on the meta device": torch.empty(8, 4, device="meta"),
         "a config": {"w": other},
         "no tensor": 3.5,
     }
     for what, value in others.items():
         assert head.encode(value) is None, what
+
+
+def test_a_conjugated_tensor_is_encoded_again() -> None:
+    z = torch.complex(torch.arange(32.0), torch.arange(32.0) + 1).reshape(8, 4)
+    head = LoneHead.of_payload(z, encode(z))
+    assert head is not None
+    assert (
+        head.encode(z.conj()) is None
+    )  # (contiguous, same dtype and shape: only the lazy conjugation tells)
+    assert head.encode(z.conj().resolve_conj()) is not None
 
 
 def test_only_a_plain_lone_tensor_payload_without_checksum_gives_a_head() -> None:
@@ -98,6 +111,9 @@ def test_a_receiver_decodes_every_other_payload_again() -> None:
     for what, message in others.items():
         assert head.view(memoryview(message)) is None, what
     assert head.view(memoryview(bytes(same))) is None  # read-only: decode says what it does with those
+    assert (
+        head.view(same) is not None and head.view(memoryview(same).cast("I")) is not None
+    )  # (any bytes-like)
 
 
 def test_a_receiver_keeps_no_head_it_did_not_check_or_that_is_no_cpu_view() -> None:
@@ -110,4 +126,5 @@ def test_a_receiver_keeps_no_head_it_did_not_check_or_that_is_no_cpu_view() -> N
     assert LoneHead.of_decoded(plain, decode(plain).double()) is None  # (not what decode made of it)
     odd = torch.zeros(7, 1, 1, 991, dtype=torch.int16)  # (a head no other test decodes: its check is kept)
     unseen = bytearray(_bytes(encode(odd)))
+    assert not wire.head_known(unseen)
     assert LoneHead.of_decoded(unseen, odd) is None  # (never decoded: nothing says its head was checked)

@@ -13,6 +13,7 @@ import collections
 import cProfile
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -124,6 +125,36 @@ def test_an_error_after_repeats_reaches_every_rank(
         assert outcome != "no error" and says in outcome, (rank, outcome)
         if rank != culprit:
             assert f"rank {culprit}" in outcome or f"({culprit})" in outcome, (rank, outcome)
+        assert problems == [], (rank, problems)
+
+
+def _a_tensor_that_does_not_encode() -> tuple[str, list[str]]:
+    """After tensor repeats, rank 2 passes a tensor that does not encode (a nested one: its ``shape``
+    raises); every rank's outcome, then the next calls' problems."""
+    rank = dist.get_rank()
+    problems = _warm()
+    value = _value(rank, WARM)
+    if rank == 2:
+        with warnings.catch_warnings():  # (torch's note that nested tensors are a prototype)
+            warnings.simplefilter("ignore")
+            value = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    try:
+        with get_tensors_parallel(value, RANKS, timeout=30):
+            pass
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    else:
+        outcome = "no error"
+    return outcome, problems + _warm(WARM + 1)
+
+
+def test_a_tensor_that_does_not_encode_after_repeats_fails_every_rank_at_once(ranks4: RankPool) -> None:
+    """The kept head's checks raise on it (wire.LoneHead): the call goes the general way, which posts the
+    error, as it does for any value that does not encode; nobody waits for rank 2 until the timeout."""
+    for rank, (outcome, problems) in enumerate(ranks4.run(_a_tensor_that_does_not_encode)):
+        assert outcome != "no error", rank
+        if rank != 2:
+            assert outcome.startswith("GatherError") and "rank 2" in outcome, (rank, outcome)
         assert problems == [], (rank, problems)
 
 

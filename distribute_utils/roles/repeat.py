@@ -94,16 +94,16 @@ class SenderRepeat(_Kept):
         if carriers.reports.pending() or carriers.hooked():
             return False  # (notes to deliver, fault points to run)
         lone = self._lone
-        payload = lone.encode(value) if lone is not None else None  # (a tensor like the last one: its head)
-        if payload is None:
-            try:
+        try:
+            payload = lone.encode(value) if lone is not None else None  # (a tensor like the last: its head)
+            if payload is None:
                 payload = wire.encode(value, root=self._root, keep_device=True)
-            except Exception:
-                return False  # (the general path encodes it again, and posts the error to every partner)
-            if payload.nbytes > ATTACHED_MAX_BYTES:
-                return False
-            payload = payload.to_cpu()
-            self._lone = wire.LoneHead.of_payload(value, payload)
+                if payload.nbytes > ATTACHED_MAX_BYTES:
+                    return False
+                payload = payload.to_cpu()
+                self._lone = wire.LoneHead.of_payload(value, payload)
+        except Exception:
+            return False  # (the general path encodes it again, and posts the error to every partner)
         nbytes = payload.nbytes
         self._pool.note_payload(nbytes, pooled=False)
         listed = self._listed
@@ -152,7 +152,7 @@ class FirstRepeat(_Kept):
         self._checker = first  # (check_claim reads only what every call of this key shares)
         # Claims checked before, by their bytes, with the payload size each states.
         self._checked: Recent[bytes, tuple[Claim, int]] = Recent(_CLAIMS_KEPT)
-        # Each sender's last payload head, when that payload was one tensor decoded to a view of it.
+        # Each sender's last payload's head, when that payload was one tensor decoded to a view of it.
         self._heads: dict[int, wire.LoneHead] = {}
         self._views = decode_to is None  # (wire.decode's views on the CPU: a tensor gather's placement)
 
@@ -190,6 +190,8 @@ class FirstRepeat(_Kept):
                 lone = wire.LoneHead.of_decoded(attached, value) if views else None
                 if lone is not None:
                     heads[rank] = lone
+                elif rank in heads:
+                    del heads[rank]
             found[rank] = value
             return True
 

@@ -1,8 +1,9 @@
-"""A lone tensor's payload head, kept for the next payloads: what a repeated ``get_tensors_parallel`` sends.
+"""Internal. A lone tensor's payload head, kept for the next payloads: what a repeated ``get_tensors_parallel``
+sends.
 
 A gather of one tensor, call after call, sends payloads that differ only in the tensor's bytes: the head
-(prefix, header and padding up to the tensor) is the same for every tensor of one dtype and shape, and
-so is the zero padding after it. A :class:`LoneHead` keeps those bytes:
+(prefix, header and padding up to the tensor, which ends the payload) is the same for every tensor of one
+dtype and shape. A :class:`LoneHead` keeps those bytes:
 
 - a sender makes one with :meth:`LoneHead.of_payload` from a payload :func:`.encode` made of one plain
   tensor; :meth:`LoneHead.encode` then gives another such tensor's payload without encoding it again:
@@ -29,14 +30,14 @@ __all__ = ["LoneHead"]
 
 
 class LoneHead:
-    """The head and tail of the payload of one plain CPU tensor of a dtype and shape (see the module doc)."""
+    """The head of the payload of one plain CPU tensor of a dtype and shape (see the module doc)."""
 
-    __slots__ = ("count", "dtype", "head", "nbytes", "shape", "tail")
+    __slots__ = ("count", "dtype", "head", "nbytes", "shape")
 
-    def __init__(self, head: bytes, nbytes: int, dtype: torch.dtype, shape: torch.Size) -> None:
-        self.head, self.nbytes, self.dtype, self.shape = head, nbytes, dtype, shape
+    def __init__(self, head: bytes, dtype: torch.dtype, shape: torch.Size) -> None:
+        self.head, self.dtype, self.shape = head, dtype, shape
         self.count = shape.numel()
-        self.tail = nbytes - len(head) - self.count * dtype.itemsize  # zero bytes after the tensor's
+        self.nbytes = len(head) + self.count * dtype.itemsize  # (the tensor's bytes end the payload)
 
     @classmethod
     def of_payload(cls, value: Any, payload: EncodedPayload) -> LoneHead | None:
@@ -46,37 +47,41 @@ class LoneHead:
             return None
         if PREFIX_STRUCT.unpack_from(payload.head)[2] & FLAG_CHECKSUM:
             return None  # (a checksum differs payload to payload)
-        return cls(payload.head, payload.nbytes, value.dtype, value.shape)
+        head = cls(payload.head, value.dtype, value.shape)
+        return head if head.nbytes == payload.nbytes else None
 
     @classmethod
     def of_decoded(cls, buffer: Any, value: Any) -> LoneHead | None:
-        """The head of the payload in ``buffer``, which :func:`.decode` took and decoded to ``value`` on
-        the CPU, when that is one tensor with bytes; else None."""
+        """The head of the payload in ``buffer``, when :func:`.decode` took it (its head checked) and its tree
+        is one tensor with bytes, on the CPU, that ends it; ``value``, what ``decode`` gave for it, must be
+        that tensor on the CPU (its dtype and shape are compared with the head's). Else None."""
         if type(value) is not torch.Tensor or not value.is_cpu:
             return None
         found = checked_lone_slot(buffer)
         if found is None:
             return None
         total, slot = found
-        head = bytes(bytes_view(buffer)[: slot.offset])
         if slot.dtype is not value.dtype or list(value.shape) != list(slot.shape):
             return None
-        return cls(head, total, value.dtype, value.shape)
+        head = cls(bytes(bytes_view(buffer)[: slot.offset]), value.dtype, value.shape)
+        return head if head.nbytes == total else None
 
     def encode(self, value: Any) -> EncodedPayload | None:
         """``value``'s payload, as :func:`.encode` makes it, when it is a plain contiguous CPU tensor of this
         head's dtype and shape; else None."""
         if not _plain(value) or value.dtype is not self.dtype or value.shape != self.shape:
             return None
-        return lone_tensor_payload(self.head, value, self.tail)
+        return lone_tensor_payload(self.head, value)
 
-    def view(self, buffer: memoryview) -> torch.Tensor | None:
-        """The tensor of the payload in ``buffer`` (writable, the payload's length exactly) when its head is
-        this one: a view of its bytes, as :func:`.decode` gives it; else None."""
+    def view(self, buffer: Any) -> torch.Tensor | None:
+        """The tensor of the payload in ``buffer`` (bytes-like) when it is writable, exactly the payload's
+        length and its head is this one: a view of its bytes, as :func:`.decode` gives it; else None (a
+        read-only buffer too: :func:`.decode` says what it does with those)."""
+        mv = bytes_view(buffer)
         head = self.head
-        if buffer.nbytes != self.nbytes or buffer.readonly or buffer[: len(head)] != head:
+        if mv.nbytes != self.nbytes or mv.readonly or mv[: len(head)] != head:
             return None
-        tensor = torch.frombuffer(buffer, dtype=self.dtype, count=self.count, offset=len(head))
+        tensor = torch.frombuffer(mv, dtype=self.dtype, count=self.count, offset=len(head))
         return tensor if len(self.shape) == 1 else tensor.view(self.shape)
 
 

@@ -278,13 +278,12 @@ def _write_from_devices(
             stream.synchronize()
 
 
-def lone_tensor_payload(head: bytes, tensor: torch.Tensor, tail: int) -> EncodedPayload:
-    """The payload of ``head``, then the bytes of ``tensor`` (a contiguous CPU tensor), then ``tail`` zero
-    bytes, its byte views made at once (for :class:`.lone.LoneHead`, which checked all three)."""
+def lone_tensor_payload(head: bytes, tensor: torch.Tensor) -> EncodedPayload:
+    """The payload of ``head`` then the bytes of ``tensor`` (a contiguous CPU tensor), its byte views made at
+    once (for :class:`.lone.LoneHead`, which checked both)."""
     data = _tensor_bytes(tensor)
-    payload = EncodedPayload(len(head) + data.nbytes + tail, head, ((len(head), tensor),))
-    segments = (memoryview(head), data)
-    payload._cache["segments"] = (*segments, _zeros(tail)) if tail else segments
+    payload = EncodedPayload(len(head) + data.nbytes, head, ((len(head), tensor),))
+    payload._cache["segments"] = (memoryview(head), data)
     return payload
 
 
