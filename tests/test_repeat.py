@@ -179,23 +179,29 @@ def test_a_rank_gone_after_repeats_is_named(fresh_job: Callable[[int], RankPool]
         assert problems == "[]", problems
 
 
-def _calls_per_repeat(rounds: int) -> float | None:
-    """Python calls (every call cProfile counts) per repeated 4 KiB gather on ranks 0 and 1."""
+def _profiled_repeats(values: list[torch.Tensor]) -> Any:
+    """cProfile's stats of repeated 4 KiB gathers of ``values`` (after 50 that make the repeat), on ranks 0
+    and 1 (None on the others)."""
     for i in range(50):
         _gather(i)
-    rank, value = dist.get_rank(), _value(dist.get_rank(), 0)
     dist.barrier()
     profile = cProfile.Profile()
     profile.enable()
-    for _ in range(rounds):
+    for value in values:
         with get_tensors_parallel(value, RANKS):
             pass
     profile.disable()
     dist.barrier()
-    if rank > 1:
+    if dist.get_rank() > 1:
         return None
     profile.create_stats()
-    return sum(entry[1] for entry in profile.stats.values()) / rounds  # type: ignore[attr-defined]
+    return profile.stats  # type: ignore[attr-defined]
+
+
+def _calls_per_repeat(rounds: int) -> float | None:
+    """Python calls (every call cProfile counts) per repeated 4 KiB gather on ranks 0 and 1."""
+    stats = _profiled_repeats([_value(dist.get_rank(), 0)] * rounds)
+    return None if stats is None else sum(entry[1] for entry in stats.values()) / rounds
 
 
 def _kinds(rank: int, i: int) -> torch.Tensor:
@@ -224,23 +230,10 @@ def test_a_payload_of_the_same_size_but_another_dtype_or_shape_is_decoded_as_sen
 def _codec_calls_per_repeat(rounds: int) -> tuple[float, float] | None:
     """``wire.encode`` and ``wire.decode`` calls per repeated 4 KiB gather on ranks 0 and 1 (each call's
     tensors new)."""
-    for i in range(50):
-        _gather(i)
-    rank = dist.get_rank()
-    values = [_value(rank, i) for i in range(rounds)]
-    dist.barrier()
-    profile = cProfile.Profile()
-    profile.enable()
-    for value in values:
-        with get_tensors_parallel(value, RANKS):
-            pass
-    profile.disable()
-    dist.barrier()
-    if rank > 1:
+    stats = _profiled_repeats([_value(dist.get_rank(), i) for i in range(rounds)])
+    if stats is None:
         return None
-    profile.create_stats()
-    stats = profile.stats.items()  # type: ignore[attr-defined]
-    calls = collections.Counter({(f.rsplit("/", 2)[-2:][-1], name): s[1] for (f, _, name), s in stats})
+    calls = collections.Counter({(f.rsplit("/", 1)[-1], name): s[1] for (f, _, name), s in stats.items()})
     return calls[("encoding.py", "encode")] / rounds, calls[("decoding.py", "decode")] / rounds
 
 
