@@ -138,7 +138,6 @@ class FirstRepeat(_Kept):
         "_listed",
         "_own_to",
         "_root",
-        "_views",
         "_what",
     )
 
@@ -152,9 +151,8 @@ class FirstRepeat(_Kept):
         self._checker = first  # (check_claim reads only what every call of this key shares)
         # Claims checked before, by their bytes, with the payload size each states.
         self._checked: Recent[bytes, tuple[Claim, int]] = Recent(_CLAIMS_KEPT)
-        # Each sender's last payload's head, when that payload was one tensor decoded to a view of it.
+        # Each sender's last payload's head, when that payload was one tensor decoded to a CPU view of it.
         self._heads: dict[int, wire.LoneHead] = {}
-        self._views = decode_to is None  # (wire.decode's views on the CPU: a tensor gather's placement)
 
     def receive(self, round_: Round, value: Any) -> list[Any] | None:
         """This rank's part in ``round_``'s call (the first rank's), as :meth:`FirstRank.receive` does it;
@@ -171,7 +169,7 @@ class FirstRepeat(_Kept):
         channel = MailboxChannel(call, listed.ranks, round_[4], _no_store, ATTACHED_MAX_BYTES)
         found: dict[int, Any] = {listed.first: own}
         claims: dict[int, Claim] = {}
-        checked, decode_to, heads, views = self._checked, self._decode_to, self._heads, self._views
+        checked, decode_to, heads = self._checked, self._decode_to, self._heads
 
         def known(rank: int, data: memoryview, attached: memoryview) -> bool:
             seen = checked.get(data.tobytes())
@@ -187,7 +185,7 @@ class FirstRepeat(_Kept):
             value = lone.view(attached) if lone is not None else None  # (a head like its last one)
             if value is None:
                 value = FirstRank.decode(attached, rank, decode_to)
-                lone = wire.LoneHead.of_decoded(attached, value) if views else None
+                lone = wire.LoneHead.of_decoded(attached, value)  # (None unless a CPU tensor came of it)
                 if lone is not None:
                     heads[rank] = lone
                 elif rank in heads:
