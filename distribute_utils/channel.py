@@ -266,10 +266,12 @@ class MailboxChannel:
             return False
         sync = self.call.sync
         first = {self.first: sync.infos[self.first]}
-        got = sync.mailbox().receive(self.call.number, first, min(GRACE_S, self.timeout))
-        if len(got) == 1 and got[0][1] == _VERDICT and got[0][2] == expected:
+        got = sync.mailbox().take_next(self.call.number, first, _VERDICT, min(GRACE_S, self.timeout))
+        if got is None:
+            return False
+        if got[1] == expected:
             return True
-        self.unread(got, first)
+        self.unread([(got[0], _VERDICT, got[1])], first)
         return False
 
     def take_known(self, senders: Sequence[int], known: Known) -> list[int]:
@@ -278,24 +280,23 @@ class MailboxChannel:
         one and what came with it are put back for :meth:`claims`. Returns the senders not taken."""
         sync = self.call.sync
         mailbox = sync.mailbox()
+        number = self.call.number
         missing = {r: sync.infos[r] for r in senders}
         wait = min(GRACE_S, self.timeout)
         while missing:
-            got = mailbox.receive(self.call.number, missing, wait)
-            for i, (rank, kind, data) in enumerate(got):
-                if rank not in missing:  # (taken already: as the general wait, it drops a second one)
-                    continue
-                message = memoryview(data)
-                if kind != _CLAIM or len(data) < _CLAIM_LENGTH.size:
-                    mailbox.unread(self.call.number, got[i:], missing)
-                    return list(missing)
-                end = _CLAIM_LENGTH.size + _CLAIM_LENGTH.unpack_from(message)[0]
-                if not known(rank, message[_CLAIM_LENGTH.size : end], message[end:]):
-                    mailbox.unread(self.call.number, got[i:], missing)
-                    return list(missing)
-                del missing[rank]
-            if not got:
+            got = mailbox.take_next(number, missing, _CLAIM, wait)  # (anything else: left for claims())
+            if got is None:
                 break
+            rank, data = got
+            message = memoryview(data)
+            if len(data) < _CLAIM_LENGTH.size:
+                mailbox.unread(number, [(rank, _CLAIM, data)], missing)
+                break
+            end = _CLAIM_LENGTH.size + _CLAIM_LENGTH.unpack_from(message)[0]
+            if not known(rank, message[_CLAIM_LENGTH.size : end], message[end:]):
+                mailbox.unread(number, [(rank, _CLAIM, data)], missing)
+                break
+            del missing[rank]
         return list(missing)
 
     def unread(self, messages: list[tuple[int, int, bytearray]], senders: dict[int, Any]) -> None:

@@ -264,6 +264,18 @@ class Connections:
             self.forget(path)
         return bool(sent)
 
+    def send_now(self, path: str, parts: Sequence[Any]) -> bool:
+        """One datagram to the socket at ``path`` through the socket kept connected to it, at once: False
+        when none is kept or it cannot go now (nothing was sent: :meth:`send` then does what it does)."""
+        sock = self._socks.get(path)
+        if sock is None:
+            return False
+        try:
+            sock.sendmsg(parts, (), _NO_WAIT)
+        except OSError:
+            return False
+        return True
+
     def _connect(self, path: str) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         try:

@@ -237,6 +237,17 @@ class Mailbox:
         the same peers call after call keeps it)."""
         return self._peers.send(address, self._framed(call, rank, kind, parts), timeout)
 
+    def send_now(self, address: str, call: int, rank: int, kind: int, parts: Sequence[Buffer]) -> bool:
+        """:meth:`send_to`, when the message can go at once through the socket kept connected to ``address``
+        (one system call); False otherwise: nothing was sent, and :meth:`send_to` then connects, waits for
+        room, or raises what it raises."""
+        size = 0
+        for p in parts:
+            size += memoryview(p).nbytes
+        if size + _HEADER.size > MAX_MESSAGE_BYTES or len(parts) > _MAX_PARTS or self._sock is None:
+            return False
+        return self._peers.send_now(address, [_HEADER.pack(call, rank, kind), *parts])
+
     def send_each(
         self,
         addresses: Sequence[str],
@@ -248,8 +259,12 @@ class Mailbox:
     ) -> list[int]:
         """:meth:`send_to` one message to each of ``addresses`` (a first rank's verdict to its senders), framed
         once; the positions in ``addresses`` of those not sent to."""
-        framed, send = self._framed(call, rank, kind, parts), self._peers.send
-        return [i for i, address in enumerate(addresses) if not send(address, framed, timeout)]
+        framed, now, send = self._framed(call, rank, kind, parts), self._peers.send_now, self._peers.send
+        return [
+            i
+            for i, address in enumerate(addresses)
+            if not (now(address, framed) or send(address, framed, timeout))
+        ]
 
     def _framed(self, call: int, rank: int, kind: int, parts: Sequence[Buffer]) -> list[Buffer]:
         """The parts of a message with its header, checked (see :meth:`send`)."""
@@ -305,8 +320,7 @@ class Mailbox:
                 # One system call per message: a blocking read bounded by SO_RCVTIMEO, which is set only
                 # when the wait asked for differs much from the one set.
                 if wait > 0 and not (0.8 * self._rcvtimeo <= wait <= self._rcvtimeo):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, host_dir.timeval(wait))
-                    self._rcvtimeo = wait
+                    self._wait_at_most(sock, wait)
                 try:
                     size, ancillary, flags, _ = sock.recvmsg_into(
                         buffers, ANCILLARY_SIZE, 0 if wait > 0 else _NO_WAIT
@@ -318,6 +332,52 @@ class Mailbox:
             if wait <= 0:
                 wait = 0.0  # take what is queued, not waiting
         return found
+
+    def take_next(
+        self, call: int, senders: dict[int, ProcessInfo], kind: int, timeout: float
+    ) -> tuple[int, bytearray] | None:
+        """The next message of call ``call``, as ``(rank, data)``, when it is one of ``kind`` from one of
+        ``senders`` (rank -> process, checked as :meth:`receive` checks it) and comes within about ``timeout``
+        seconds; None when none came, or the next one is any other (it is then filed as :meth:`receive`
+        files it, and one of this call is given first by the next :meth:`receive`). One system call where
+        no message is kept and waits sleep: a repeated round's read of the message it expects."""
+        if self._kept or self._poll_s:  # (the general way)
+            got = self.receive(call, senders, timeout)
+            if len(got) == 1 and got[0][1] == kind:
+                return got[0][0], got[0][2]
+            self.unread(call, got, senders)
+            return None
+        sock = self._sock
+        if sock is None:
+            raise self._closed()
+        if timeout > 0 and not (0.8 * self._rcvtimeo <= timeout <= self._rcvtimeo):
+            self._wait_at_most(sock, timeout)
+        try:
+            size, ancillary, flags, _ = sock.recvmsg_into(
+                self._buffers, ANCILLARY_SIZE, 0 if timeout > 0 else _NO_WAIT
+            )
+        except BlockingIOError:  # nothing came in time
+            return None
+        if size >= _HEADER.size and not flags & _TRUNCATED:
+            their_call, rank, their_kind = _HEADER.unpack_from(self._buffer)
+            info = senders.get(rank)
+            if (
+                their_call == call
+                and their_kind == kind
+                and info is not None
+                and sender_pid(ancillary, self._uid) == info.pid
+            ):
+                return rank, bytearray(memoryview(self._buffer)[_HEADER.size : size])
+        found: list[tuple[int, int, bytearray]] = []
+        self._sort(size, ancillary, flags, call, senders, found)
+        self.unread(call, found, senders)
+        return None
+
+    def _wait_at_most(self, sock: socket.socket, seconds: float) -> None:
+        """A blocking read on ``sock`` returns after ``seconds`` at the latest (``SO_RCVTIMEO``, set only
+        when the wait asked for differs much from the one set: a system call saved per read)."""
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, host_dir.timeval(seconds))
+        self._rcvtimeo = seconds
 
     def unread(
         self, call: int, messages: Sequence[tuple[int, int, bytearray]], senders: dict[int, ProcessInfo]

@@ -189,7 +189,10 @@ class Call:
         it does not listen (yet) or its queue stayed full for ``timeout`` seconds."""
         sync = self.sync
         mailbox = sync._mailbox or sync.mailbox()
-        return mailbox.send_to(sync.addresses[rank], self.number, sync.rank, kind, parts, timeout)
+        address = sync.addresses[rank]
+        return mailbox.send_now(address, self.number, sync.rank, kind, parts) or mailbox.send_to(
+            address, self.number, sync.rank, kind, parts, timeout
+        )
 
     def receive_direct(
         self,

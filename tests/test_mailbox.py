@@ -126,6 +126,47 @@ def test_a_message_is_taken_only_from_the_process_the_rank_runs_as(parent_box: M
     assert _queued(parent_box, 5, {1: impostor_of}) == []
 
 
+def test_take_next_takes_the_message_it_expects_and_files_any_other_as_receive_does(
+    parent_box: Mailbox,
+) -> None:
+    """A repeated round's read (``take_next``): the next message when it is of the call, kind and process
+    asked for; anything else is filed as ``receive`` files it (this call's for the next ``receive``, a later
+    call's kept, an earlier one's or an impostor's dropped) and it says None."""
+    pid, child = _in_child(
+        _sender([(5, 0, b"claim"), (7, 0, b"later"), (5, 1, b"another kind"), (3, 0, b"old"), (5, 0, b"x")])
+    )
+    assert _reap(pid) == 0  # (all of them queued)
+    senders = {1: child}
+    impostor = {1: ProcessInfo(**{**child.__dict__, "pid": child.pid + 100_000})}
+    assert parent_box.take_next(5, senders, 0, 0.0) == (1, b"claim")
+    assert parent_box.take_next(5, senders, 0, 0.0) is None  # call 7's: kept for it
+    assert parent_box.take_next(5, senders, 0, 0.0) is None  # another kind: given by the next receive
+    assert parent_box.receive(5, senders, 0.0) == [(1, 1, b"another kind")]
+    assert parent_box.receive(7, senders, 0.0) == [(1, 0, b"later")]
+    assert parent_box.take_next(5, senders, 0, 0.0) is None  # call 3's: dropped
+    assert parent_box.take_next(5, impostor, 0, 0.0) is None  # not from the process rank 1 runs as: dropped
+    assert parent_box.take_next(5, senders, 0, 0.0) is None  # nothing left, and nothing waited for
+    assert _queued(parent_box, 5, senders) == []
+
+
+def test_send_now_goes_only_through_a_kept_socket_and_sends_nothing_send_to_would_refuse(
+    parent_box: Mailbox,
+) -> None:
+    """``send_now`` (one system call, no wait): False, nothing sent, where there is no connected socket yet
+    or the message is one ``send_to`` refuses (larger than :data:`MAX_MESSAGE_BYTES`)."""
+    me, here = {1: this_process()}, parent_box.path
+    assert parent_box.send_now(here, 8, 1, 0, [b"none kept yet"]) is False
+    assert parent_box.send_to(here, 5, 1, 0, [b"x"])  # (connects, and keeps the socket)
+    assert parent_box.send_now(here, 6, 1, 0, [b"y", memoryview(b"z")]) is True
+    assert parent_box.send_now(here, 9, 1, 0, [bytes(MAX_MESSAGE_BYTES)]) is False
+    with pytest.raises(MailboxError, match="larger than"):
+        parent_box.send_to(here, 9, 1, 0, [bytes(MAX_MESSAGE_BYTES)])
+    assert parent_box.receive(5, me, 0.0) == [(1, 0, b"x")]
+    assert parent_box.receive(6, me, 0.0) == [(1, 0, b"yz")]
+    # (calls 8 and 9 are later: a message of theirs would have been kept while 5 and 6 were read)
+    assert _queued(parent_box, 8, me) == [] and _queued(parent_box, 9, me) == []
+
+
 def _intruder(fd: int) -> None:
     """As another user: try to list the private directory, take this group's address of a process
     that has not bound it yet, and send into the parent's socket; report what the kernel said."""

@@ -79,7 +79,7 @@ class _Kept:
 class SenderRepeat(_Kept):
     """A sender's repeat (see the module doc), made by :func:`sender_repeat`."""
 
-    __slots__ = ("_entry", "_listed", "_lone", "_mode", "_pool", "_root")
+    __slots__ = ("_claim", "_entry", "_listed", "_lone", "_mode", "_pool", "_root")
 
     def __init__(self, sender: Sender, at: Recent[Any, Any], call_key: Hashable) -> None:
         super().__init__(at, call_key)
@@ -87,6 +87,7 @@ class SenderRepeat(_Kept):
         self._entry = ["send", sender.shown, sender.digest, sender.mode, None, "direct"]  # (Part.record's)
         self._pool = owned(SegmentPool)
         self._lone: wire.LoneHead | None = None  # the head of its last payload, when that was one tensor
+        self._claim: tuple[int, bytes] = (-1, b"")  # its last claim, and the payload size it states
 
     def send(self, round_: Round, value: Any) -> bool:
         """This rank's part in ``round_``'s call (a sender's), as :meth:`Sender.send` does it; False when the
@@ -107,7 +108,10 @@ class SenderRepeat(_Kept):
         nbytes = payload.nbytes
         self._pool.note_payload(nbytes, pooled=False)
         listed = self._listed
-        claim = attached_claim(listed, self._mode, nbytes)
+        size, claim = self._claim
+        if size != nbytes:
+            claim = attached_claim(listed, self._mode, nbytes)
+            self._claim = (nbytes, claim)
         call = round_[1]
         channel = MailboxChannel(call, listed.ranks, round_[4], _no_store, ATTACHED_MAX_BYTES)
         try:
