@@ -259,14 +259,20 @@ class MailboxChannel:
         return found[self.first]
 
     # -- a repeat's (distribute_utils.roles.repeat): the round that goes well, without the general wait --
-    def heard(self, expected: bytes) -> bool:
-        """A sender whose claim was delivered: whether the one message its first rank sent it within the
-        grace is the verdict ``expected``. Anything else it heard is put back for :meth:`await_verdict`."""
-        if not self._delivered:
+    def claim_and_hear(self, claim: bytes, attached: Sequence[Buffer], expected: bytes) -> bool:
+        """A sender: :meth:`post_claim`, then whether the one message its first rank sent it within the grace is
+        the verdict ``expected`` (anything else it read is put back for :meth:`await_verdict`). A claim that cannot go at once is posted as
+        :meth:`post_claim` posts it, and False is returned: :meth:`await_verdict` waits for the verdict."""
+        call = self.call
+        sync = call.sync
+        mailbox = sync.mailbox()
+        self._message = message = [_CLAIM_LENGTH.pack(len(claim)), claim, *attached]
+        if not mailbox.send_now(sync.addresses[self.first], call.number, sync.rank, _CLAIM, message):
+            self._delivered = call.send_direct(self.first, _CLAIM, message, GRACE_S)
             return False
-        sync = self.call.sync
+        self._delivered = True
         first = {self.first: sync.infos[self.first]}
-        got = sync.mailbox().take_next(self.call.number, first, _VERDICT, min(GRACE_S, self.timeout))
+        got = mailbox.take_next(call.number, first, _VERDICT, min(GRACE_S, self.timeout))
         if got is None:
             return False
         if got[1] == expected:

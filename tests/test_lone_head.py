@@ -38,6 +38,8 @@ def test_a_kept_head_encodes_and_decodes_as_the_wire_does(dtype: torch.dtype, sh
     assert again is not None
     assert again.nbytes == encode(second).nbytes
     assert _bytes(again) == _bytes(encode(second))  # the bytes encode makes, padding included
+    behind = sender.bytes_of(second)  # (what a repeat sends behind the head, with no payload object)
+    assert behind is not None and sender.head + bytes(behind) == _bytes(encode(second))
 
     received = bytearray(_bytes(made))
     value = decode(received)
@@ -74,6 +76,7 @@ def test_a_sender_encodes_anything_else_again() -> None:
     }
     for what, value in others.items():
         assert head.encode(value) is None, what
+        assert head.bytes_of(value) is None, what
 
 
 def test_a_conjugated_tensor_is_encoded_again() -> None:
@@ -84,6 +87,7 @@ def test_a_conjugated_tensor_is_encoded_again() -> None:
         head.encode(z.conj()) is None
     )  # (contiguous, same dtype and shape: only the lazy conjugation tells)
     assert head.encode(z.conj().resolve_conj()) is not None
+    assert head.bytes_of(z.conj()) is None and head.bytes_of(z.conj().resolve_conj()) is not None
 
 
 def test_only_a_plain_lone_tensor_payload_without_checksum_gives_a_head() -> None:

@@ -35,12 +35,12 @@ Call order: :func:`key`, then the kept repeat's ``send`` / ``receive`` from ``ga
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from .. import wire
 from ..caches import Recent
-from ..channel import MailboxChannel
+from ..channel import Buffer, MailboxChannel
 from ..owners import owned
 from ..transports import carriers
 from ..transports.inline import AttachedCarrier
@@ -95,17 +95,23 @@ class SenderRepeat(_Kept):
         if carriers.reports.pending() or carriers.hooked():
             return False  # (notes to deliver, fault points to run)
         lone = self._lone
+        payload: wire.EncodedPayload | None = None
         try:
-            payload = lone.encode(value) if lone is not None else None  # (a tensor like the last: its head)
-            if payload is None:
+            data = (
+                lone.bytes_of(value) if lone is not None else None
+            )  # (a tensor like the last: behind its head)
+            if lone is not None and data is not None:
+                parts: Sequence[Buffer] = (lone.head, data)
+                nbytes = lone.nbytes
+            else:
                 payload = wire.encode(value, root=self._root, keep_device=True)
                 if payload.nbytes > ATTACHED_MAX_BYTES:
                     return False
                 payload = payload.to_cpu()
                 self._lone = wire.LoneHead.of_payload(value, payload)
+                parts, nbytes = payload.buffers(), payload.nbytes
         except Exception:
             return False  # (the general path encodes it again, and posts the error to every partner)
-        nbytes = payload.nbytes
         self._pool.note_payload(nbytes, pooled=False)
         listed = self._listed
         size, claim = self._claim
@@ -115,19 +121,25 @@ class SenderRepeat(_Kept):
         call = round_[1]
         channel = MailboxChannel(call, listed.ranks, round_[4], _no_store, ATTACHED_MAX_BYTES)
         try:
-            channel.post_claim(claim, payload.buffers())
-            call.record(self._entry)
-            if channel.heard(listed.success):
+            call.record(self._entry)  # (before its claim goes: what a first rank past the grace reads)
+            if channel.claim_and_hear(claim, parts, listed.success):
                 return True
         except BaseException as exc:
             self.drop()
             sender = Sender(round_, listed)
-            sender.adopt(channel, payload)
+            sender.adopt(channel, payload or _lone_payload(lone, value))
             sender.failed(exc, None)
             raise
         self.drop()
-        Sender(round_, listed).take_over(channel, payload)
+        Sender(round_, listed).take_over(channel, payload or _lone_payload(lone, value))
         return True
+
+
+def _lone_payload(lone: wire.LoneHead | None, value: Any) -> wire.EncodedPayload:
+    """The payload a sender's repeat sent behind ``lone``'s head (made only when a general role takes over)."""
+    payload = lone.encode(value) if lone is not None else None
+    assert payload is not None, "a repeat sends a value behind a head only when the head encodes it"
+    return payload
 
 
 class FirstRepeat(_Kept):

@@ -30,6 +30,7 @@ __all__ = [
     "lone_tensor_payload",
     "pwrite_all",
     "segments_after",
+    "tensor_bytes",
 ]
 
 _ZEROS = bytes(ALIGN)
@@ -46,7 +47,7 @@ except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
     IOV_MAX = 16
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Zero-copy byte view of a contiguous CPU tensor (any dtype; the tensor must outlive it).
 
     ctypes over ``data_ptr`` costs about 0.5 us per tensor, a quarter of the
@@ -263,7 +264,7 @@ def _write_from_devices(
                 mv[pos:offset] = _zeros(offset - pos)
             size = tensor.numel() * tensor.element_size()
             if tensor.is_cpu:
-                _copy_in(mv, offset, _tensor_bytes(tensor))
+                _copy_in(mv, offset, tensor_bytes(tensor))
             else:
                 into = torch.frombuffer(mv, dtype=torch.uint8, count=size, offset=offset)
                 into.copy_(as_uint8(tensor), non_blocking=tensor.device.type == "cuda")
@@ -281,7 +282,7 @@ def _write_from_devices(
 def lone_tensor_payload(head: bytes, tensor: torch.Tensor) -> EncodedPayload:
     """The payload of ``head`` then the bytes of ``tensor`` (a contiguous CPU tensor), its byte views made at
     once (for :class:`.lone.LoneHead`, which checked both)."""
-    data = _tensor_bytes(tensor)
+    data = tensor_bytes(tensor)
     payload = EncodedPayload(len(head) + data.nbytes, head, ((len(head), tensor),))
     payload._cache["segments"] = (memoryview(head), data)
     return payload
@@ -297,7 +298,7 @@ def segments_after(pos: int, chunks: tuple[tuple[int, torch.Tensor], ...], nbyte
             raise ArgumentError(f"chunk at offset {offset} overlaps the previous bytes ending at {pos}")
         if offset > pos:
             out.append(_zeros(offset - pos))
-        view = _tensor_bytes(tensor)
+        view = tensor_bytes(tensor)
         out.append(view)
         pos = offset + view.nbytes
     if pos > nbytes:
