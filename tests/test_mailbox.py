@@ -8,6 +8,7 @@ import pickle
 import signal
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -149,6 +150,40 @@ def test_take_next_takes_the_message_it_expects_and_files_any_other_as_receive_d
     assert _queued(parent_box, 5, senders) == []
 
 
+def test_take_next_reads_the_socket_only_when_nothing_is_kept_and_waits_at_most_its_timeout(
+    parent_box: Mailbox,
+) -> None:
+    """Its one-read path: a message of another kind is filed for the next ``receive`` (nothing kept before
+    it); a message kept for this call comes before the socket's; a read of an empty socket returns after
+    about its timeout, whatever wait was set before (a bounded read, not a blocking one)."""
+    pid, child = _in_child(_sender([(5, 1, b"another kind"), (5, 0, b"A"), (5, 0, b"B"), (5, 0, b"C")]))
+    assert _reap(pid) == 0
+    senders = {1: child}
+    assert parent_box.take_next(5, senders, 0, 0.0) is None  # (read from the socket: nothing was kept)
+    assert parent_box.receive(5, senders, 0.0) == [(1, 1, b"another kind")]
+    assert parent_box.take_next(5, senders, 0, 0.0) == (1, b"A")
+    got = parent_box.receive(5, senders, 0.0)
+    assert got == [(1, 0, b"B")]
+    parent_box.unread(5, got, senders)  # (a reader that hands its wait over puts it back)
+    assert parent_box.take_next(5, senders, 0, 0.0) == (1, b"B")  # the kept one, not the socket's C
+    assert parent_box.take_next(5, senders, 0, 0.0) == (1, b"C")
+    for wait in (30.0, 0.2):  # (a long wait set first: the short one must replace it)
+        outcome: list[Any] = []
+
+        def read(into: list[Any] = outcome, seconds: float = wait) -> None:
+            into.append(parent_box.take_next(5, senders, 0, seconds))
+
+        reader = threading.Thread(target=read)
+        start = time.monotonic()
+        if wait > 1:
+            parent_box.send_to(parent_box.path, 5, 1, 0, [b"to end the long wait"])
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive() and len(outcome) == 1, f"take_next({wait}) did not return"
+        if wait < 1:
+            assert outcome == [None] and time.monotonic() - start < 5
+
+
 def test_send_now_goes_only_through_a_kept_socket_and_sends_nothing_send_to_would_refuse(
     parent_box: Mailbox,
 ) -> None:
@@ -165,6 +200,11 @@ def test_send_now_goes_only_through_a_kept_socket_and_sends_nothing_send_to_woul
     assert parent_box.receive(6, me, 0.0) == [(1, 0, b"yz")]
     # (calls 8 and 9 are later: a message of theirs would have been kept while 5 and 6 were read)
     assert _queued(parent_box, 8, me) == [] and _queued(parent_box, 9, me) == []
+    sent = 0  # a full queue: True exactly for the messages that went
+    while parent_box.send_now(here, 10, 1, 0, [bytes(1000)]):
+        sent += 1
+        assert sent < 10_000, "the queue never filled"
+    assert sent > 0 and len(_queued(parent_box, 10, me)) == sent
 
 
 def _intruder(fd: int) -> None:
