@@ -272,6 +272,9 @@ class Connections:
             return False
         try:
             sock.sendmsg(parts, (), _NO_WAIT)
+        except (FileNotFoundError, ConnectionRefusedError):
+            self.forget(path)  # (its peer closed, and the kernel disconnected it: send() connects anew)
+            return False
         except OSError:
             return False
         return True

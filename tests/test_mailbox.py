@@ -397,6 +397,11 @@ def test_kept_connections_reach_a_peer_bound_again_say_when_none_listens_and_sta
     again.close()
     os.unlink(directory / "a.sock")
     assert kept.send(str(directory / "a.sock"), [b"three"]) is False
+    gone = listen("d.sock")  # (a peer that closes and binds nothing again: refused, then disconnected)
+    assert kept.send(str(directory / "d.sock"), [b"kept"]) and gone.recv(16) == b"kept"
+    gone.close()
+    assert kept.send_now(str(directory / "d.sock"), [b"now"]) is False
+    assert kept.send(str(directory / "d.sock"), [b"again"]) is False  # (no OSError from a dead socket)
     third = listen("c.sock")
     before = open_fds()
     for _ in range(3):  # two live peers, one kept: each new one's socket replaces the other's

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import cProfile
 import os
+import select
 import threading
 import warnings
 from collections.abc import Callable
@@ -158,10 +159,18 @@ def test_a_tensor_that_does_not_encode_after_repeats_fails_every_rank_at_once(ra
         assert problems == [], (rank, problems)
 
 
-def _rank_gone(victim: int) -> str:
+def _rank_gone(victim: int, after_its_exit: bool = False) -> str:
     problems = _warm()
+    pids: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
     if dist.get_rank() == victim:
         os._exit(0)  # a rank whose script ended early: it never makes the next call
+    if after_its_exit:  # the next call starts once its process (and its sockets) are gone
+        gone = os.pidfd_open(pids[victim])
+        try:
+            assert select.select([gone], [], [], 60)[0], f"rank {victim} did not exit"
+        finally:
+            os.close(gone)
     try:
         _gather(WARM)
     except PeerLostError as exc:
@@ -169,9 +178,17 @@ def _rank_gone(victim: int) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("victim", [2, 0], ids=["a sender", "the first rank"])
-def test_a_rank_gone_after_repeats_is_named(fresh_job: Callable[[int], RankPool], victim: int) -> None:
-    results = fresh_job(4).run(_rank_gone, victim, expect_deaths=True)
+@pytest.mark.parametrize(
+    ("victim", "after_its_exit"),
+    [(2, False), (0, False), (0, True)],
+    ids=["a sender", "the first rank", "the first rank, gone before the claims"],
+)
+def test_a_rank_gone_after_repeats_is_named(
+    fresh_job: Callable[[int], RankPool], victim: int, after_its_exit: bool
+) -> None:
+    """Also where the senders' kept sockets find the first rank's closed (the kernel refuses, then
+    disconnects them): a PeerLostError naming it, not an OSError."""
+    results = fresh_job(4).run(_rank_gone, victim, after_its_exit, expect_deaths=True)
     assert isinstance(results[victim], Died), results[victim]
     for rank in {0, 1, 2, 3} - {victim}:
         missing, message, problems = results[rank].split("|")

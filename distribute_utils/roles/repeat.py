@@ -7,8 +7,9 @@ goes well here in a direct round (every rank of the list on this host: :meth:`.p
 sender whose payload went inside its claim message keeps a :class:`SenderRepeat`, the first rank a
 :class:`FirstRepeat`, on the group's companion for the incarnation, under the list and every option of
 the call (:func:`key`). The next call with that key runs through it: the same messages, records and
-waits as the general path (:mod:`.sender`, :mod:`.first_rank`), in fewer steps. What it does not work
-out again, and why that is safe:
+waits as the general path (:mod:`.sender`, :mod:`.first_rank`), in fewer steps (a sender records its call
+before its claim goes, where the general path records it after: a partner that asks in between hears
+that it sends in this call, which it does). What it does not work out again, and why that is safe:
 
 - the list's checks, the direct round's decision, the plan and the first rank's placement rule: each a
   function of the list, the options and where the ranks run, all fixed for the incarnation (the general
@@ -95,7 +96,6 @@ class SenderRepeat(_Kept):
         if carriers.reports.pending() or carriers.hooked():
             return False  # (notes to deliver, fault points to run)
         lone = self._lone
-        payload: wire.EncodedPayload | None = None
         try:
             data = (
                 lone.bytes_of(value) if lone is not None else None
@@ -127,19 +127,12 @@ class SenderRepeat(_Kept):
         except BaseException as exc:
             self.drop()
             sender = Sender(round_, listed)
-            sender.adopt(channel, payload or _lone_payload(lone, value))
+            sender.adopt(channel)
             sender.failed(exc, None)
             raise
         self.drop()
-        Sender(round_, listed).take_over(channel, payload or _lone_payload(lone, value))
+        Sender(round_, listed).take_over(channel)
         return True
-
-
-def _lone_payload(lone: wire.LoneHead | None, value: Any) -> wire.EncodedPayload:
-    """The payload a sender's repeat sent behind ``lone``'s head (made only when a general role takes over)."""
-    payload = lone.encode(value) if lone is not None else None
-    assert payload is not None, "a repeat sends a value behind a head only when the head encodes it"
-    return payload
 
 
 class FirstRepeat(_Kept):

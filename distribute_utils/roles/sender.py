@@ -281,16 +281,17 @@ class Sender(Part):
         """Whether its payload went inside its claim message (:meth:`attach`)."""
         return self._attached is not None
 
-    def adopt(self, channel: MailboxChannel, payload: wire.EncodedPayload) -> None:
-        """Take this call's ``channel`` from a repeat (:mod:`.repeat`), which posted its claim with
-        ``payload`` attached and recorded it: a give-up then goes to this call's store keys."""
-        self.channel, self._attached = channel, payload
+    def adopt(self, channel: MailboxChannel) -> None:
+        """Take this call's ``channel`` from a repeat (:mod:`.repeat`), which recorded the call and posted its
+        claim with the payload attached (or failed before it went: ``channel.delivered``); the channel holds
+        the message for a resend. A give-up then goes to this call's store keys."""
+        self.channel = channel
         channel.store = self.store_channel
 
-    def take_over(self, channel: MailboxChannel, payload: wire.EncodedPayload) -> None:
-        """A repeat posted this call's claim through ``channel`` with ``payload`` attached and recorded
-        it, but heard no success within the grace: wait for the verdict and conclude as :meth:`send` does."""
-        self.adopt(channel, payload)
+    def take_over(self, channel: MailboxChannel) -> None:
+        """A repeat posted this call's claim through ``channel`` (see :meth:`adopt`) but heard no success within
+        the grace: wait for the verdict and conclude as :meth:`send` does."""
+        self.adopt(channel)
         try:
             found = channel.await_verdict(self.what, self.judge_first)
             verdict = None if found == self.listed.success else Verdict.unpack(found)
