@@ -260,9 +260,10 @@ class MailboxChannel:
 
     # -- a repeat's (distribute_utils.roles.repeat): the round that goes well, without the general wait --
     def claim_and_hear(self, claim: bytes, attached: Sequence[Buffer], expected: bytes) -> bool:
-        """A sender: :meth:`post_claim`, then whether the one message its first rank sent it within the grace is
-        the verdict ``expected`` (anything else it read is put back for :meth:`await_verdict`). A claim that cannot go at once is posted as
-        :meth:`post_claim` posts it, and False is returned: :meth:`await_verdict` waits for the verdict."""
+        """A sender: :meth:`post_claim`, then whether the one message its first rank sent it within the grace
+        is the verdict ``expected`` (anything else it read is put back for :meth:`await_verdict`). A claim
+        that cannot go at once is posted as :meth:`post_claim` posts it, and False is returned:
+        :meth:`await_verdict` then waits for the verdict."""
         call = self.call
         sync = call.sync
         mailbox = sync.mailbox()

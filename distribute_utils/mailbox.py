@@ -241,12 +241,11 @@ class Mailbox:
         """:meth:`send_to`, when the message can go at once through the socket kept connected to ``address``
         (one system call); False otherwise: nothing was sent, and :meth:`send_to` then connects, waits for
         room, or raises what it raises."""
-        size = 0
-        for p in parts:
-            size += memoryview(p).nbytes
-        if size + _HEADER.size > MAX_MESSAGE_BYTES or len(parts) > _MAX_PARTS or self._sock is None:
+        try:
+            framed = self._framed(call, rank, kind, parts)
+        except MailboxError:  # (send_to raises it)
             return False
-        return self._peers.send_now(address, [_HEADER.pack(call, rank, kind), *parts])
+        return self._peers.send_now(address, framed)
 
     def send_each(
         self,

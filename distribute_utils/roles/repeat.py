@@ -97,9 +97,8 @@ class SenderRepeat(_Kept):
             return False  # (notes to deliver, fault points to run)
         lone = self._lone
         try:
-            data = (
-                lone.bytes_of(value) if lone is not None else None
-            )  # (a tensor like the last: behind its head)
+            # (a tensor like the last: its bytes go behind the last payload's head)
+            data = lone.bytes_of(value) if lone is not None else None
             if lone is not None and data is not None:
                 parts: Sequence[Buffer] = (lone.head, data)
                 nbytes = lone.nbytes

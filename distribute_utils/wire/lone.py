@@ -7,8 +7,8 @@ dtype and shape. A :class:`LoneHead` keeps those bytes:
 
 - a sender makes one with :meth:`LoneHead.of_payload` from a payload :func:`.encode` made of one plain
   tensor; :meth:`LoneHead.bytes_of` then gives the bytes that follow the head in another such tensor's
-  payload, and :meth:`LoneHead.encode` that payload, without encoding it again: the bytes :func:`.encode`
-  would give (None for any other value: encode it);
+  payload, without encoding it again: the head and these are the bytes :func:`.encode` would give (None
+  for any other value: encode it);
 - a receiver makes one with :meth:`LoneHead.of_decoded` from a payload :func:`.decode` took (its head
   checked); :meth:`LoneHead.view` then decodes a payload of the same head bytes and length as
   :func:`.decode` would, into a view of its bytes (None for any other: decode it). Every check
@@ -25,7 +25,7 @@ import torch
 
 from .decoding import checked_lone_slot
 from .format import FLAG_CHECKSUM, PREFIX_STRUCT, bytes_view
-from .payload import EncodedPayload, lone_tensor_payload, tensor_bytes
+from .payload import EncodedPayload, tensor_bytes
 
 __all__ = ["LoneHead"]
 
@@ -67,14 +67,10 @@ class LoneHead:
         head = cls(bytes(bytes_view(buffer)[: slot.offset]), value.dtype, value.shape)
         return head if head.nbytes == total else None
 
-    def encode(self, value: Any) -> EncodedPayload | None:
-        """``value``'s payload, as :func:`.encode` makes it, when :meth:`bytes_of` gives its bytes; else None."""
-        return None if self.bytes_of(value) is None else lone_tensor_payload(self.head, value)
-
     def bytes_of(self, value: Any) -> memoryview | None:
         """The bytes that follow this head in ``value``'s payload, when ``value`` is a plain contiguous CPU tensor
         of this head's dtype and shape (its payload is then the head, then these bytes); else None. No
-        payload object is made: what a repeated sender sends (:meth:`encode` makes the object)."""
+        payload object is made: what a repeated sender sends."""
         if not _plain(value) or value.dtype is not self.dtype or value.shape != self.shape:
             return None
         return tensor_bytes(value)

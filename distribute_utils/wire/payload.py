@@ -27,7 +27,6 @@ __all__ = [
     "as_uint8",
     "contiguous",
     "crc_of",
-    "lone_tensor_payload",
     "pwrite_all",
     "segments_after",
     "tensor_bytes",
@@ -277,15 +276,6 @@ def _write_from_devices(
     finally:
         for stream in streams.values():  # (also after a failure: no copy may land in a buffer let go)
             stream.synchronize()
-
-
-def lone_tensor_payload(head: bytes, tensor: torch.Tensor) -> EncodedPayload:
-    """The payload of ``head`` then the bytes of ``tensor`` (a contiguous CPU tensor), its byte views made at
-    once (for :class:`.lone.LoneHead`, which checked both)."""
-    data = tensor_bytes(tensor)
-    payload = EncodedPayload(len(head) + data.nbytes, head, ((len(head), tensor),))
-    payload._cache["segments"] = (memoryview(head), data)
-    return payload
 
 
 def segments_after(pos: int, chunks: tuple[tuple[int, torch.Tensor], ...], nbytes: int) -> list[memoryview]:
