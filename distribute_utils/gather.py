@@ -310,8 +310,8 @@ def _run(
         )
         sender = Sender(this_call, listed, cuda_wanted=cuda_wanted)
         sender.send(value, sender.decide(error))
-        if kept is None and call_key is not None and error is None:
-            repeat.sender_repeat(sender, companion.repeats, call_key)
+        if call_key is not None and error is None:
+            repeat.sender_repeat(sender, companion.repeats, call_key, kept)
         return []
 
 

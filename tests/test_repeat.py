@@ -159,8 +159,8 @@ def test_a_tensor_that_does_not_encode_after_repeats_fails_every_rank_at_once(ra
         assert problems == [], (rank, problems)
 
 
-def _rank_gone(victim: int, after_its_exit: bool = False) -> str:
-    problems = _warm()
+def _rank_gone(victim: int, after_its_exit: bool = False, nbytes: int = 4 * 2**10) -> str:
+    problems = [p for i in range(WARM) for p in _gather(i, nbytes)]
     pids: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(pids, os.getpid())
     if dist.get_rank() == victim:
@@ -172,23 +172,30 @@ def _rank_gone(victim: int, after_its_exit: bool = False) -> str:
         finally:
             os.close(gone)
     try:
-        _gather(WARM)
+        _gather(WARM, nbytes)
     except PeerLostError as exc:
         return f"{exc.missing}|{exc}|{problems}"
     return "no error"
 
 
 @pytest.mark.parametrize(
-    ("victim", "after_its_exit"),
-    [(2, False), (0, False), (0, True)],
-    ids=["a sender", "the first rank", "the first rank, gone before the claims"],
+    ("victim", "after_its_exit", "nbytes"),
+    [(2, False, 4 * 2**10), (0, False, 4 * 2**10), (0, True, 4 * 2**10), (0, True, 2**20), (2, False, 2**20)],
+    ids=[
+        "a sender",
+        "the first rank",
+        "the first rank, gone before the claims",
+        "the first rank, gone before segments' claims",
+        "a sender of segments",
+    ],
 )
 def test_a_rank_gone_after_repeats_is_named(
-    fresh_job: Callable[[int], RankPool], victim: int, after_its_exit: bool
+    fresh_job: Callable[[int], RankPool], victim: int, after_its_exit: bool, nbytes: int
 ) -> None:
     """Also where the senders' kept sockets find the first rank's closed (the kernel refuses, then
-    disconnects them): a PeerLostError naming it, not an OSError."""
-    results = fresh_job(4).run(_rank_gone, victim, after_its_exit, expect_deaths=True)
+    disconnects them): a PeerLostError naming it, not an OSError; and past the attached sizes, where a
+    sender's repeat has published its payload in a segment before its claim finds the first rank gone."""
+    results = fresh_job(4).run(_rank_gone, victim, after_its_exit, nbytes, expect_deaths=True)
     assert isinstance(results[victim], Died), results[victim]
     for rank in {0, 1, 2, 3} - {victim}:
         missing, message, problems = results[rank].split("|")
@@ -213,6 +220,68 @@ def _profiled_repeats(values: list[torch.Tensor]) -> Any:
         return None
     profile.create_stats()
     return profile.stats  # type: ignore[attr-defined]
+
+
+def _general_sends_past_the_attached_sizes(rounds: int) -> float | None:
+    """Per repeated 1 MiB gather (after 4 KiB ones made the call's repeat), the calls of the general sender's
+    ``send`` on rank 1 (None elsewhere)."""
+    for i in range(WARM):
+        _gather(i)
+    for i in range(WARM):
+        _gather(i, 2**20)
+    dist.barrier()
+    profile = cProfile.Profile()
+    profile.enable()
+    problems = [p for i in range(rounds) for p in _gather(i, 2**20)]
+    profile.disable()
+    assert problems == [], problems
+    if dist.get_rank() != 1:
+        return None
+    profile.create_stats()
+    stats = profile.stats  # type: ignore[attr-defined]
+    return (
+        sum(s[1] for (f, _, name), s in stats.items() if f.endswith("sender.py") and name == "send") / rounds
+    )
+
+
+def test_a_repeat_past_the_attached_sizes_publishes_through_its_host_route(ranks4: RankPool) -> None:
+    """A sender's repeat made of small calls learns the host route of the first call past the attached
+    sizes (a segment), and publishes the next such payloads through it: the general sender runs no more."""
+    _, sender, *_ = ranks4.run(_general_sends_past_the_attached_sizes, 40)
+    # (a round past the repeat's grace on a loaded machine goes the general way: a few in 40)
+    assert sender is not None and sender < 0.25, sender
+
+
+def _first_rank_fails_past_the_attached_sizes() -> list[str]:
+    """Repeats of 1 MiB gathers in named segments (no pool), then a call whose first rank passes no tensor;
+    every rank's error, then the next calls' problems."""
+    from distribute_utils.transports import shm
+
+    shm.SharedMemoryTransport.pooling = False  # (documented seam: every segment a named one)
+    try:
+        rank = dist.get_rank()
+        problems = [p for i in range(WARM) for p in _gather(i, 2**20)]
+        value: Any = {"not": "a tensor"} if rank == 0 else _value(rank, WARM, 2**20)
+        try:
+            with get_tensors_parallel(value, RANKS, timeout=30):
+                pass
+        except (GatherError, TypeError) as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        else:
+            outcome = "no error"
+        return [outcome, *problems, *(p for i in range(WARM + 1, 2 * WARM) for p in _gather(i, 2**20))]
+    finally:
+        shm.SharedMemoryTransport.pooling = True
+
+
+def test_a_failed_call_after_repeats_past_the_attached_sizes_removes_their_segments(
+    ranks4: RankPool, no_shm_leak: None
+) -> None:
+    """The senders' repeats have published named segments when the first rank's error comes: each sender
+    raises it, and removes its segment (the fixture: nothing left in /dev/shm)."""
+    for rank, (outcome, *problems) in enumerate(ranks4.run(_first_rank_fails_past_the_attached_sizes)):
+        assert "get_tensors_parallel gathers a torch.Tensor" in outcome, (rank, outcome)
+        assert problems == [], (rank, problems)
 
 
 def _calls_per_repeat(rounds: int) -> float | None:

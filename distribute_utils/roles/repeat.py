@@ -4,7 +4,8 @@ run with what that call found out.
 A job gathers the same list with the same options call after call (ModelOpt's export makes about 194
 gathers, most of a few KiB), and a small gather's time is the Python each rank runs for it. When a call
 goes well here in a direct round (every rank of the list on this host: :meth:`.part.Part.decide`), a
-sender whose payload went inside its claim message keeps a :class:`SenderRepeat`, the first rank a
+sender whose payload went inside its claim message, or through its host route to the first rank (a
+segment, past the attached sizes), keeps a :class:`SenderRepeat`, the first rank a
 :class:`FirstRepeat`, on the group's companion for the incarnation, under the list and every option of
 the call (:func:`key`). The next call with that key runs through it: the same messages, records and
 waits as the general path (:mod:`.sender`, :mod:`.first_rank`), in fewer steps (a sender records its call
@@ -15,7 +16,10 @@ that it sends in this call, which it does). What it does not work out again, and
   function of the list, the options and where the ranks run, all fixed for the incarnation (the general
   path keeps them for the incarnation too);
 - the carriers' objects: a payload inside the claim message needs none (a sender notes its size to the
-  segment pool, which sizes itself by every payload, as the attached carrier does);
+  segment pool, which sizes itself by every payload, as the attached carrier does); one past the attached
+  sizes goes through the host route a general call of the key made (:meth:`.sender.Sender.publish_here`),
+  kept with its carriers: the route to the same first rank, whose process, and whether it may open this
+  process's descriptors, are fixed for the incarnation (a fresh token each time, as the general path's);
 - a claim's unpacking and checks, on the first rank, when its bytes are those of a claim it checked
   before: every check of a claim is a function of its bytes and of this rank's list and mode;
 - a lone tensor's payload head (:class:`~distribute_utils.wire.LoneHead`): a sender whose last payload
@@ -25,10 +29,12 @@ that it sends in this call, which it does). What it does not work out again, and
   function of its bytes; the length is checked every time).
 
 Anything else goes the general way. Before anything is sent (notes to pass on, a carrier fault hook set,
-a value that does not encode or place, a payload past :data:`~.part.ATTACHED_MAX_BYTES`), the general
-path runs the call instead. After (no success heard within the grace, a claim that is not a plain
-attached one, any error), the role's general object takes the call over where the repeat is
-(``take_over``, or ``failed`` for an error), and the repeat is dropped.
+a value that does not encode or place, a payload past :data:`~.part.ATTACHED_MAX_BYTES` with no host
+route kept, or one the route fails to publish), the general path runs the call instead; a sender's repeat
+learns the host route of such a call (:func:`sender_repeat`). After (no success heard within the grace,
+a claim that is not a plain attached one, any error), the role's general object takes the call over
+where the repeat is (``take_over``, or ``failed`` for an error, with what the repeat published), and the
+repeat is dropped.
 
 Call order: :func:`key`, then the kept repeat's ``send`` / ``receive`` from ``gather``, inside the call
 (its number taken, this rank's list checked, no error of its own).
@@ -36,6 +42,7 @@ Call order: :func:`key`, then the kept repeat's ``send`` / ``receive`` from ``ga
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -80,13 +87,14 @@ class _Kept:
 class SenderRepeat(_Kept):
     """A sender's repeat (see the module doc), made by :func:`sender_repeat`."""
 
-    __slots__ = ("_claim", "_entry", "_listed", "_lone", "_mode", "_pool", "_root")
+    __slots__ = ("_claim", "_entry", "_listed", "_lone", "_me", "_mode", "_pool", "_root", "_route")
 
     def __init__(self, sender: Sender, at: Recent[Any, Any], call_key: Hashable) -> None:
         super().__init__(at, call_key)
-        self._listed, self._mode, self._root = sender.listed, sender.mode, sender.root
+        self._listed, self._mode, self._root, self._me = sender.listed, sender.mode, sender.root, sender.me
         self._entry = ["send", sender.shown, sender.digest, sender.mode, None, "direct"]  # (Part.record's)
         self._pool = owned(SegmentPool)
+        self._route = sender.route  # (None: its payload went inside its claim message)
         self._lone: wire.LoneHead | None = None  # the head of its last payload, when that was one tensor
         self._claim: tuple[int, bytes] = (-1, b"")  # its last claim, and the payload size it states
 
@@ -104,33 +112,70 @@ class SenderRepeat(_Kept):
                 nbytes = lone.nbytes
             else:
                 payload = wire.encode(value, root=self._root, keep_device=True)
-                if payload.nbytes > ATTACHED_MAX_BYTES:
-                    return False
-                payload = payload.to_cpu()
-                self._lone = wire.LoneHead.of_payload(value, payload)
-                parts, nbytes = payload.buffers(), payload.nbytes
+                nbytes = payload.nbytes
+                if nbytes <= ATTACHED_MAX_BYTES:
+                    payload = payload.to_cpu()
+                    self._lone = wire.LoneHead.of_payload(value, payload)
+                    parts = payload.buffers()
         except Exception:
             return False  # (the general path encodes it again, and posts the error to every partner)
+        if nbytes > ATTACHED_MAX_BYTES:
+            return self._send_routed(round_, payload)
         self._pool.note_payload(nbytes, pooled=False)
         listed = self._listed
         size, claim = self._claim
         if size != nbytes:
             claim = attached_claim(listed, self._mode, nbytes)
             self._claim = (nbytes, claim)
+        return self._claim_and_hear(round_, claim, parts, None)
+
+    def learn_route(self, sender: Sender) -> None:
+        """``sender``, a call of this repeat's key that went the general way, published through its host route:
+        the repeat's payloads past the attached sizes go that way from now on (see :func:`sender_repeat`)."""
+        self._route = sender.route
+
+    def _send_routed(self, round_: Round, payload: wire.EncodedPayload) -> bool:
+        """``payload``, past the attached sizes, through the host route of the call this repeat was made of
+        (as :meth:`Sender.publish_here`); False, nothing published, when it has none or the route fails (the
+        general path tries again and posts the error)."""
+        route = self._route
+        if route is None:
+            return False
+        token = secrets.token_hex(8)
+        try:
+            sent = route.publish(token, self._me, payload)
+        except Exception:
+            return False
+        listed = self._listed
+        try:
+            claim = Claim("send", listed.shown, listed.digest, self._mode, None, [token, sent.receipt]).pack()
+        except BaseException:
+            sent.release(taken=False)
+            raise
+        return self._claim_and_hear(round_, claim, (), sent)
+
+    def _claim_and_hear(
+        self, round_: Round, claim: bytes, parts: Sequence[Buffer], sent: carriers.Sent | None
+    ) -> bool:
+        """Post ``claim`` (``parts`` in its message; ``sent``: what it published) and hear the verdict; a
+        failure, or no success within the grace, hands the call to a general :class:`Sender`."""
+        listed = self._listed
         call = round_[1]
         channel = MailboxChannel(call, listed.ranks, round_[4], _no_store, ATTACHED_MAX_BYTES)
         try:
             call.record(self._entry)  # (before its claim goes: what a first rank past the grace reads)
             if channel.claim_and_hear(claim, parts, listed.success):
+                if sent is not None:
+                    sent.release(taken=True, answered=True)
                 return True
         except BaseException as exc:
             self.drop()
             sender = Sender(round_, listed)
-            sender.adopt(channel)
+            sender.adopt(channel, sent)
             sender.failed(exc, None)
             raise
         self.drop()
-        Sender(round_, listed).take_over(channel)
+        Sender(round_, listed).take_over(channel, sent)
         return True
 
 
@@ -242,10 +287,20 @@ def _no_store() -> Any:
     raise AssertionError("a repeat's channel gives up only once a general role has adopted it")
 
 
-def sender_repeat(sender: Sender, at: Recent[Any, Any], call_key: Hashable) -> None:
-    """Keep a repeat of ``sender``'s call, which went well, in ``at`` under ``call_key``, when it is one a
-    repeat can run: a direct round, its payload inside its claim message."""
-    if sender.channel.path == "direct" and sender.attached:
+def sender_repeat(
+    sender: Sender, at: Recent[Any, Any], call_key: Hashable, kept: SenderRepeat | None
+) -> None:
+    """``sender``'s call, which went well the general way: keep a repeat of it in ``at`` under ``call_key``
+    when it is one a repeat can run (a direct round, its payload inside its claim message or through its
+    host route, with no workspace: the route's last carrier would be the call's own); or, where one is
+    ``kept`` already (it could not run this call), let that one learn the host route."""
+    if sender.channel.path != "direct":
+        return
+    routed = sender.route is not None and sender.workspace_path is None
+    if kept is not None:
+        if routed:
+            kept.learn_route(sender)
+    elif sender.attached or routed:
         at.put(call_key, SenderRepeat(sender, at, call_key))
 
 

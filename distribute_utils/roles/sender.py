@@ -71,6 +71,7 @@ class Sender(Part):
     _sent: carriers.Sent | None = None  # its publication, until released
     _attached: wire.EncodedPayload | None = None  # a direct sender's payload, in its claim message
     _deferred: tuple[str, wire.EncodedPayload] | None = None  # a collective send awaiting "go"
+    route: HostRoute | None = None  # the host route its payload went through to its first rank (publish_here)
 
     def send(self, value: Any, error: tuple[Any, ...] | None) -> None:
         """A participant that does not receive: publish, claim, wait for the verdict, release."""
@@ -167,8 +168,10 @@ class Sender(Part):
         )
 
     def publish_here(self, payload: wire.EncodedPayload) -> list[Any]:
-        """A sender on its first rank's host, past the attached sizes: its host route (see :meth:`host`)."""
-        return self.publish_routed(self.host(self.first), payload)
+        """A sender on its first rank's host, past the attached sizes: its host route (see :meth:`host`), kept
+        as :attr:`route`."""
+        self.route = self.host(self.first)
+        return self.publish_routed(self.route, payload)
 
     def attach(self, payload: wire.EncodedPayload) -> list[Any]:
         """A direct round's sender: ``payload`` goes in its claim's message (see :data:`~.part.ATTACHED_MAX_BYTES`);
@@ -281,17 +284,19 @@ class Sender(Part):
         """Whether its payload went inside its claim message (:meth:`attach`)."""
         return self._attached is not None
 
-    def adopt(self, channel: MailboxChannel) -> None:
+    def adopt(self, channel: MailboxChannel, sent: carriers.Sent | None = None) -> None:
         """Take this call's ``channel`` from a repeat (:mod:`.repeat`), which recorded the call and posted its
-        claim with the payload attached (or failed before it went: ``channel.delivered``); the channel holds
-        the message for a resend. A give-up then goes to this call's store keys."""
+        claim (or failed before it went: ``channel.delivered``), its payload attached or published as
+        ``sent`` (released as this sender's own); the channel holds the message for a resend. A give-up
+        then goes to this call's store keys."""
         self.channel = channel
         channel.store = self.store_channel
+        self._sent = sent
 
-    def take_over(self, channel: MailboxChannel) -> None:
+    def take_over(self, channel: MailboxChannel, sent: carriers.Sent | None = None) -> None:
         """A repeat posted this call's claim through ``channel`` (see :meth:`adopt`) but heard no success within
         the grace: wait for the verdict and conclude as :meth:`send` does."""
-        self.adopt(channel)
+        self.adopt(channel, sent)
         try:
             found = channel.await_verdict(self.what, self.judge_first)
             verdict = None if found == self.listed.success else Verdict.unpack(found)
