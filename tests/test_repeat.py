@@ -52,17 +52,23 @@ def _warm(start: int = 0) -> list[str]:
     return [p for i in range(start, start + WARM) for p in _gather(i)]
 
 
-def _sizes_across_the_attached_bound() -> list[str]:
-    problems = _warm()
+def _sizes_across_the_attached_bound(**options: Any) -> list[str]:
+    problems = [p for i in range(WARM) for p in _gather(i, **options)]
     for round_ in range(3):  # each size repeated, then the next: in and out of the repeat
         for j, nbytes in enumerate(SIZES):
-            problems += _gather(100 * round_ + j, nbytes)
-            problems += _gather(100 * round_ + j + 50, nbytes)
+            problems += _gather(100 * round_ + j, nbytes, **options)
+            problems += _gather(100 * round_ + j + 50, nbytes, **options)
     return problems
 
 
-def test_sizes_across_the_attached_bound_stay_exact(ranks4: RankPool, no_shm_leak: None) -> None:
-    assert ranks4.run(_sizes_across_the_attached_bound) == [[], [], [], []]
+@pytest.mark.parametrize("workspace", [False, True], ids=["no workspace", "a workspace"])
+def test_sizes_across_the_attached_bound_stay_exact(
+    ranks4: RankPool, no_shm_leak: None, tmp_path: Any, workspace: bool
+) -> None:
+    """With a workspace, payloads past the attached sizes go the general way on the first rank (the
+    workspace's carrier is each call's own)."""
+    options = {"workspace_path": str(tmp_path)} if workspace else {}
+    assert ranks4.run(_sizes_across_the_attached_bound, **options) == [[], [], [], []]
 
 
 def _late(who: int) -> list[str]:
@@ -222,9 +228,10 @@ def _profiled_repeats(values: list[torch.Tensor]) -> Any:
     return profile.stats  # type: ignore[attr-defined]
 
 
-def _general_sends_past_the_attached_sizes(rounds: int) -> float | None:
-    """Per repeated 1 MiB gather (after 4 KiB ones made the call's repeat), the calls of the general sender's
-    ``send`` on rank 1 (None elsewhere)."""
+def _general_calls_past_the_attached_sizes(rounds: int) -> dict[str, float] | None:
+    """Per repeated 1 MiB gather (after 4 KiB ones made the call's repeat): on rank 1, the calls of the general
+    sender's ``send``; on rank 0, of the general first rank's ``receive`` and of ``wire.decode`` (None
+    elsewhere)."""
     for i in range(WARM):
         _gather(i)
     for i in range(WARM):
@@ -235,21 +242,29 @@ def _general_sends_past_the_attached_sizes(rounds: int) -> float | None:
     problems = [p for i in range(rounds) for p in _gather(i, 2**20)]
     profile.disable()
     assert problems == [], problems
-    if dist.get_rank() != 1:
+    if dist.get_rank() > 1:
         return None
     profile.create_stats()
     stats = profile.stats  # type: ignore[attr-defined]
-    return (
-        sum(s[1] for (f, _, name), s in stats.items() if f.endswith("sender.py") and name == "send") / rounds
+    calls = collections.Counter({(f.rsplit("/", 1)[-1], name): s[1] for (f, _, name), s in stats.items()})
+    wanted = (
+        [("sender.py", "send")]
+        if dist.get_rank()
+        else [("first_rank.py", "receive"), ("decoding.py", "decode")]
     )
+    return {f"{file}:{name}": calls[(file, name)] / rounds for file, name in wanted}
 
 
-def test_a_repeat_past_the_attached_sizes_publishes_through_its_host_route(ranks4: RankPool) -> None:
+def test_a_repeat_past_the_attached_sizes_goes_through_the_carriers_of_its_host(ranks4: RankPool) -> None:
     """A sender's repeat made of small calls learns the host route of the first call past the attached
-    sizes (a segment), and publishes the next such payloads through it: the general sender runs no more."""
-    _, sender, *_ = ranks4.run(_general_sends_past_the_attached_sizes, 40)
+    sizes (a segment), and publishes the next such payloads through it: the general sender runs no more.
+    The first rank's repeat fetches them through the carriers their receipts name, and views each payload
+    whose head is its sender's last one: no general first rank, no decoding."""
+    first, sender, *_ = ranks4.run(_general_calls_past_the_attached_sizes, 40)
     # (a round past the repeat's grace on a loaded machine goes the general way: a few in 40)
-    assert sender is not None and sender < 0.25, sender
+    assert sender is not None and sender["sender.py:send"] < 0.25, sender
+    assert first is not None and first["first_rank.py:receive"] < 0.25, first
+    assert first["decoding.py:decode"] < 0.5, first
 
 
 def _first_rank_fails_past_the_attached_sizes() -> list[str]:
@@ -290,27 +305,32 @@ def _calls_per_repeat(rounds: int) -> float | None:
     return None if stats is None else sum(entry[1] for entry in stats.values()) / rounds
 
 
-def _kinds(rank: int, i: int) -> torch.Tensor:
-    """Call ``i``'s tensor of ``rank``: 4 KiB each time, of a dtype and shape that change every few calls."""
-    dtype, shape = [(torch.float32, (1024,)), (torch.int32, (1024,)), (torch.float32, (32, 32))][i // 3 % 3]
-    return (torch.arange(1024) + 1000 * rank + 10 * i).to(dtype).reshape(shape)
+def _kinds(rank: int, i: int, side: int) -> torch.Tensor:
+    """Call ``i``'s tensor of ``rank``: ``side`` squared elements of 4 bytes each time, of a dtype and shape
+    that change every few calls."""
+    n = side * side
+    dtype, shape = [(torch.float32, (n,)), (torch.int32, (n,)), (torch.float32, (side, side))][i // 3 % 3]
+    return (torch.arange(n) + 1000 * rank + 10 * i).to(dtype).reshape(shape)
 
 
-def _same_size_other_kinds() -> list[str]:
+def _same_size_other_kinds(side: int) -> list[str]:
     rank, problems = dist.get_rank(), []
     for i in range(18):
-        with get_tensors_parallel(_kinds(rank, i), RANKS, timeout=30) as got:
+        with get_tensors_parallel(_kinds(rank, i, side), RANKS, timeout=30) as got:
             for r, t in zip(RANKS, got):
-                want = _kinds(r, i)
+                want = _kinds(r, i, side)
                 if t.dtype != want.dtype or t.shape != want.shape or not torch.equal(t, want):
                     problems.append(f"call {i}: rank {r}")
     return problems
 
 
-def test_a_payload_of_the_same_size_but_another_dtype_or_shape_is_decoded_as_sent(ranks4: RankPool) -> None:
+@pytest.mark.parametrize("side", [32, 512], ids=["4 KiB, in the claim", "1 MiB, in a segment"])
+def test_a_payload_of_the_same_size_but_another_dtype_or_shape_is_decoded_as_sent(
+    ranks4: RankPool, side: int
+) -> None:
     """A repeat keeps each sender's last payload head (wire.LoneHead): a payload of the same length whose
     head differs is decoded in full, never viewed with the head kept."""
-    assert ranks4.run(_same_size_other_kinds) == [[], [], [], []]
+    assert ranks4.run(_same_size_other_kinds, side) == [[], [], [], []]
 
 
 def _codec_calls_per_repeat(rounds: int) -> tuple[float, float] | None:

@@ -20,6 +20,9 @@ that it sends in this call, which it does). What it does not work out again, and
   sizes goes through the host route a general call of the key made (:meth:`.sender.Sender.publish_here`),
   kept with its carriers: the route to the same first rank, whose process, and whether it may open this
   process's descriptors, are fixed for the incarnation (a fresh token each time, as the general path's);
+  the first rank fetches such a payload through the carrier its receipt names, as the general path does,
+  from a context kept for the key (the first rank, the timeout, the group, where tensors are decoded to);
+  with a workspace, whose carrier is each call's own, neither role does;
 - a claim's unpacking and checks, on the first rank, when its bytes are those of a claim it checked
   before: every check of a claim is a function of its bytes and of this rank's list and mode;
 - a lone tensor's payload head (:class:`~distribute_utils.wire.LoneHead`): a sender whose last payload
@@ -42,15 +45,19 @@ Call order: :func:`key`, then the kept repeat's ``send`` / ``receive`` from ``ga
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Hashable, Sequence
 from typing import Any
+
+import torch
 
 from .. import wire
 from ..caches import Recent
 from ..channel import Buffer, MailboxChannel
 from ..owners import owned
 from ..transports import carriers
+from ..transports.base import Context
 from ..transports.inline import AttachedCarrier
 from ..transports.segment_pool import SegmentPool
 from .first_rank import FirstRank
@@ -185,6 +192,7 @@ class FirstRepeat(_Kept):
     __slots__ = (
         "_checked",
         "_checker",
+        "_context",
         "_decode_to",
         "_entry",
         "_heads",
@@ -202,6 +210,12 @@ class FirstRepeat(_Kept):
         self._decode_to, self._own_to = decode_to, own_to
         self._entry = ["first", first.shown, first.digest, first.mode, None, "direct"]  # (Part.record's)
         self._checker = first  # (check_claim reads only what every call of this key shares)
+        # What the receiving carriers of a payload past the attached sizes know (None: a workspace, whose
+        # carrier is the call's own; such payloads then go the general way). Fixed for the key: the first
+        # rank, the timeout, the group, where tensors are decoded to; nothing arrives inside its claims.
+        self._context: Context | None = None
+        if first.workspace_path is None:
+            self._context = dataclasses.replace(first.receiving().context, arrived={})
         # Claims checked before, by their bytes, with the payload size each states.
         self._checked: Recent[bytes, tuple[Claim, int]] = Recent(_CLAIMS_KEPT)
         # Each sender's last payload's head, when that payload was one tensor decoded to a CPU view of it.
@@ -223,23 +237,34 @@ class FirstRepeat(_Kept):
         found: dict[int, Any] = {listed.first: own}
         claims: dict[int, Claim] = {}
         checked, decode_to, heads = self._checked, self._decode_to, self._heads
+        receiving: list[carriers.Receiving] = []  # (made at the call's first payload past the attached sizes)
 
         def known(rank: int, data: memoryview, attached: memoryview) -> bool:
-            seen = checked.get(data.tobytes())
+            raw = data.tobytes()
+            seen = checked.get(raw)
             if seen is None:
-                seen = self._check(rank, data.tobytes(), claims)
+                seen = self._check(rank, raw, claims)
                 if seen is None:
                     return False
             claim, nbytes = seen
-            if attached.nbytes != nbytes:  # (as the attached carrier's fetch: the general path says it)
-                return False
             claims[rank] = claim
+            if nbytes >= 0:  # (inside the claim message)
+                if attached.nbytes != nbytes:  # (as the attached carrier's fetch: the general path says it)
+                    return False
+                buffer: Any = attached
+            else:  # (through the carrier its receipt names, as the general path fetches it)
+                if not receiving:
+                    assert self._context is not None  # (_check takes such a claim only with one)
+                    receiving.append(carriers.Receiving(self._context))
+                token, receipt = claim.body  # type: ignore[misc]  # (a list of two: checked by _check)
+                buffer = receiving[0].fetch(token, rank, receipt)
             lone = heads.get(rank)
-            value = lone.view(attached) if lone is not None else None  # (a head like its last one)
+            # (a head like its last one; a carrier's GPU buffer is decoded)
+            value = lone.view(buffer) if lone is not None and type(buffer) is not torch.Tensor else None
             if value is None:
-                value = FirstRank.decode(attached, rank, decode_to)
-                lone = wire.LoneHead.of_decoded(attached, value)  # (None unless a CPU tensor came of it)
-                if lone is not None:
+                value = FirstRank.decode(buffer, rank, decode_to)
+                lone = wire.LoneHead.of_decoded(buffer, value) if type(buffer) is not torch.Tensor else None
+                if lone is not None:  # (None unless a CPU tensor came of it)
                     heads[rank] = lone
                 elif rank in heads:
                     del heads[rank]
@@ -262,25 +287,38 @@ class FirstRepeat(_Kept):
         return FirstRank(round_, listed).take_over(channel, claims, found, decode_to, self._what)
 
     def _check(self, rank: int, data: bytes, claims: dict[int, Claim]) -> tuple[Claim, int] | None:
-        """``rank``'s claim, not seen before: checked as the general path checks it (raises as it does), and
-        kept when it is a plain attached one (None otherwise: the general path takes it)."""
+        """``rank``'s claim, not seen before: checked as the general path checks it (raises as it does). A
+        plain attached one is kept, with the size it states; one whose payload is with a carrier of this
+        host that needs no "go" is taken (size -1), not kept (its token is fresh every call). None for
+        any other: the general path takes it."""
         try:
             claim = Claim.unpack(data)
         except (ValueError, TypeError):
             return None  # (the general path says what is wrong with it)
         claims[rank] = claim
         self._checker.check_claim(rank, claim)
-        body = claim.body
-        receipt = body[1] if type(body) is list and len(body) == 2 and body[0] == "" else None
-        if (
-            claim.notes
-            or type(receipt) is not list
-            or len(receipt) != 2
-            or receipt[0] != AttachedCarrier.kind
-            or type(receipt[1]) is not int
-        ):
+        if claim.notes:
             return None
-        return self._checked.put(data, (claim, receipt[1]))
+        nbytes = _carried(claim.body, self._context is not None)
+        if nbytes is None:
+            return None
+        return self._checked.put(data, (claim, nbytes)) if nbytes >= 0 else (claim, nbytes)
+
+
+def _carried(body: Any, routed: bool) -> int | None:
+    """Where a claim's ``body`` says its payload is, for a first rank's repeat: the size it states when it is
+    inside the claim message; -1 when it is with a carrier of this host that needs no "go" (only where
+    ``routed``: the repeat fetches through such carriers); None for anything else (the general path)."""
+    receipt = body[1] if type(body) is list and len(body) == 2 and type(body[0]) is str else None
+    if type(receipt) is not list or len(receipt) != 2 or type(receipt[0]) is not str:
+        return None
+    if receipt[0] == AttachedCarrier.kind:
+        size = receipt[1]
+        return size if body[0] == "" and type(size) is int and size >= 0 else None
+    carrier = carriers.KINDS.get(receipt[0])
+    if not routed or carrier is None or carrier.scope != "host" or carrier.needs_go:
+        return None
+    return -1
 
 
 def _no_store() -> Any:
@@ -306,12 +344,14 @@ def sender_repeat(
 
 def first_repeat(first: FirstRank, device: Any, at: Recent[Any, Any], call_key: Hashable) -> None:
     """Keep a repeat of ``first``'s call, which went well, in ``at`` under ``call_key``, when it is one a
-    repeat can run: a direct round, every payload inside its claim message."""
+    repeat can run: a direct round, every payload inside its claim message or, with no workspace, with a
+    carrier of this host that needs no "go" (:func:`_carried`)."""
     claims = first.claims
+    routed = first.workspace_path is None
     if (
         first.channel.path == "direct"
         and claims is not None
-        and all(c.body is not None and c.body[1][0] == AttachedCarrier.kind for c in claims.values())
+        and all(_carried(c.body, routed) is not None for c in claims.values())
     ):
         decode_to, own_to = first.placement(device)
         at.put(call_key, FirstRepeat(first, decode_to, own_to, at, call_key))
