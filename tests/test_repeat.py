@@ -13,7 +13,9 @@ import collections
 import cProfile
 import os
 import select
+import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distribute_utils import GatherError, PeerLostError, get_configs_parallel, get_tensors_parallel
+from distribute_utils import GatherError, PeerLostError, get_configs_parallel, get_tensors_parallel, wire
+from distribute_utils.channel import MailboxChannel
+from distribute_utils.transports import carriers
 
 from harness import Died, RankPool
 
@@ -165,7 +169,85 @@ def test_a_tensor_that_does_not_encode_after_repeats_fails_every_rank_at_once(ra
         assert problems == [], (rank, problems)
 
 
-def _rank_gone(victim: int, after_its_exit: bool = False, nbytes: int = 4 * 2**10) -> str:
+def _interrupt_at(code: types.CodeType) -> None:
+    """Raise KeyboardInterrupt as this thread next enters the function of ``code``: a Ctrl-C there."""
+
+    def trace(frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is code:
+            sys.settrace(None)
+            raise KeyboardInterrupt
+
+    sys.settrace(trace)
+
+
+_INTERRUPTED_AT = {
+    "LoneHead.bytes_of": wire.LoneHead.bytes_of.__code__,
+    "wire.encode": wire.encode.__code__,
+    "carriers.publish": carriers.publish.__code__,
+    "MailboxChannel.claim_and_hear": MailboxChannel.claim_and_hear.__code__,
+}
+
+
+def _interrupted_after_repeats(nbytes: int, where: str) -> tuple[str, list[str], list[str]]:
+    """After repeats (past the attached sizes in named segments, which could be left), rank 2's call is
+    interrupted in ``where``; every rank's outcome, the next calls' problems, and its segments left."""
+    from distribute_utils.transports import shm
+
+    shm.SharedMemoryTransport.pooling = False  # (documented seam: every segment a named one)
+    try:
+        rank = dist.get_rank()
+        problems = [p for i in range(WARM) for p in _gather(i, nbytes)]
+        try:
+            if rank == 2:
+                _interrupt_at(_INTERRUPTED_AT[where])
+            try:
+                with get_tensors_parallel(
+                    _value(rank, WARM, nbytes), RANKS, timeout=30
+                ):  # (the repeat's key)
+                    pass
+            finally:
+                sys.settrace(None)
+        except (KeyboardInterrupt, GatherError) as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        else:
+            outcome = "no error"
+        left = sorted(
+            n for n in os.listdir("/dev/shm") if n.startswith("du_") and n.endswith(f"_{os.getpid()}")
+        )
+        return outcome, problems + [p for i in range(WARM + 1, 2 * WARM) for p in _gather(i, nbytes)], left
+    finally:
+        shm.SharedMemoryTransport.pooling = True
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "where"),
+    [
+        (4 * 2**10, "LoneHead.bytes_of"),
+        (2**20, "wire.encode"),
+        (2**20, "carriers.publish"),
+        (2**20, "MailboxChannel.claim_and_hear"),
+    ],
+    ids=["in the claim", "in a segment, encoding", "in a segment, publishing", "in a segment, claiming"],
+)
+def test_an_interrupt_inside_a_repeat_reaches_every_rank(ranks4: RankPool, nbytes: int, where: str) -> None:
+    """The interrupted rank raises it, and its partners hear at once that it failed with it (not that it
+    did not arrive, a timeout later); what it published is removed."""
+    for rank, (outcome, problems, left) in enumerate(ranks4.run(_interrupted_after_repeats, nbytes, where)):
+        if rank == 2:
+            assert outcome.startswith("KeyboardInterrupt"), outcome
+        else:
+            assert "rank 2" in outcome and "KeyboardInterrupt" in outcome, (rank, outcome)
+        assert problems == [] and left == [], (rank, problems, left)
+
+
+def _rank_gone(
+    victim: int, after_its_exit: bool = False, nbytes: int = 4 * 2**10, named: bool = False
+) -> str:
+    """After repeats, ``victim`` exits; what each other rank's next call raised, its problems, and the
+    segments of its own left in /dev/shm (``named``: every segment a named one, which could be left)."""
+    from distribute_utils.transports import shm
+
+    shm.SharedMemoryTransport.pooling = not named  # (documented seam: every segment a named one)
     problems = [p for i in range(WARM) for p in _gather(i, nbytes)]
     pids: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(pids, os.getpid())
@@ -180,33 +262,44 @@ def _rank_gone(victim: int, after_its_exit: bool = False, nbytes: int = 4 * 2**1
     try:
         _gather(WARM, nbytes)
     except PeerLostError as exc:
-        return f"{exc.missing}|{exc}|{problems}"
+        left = sorted(
+            n for n in os.listdir("/dev/shm") if n.startswith("du_") and n.endswith(f"_{os.getpid()}")
+        )
+        return f"{exc.missing}|{exc}|{problems}|{left}"
     return "no error"
 
 
 @pytest.mark.parametrize(
-    ("victim", "after_its_exit", "nbytes"),
-    [(2, False, 4 * 2**10), (0, False, 4 * 2**10), (0, True, 4 * 2**10), (0, True, 2**20), (2, False, 2**20)],
+    ("victim", "after_its_exit", "nbytes", "named"),
+    [
+        (2, False, 4 * 2**10, False),
+        (0, False, 4 * 2**10, False),
+        (0, True, 4 * 2**10, False),
+        (0, True, 2**20, True),
+        (2, False, 2**20, False),
+    ],
     ids=[
         "a sender",
         "the first rank",
         "the first rank, gone before the claims",
-        "the first rank, gone before segments' claims",
-        "a sender of segments",
+        "the first rank, gone before named segments' claims",
+        "a sender of pooled segments",
     ],
 )
 def test_a_rank_gone_after_repeats_is_named(
-    fresh_job: Callable[[int], RankPool], victim: int, after_its_exit: bool, nbytes: int
+    fresh_job: Callable[[int], RankPool], victim: int, after_its_exit: bool, nbytes: int, named: bool
 ) -> None:
     """Also where the senders' kept sockets find the first rank's closed (the kernel refuses, then
     disconnects them): a PeerLostError naming it, not an OSError; and past the attached sizes, where a
-    sender's repeat has published its payload in a segment before its claim finds the first rank gone."""
-    results = fresh_job(4).run(_rank_gone, victim, after_its_exit, nbytes, expect_deaths=True)
+    sender's repeat has published its payload in a segment before its claim finds the first rank gone:
+    the segment is removed."""
+    results = fresh_job(4).run(_rank_gone, victim, after_its_exit, nbytes, named, expect_deaths=True)
     assert isinstance(results[victim], Died), results[victim]
     for rank in {0, 1, 2, 3} - {victim}:
-        missing, message, problems = results[rank].split("|")
+        missing, message, problems, left = results[rank].split("|")
         assert missing == f"({victim},)" and f"rank(s) [{victim}] exited" in message, (rank, message)
         assert problems == "[]", problems
+        assert left == "[]", (rank, left)
 
 
 def _profiled_repeats(values: list[torch.Tensor]) -> Any:
@@ -228,18 +321,18 @@ def _profiled_repeats(values: list[torch.Tensor]) -> Any:
     return profile.stats  # type: ignore[attr-defined]
 
 
-def _general_calls_past_the_attached_sizes(rounds: int) -> dict[str, float] | None:
+def _general_calls_past_the_attached_sizes(rounds: int, **options: Any) -> dict[str, float] | None:
     """Per repeated 1 MiB gather (after 4 KiB ones made the call's repeat): on rank 1, the calls of the general
     sender's ``send``; on rank 0, of the general first rank's ``receive`` and of ``wire.decode`` (None
     elsewhere)."""
     for i in range(WARM):
-        _gather(i)
+        _gather(i, **options)
     for i in range(WARM):
-        _gather(i, 2**20)
+        _gather(i, 2**20, **options)
     dist.barrier()
     profile = cProfile.Profile()
     profile.enable()
-    problems = [p for i in range(rounds) for p in _gather(i, 2**20)]
+    problems = [p for i in range(rounds) for p in _gather(i, 2**20, **options)]
     profile.disable()
     assert problems == [], problems
     if dist.get_rank() > 1:
@@ -265,6 +358,15 @@ def test_a_repeat_past_the_attached_sizes_goes_through_the_carriers_of_its_host(
     assert sender is not None and sender["sender.py:send"] < 0.25, sender
     assert first is not None and first["first_rank.py:receive"] < 0.25, first
     assert first["decoding.py:decode"] < 0.5, first
+
+
+def test_with_a_workspace_payloads_past_the_attached_sizes_go_the_general_way(
+    ranks4: RankPool, tmp_path: Any
+) -> None:
+    """A workspace's carrier is each call's own: neither role's repeat keeps a route or context for it."""
+    first, sender, *_ = ranks4.run(_general_calls_past_the_attached_sizes, 10, workspace_path=str(tmp_path))
+    assert sender is not None and sender["sender.py:send"] == 1, sender
+    assert first is not None and first["first_rank.py:receive"] == 1, first
 
 
 def _first_rank_fails_past_the_attached_sizes() -> list[str]:

@@ -92,9 +92,15 @@ class FirstRank(Part):
 
     def aim(self, decode_to: torch.device | str | None) -> None:
         """Where received tensors are decoded to (:meth:`placement`) sets how the receiving carriers read."""
-        self.pin_maps = decode_to is not None and torch.cuda.is_initialized()
+        self.pin_maps = self.pins(decode_to)
         if isinstance(decode_to, torch.device) and decode_to.type == "cuda":
             self._ipc_to = decode_to
+
+    @staticmethod
+    def pins(decode_to: torch.device | str | None) -> bool:
+        """Whether the receiving carriers register their maps with CUDA (what they fetch is copied to a GPU):
+        tensors are decoded to a device and CUDA is up in this process (it may come up later in a job)."""
+        return decode_to is not None and torch.cuda.is_initialized()
 
     def take_over(
         self,

@@ -35,9 +35,10 @@ Anything else goes the general way. Before anything is sent (notes to pass on, a
 a value that does not encode or place, a payload past :data:`~.part.ATTACHED_MAX_BYTES` with no host
 route kept, or one the route fails to publish), the general path runs the call instead; a sender's repeat
 learns the host route of such a call (:func:`sender_repeat`). After (no success heard within the grace,
-a claim that is not a plain attached one, any error), the role's general object takes the call over
-where the repeat is (``take_over``, or ``failed`` for an error, with what the repeat published), and the
-repeat is dropped.
+a claim with notes, or whose payload is neither inside its message nor with a carrier of this host that
+needs no "go", any error or interrupt), the role's general object takes the call over where the repeat
+is (``take_over``, or ``failed`` for an error, with what the repeat published), and the repeat is
+dropped.
 
 Call order: :func:`key`, then the kept repeat's ``send`` / ``receive`` from ``gather``, inside the call
 (its number taken, this rank's list checked, no error of its own).
@@ -107,69 +108,23 @@ class SenderRepeat(_Kept):
 
     def send(self, round_: Round, value: Any) -> bool:
         """This rank's part in ``round_``'s call (a sender's), as :meth:`Sender.send` does it; False when the
-        call is no repeat: nothing was sent, the general path must run it."""
+        call is no repeat: nothing was sent, the general path must run it. Whatever stops it after that
+        (an interrupt while it encodes or publishes included) goes to a general :class:`Sender`, with what
+        it published: its partners hear it, and what it published is released."""
         if carriers.reports.pending() or carriers.hooked():
             return False  # (notes to deliver, fault points to run)
-        lone = self._lone
-        try:
-            # (a tensor like the last: its bytes go behind the last payload's head)
-            data = lone.bytes_of(value) if lone is not None else None
-            if lone is not None and data is not None:
-                parts: Sequence[Buffer] = (lone.head, data)
-                nbytes = lone.nbytes
-            else:
-                payload = wire.encode(value, root=self._root, keep_device=True)
-                nbytes = payload.nbytes
-                if nbytes <= ATTACHED_MAX_BYTES:
-                    payload = payload.to_cpu()
-                    self._lone = wire.LoneHead.of_payload(value, payload)
-                    parts = payload.buffers()
-        except Exception:
-            return False  # (the general path encodes it again, and posts the error to every partner)
-        if nbytes > ATTACHED_MAX_BYTES:
-            return self._send_routed(round_, payload)
-        self._pool.note_payload(nbytes, pooled=False)
-        listed = self._listed
-        size, claim = self._claim
-        if size != nbytes:
-            claim = attached_claim(listed, self._mode, nbytes)
-            self._claim = (nbytes, claim)
-        return self._claim_and_hear(round_, claim, parts, None)
-
-    def learn_route(self, sender: Sender) -> None:
-        """``sender``, a call of this repeat's key that went the general way, published through its host route:
-        the repeat's payloads past the attached sizes go that way from now on (see :func:`sender_repeat`)."""
-        self._route = sender.route
-
-    def _send_routed(self, round_: Round, payload: wire.EncodedPayload) -> bool:
-        """``payload``, past the attached sizes, through the host route of the call this repeat was made of
-        (as :meth:`Sender.publish_here`); False, nothing published, when it has none or the route fails (the
-        general path tries again and posts the error)."""
-        route = self._route
-        if route is None:
-            return False
-        token = secrets.token_hex(8)
-        try:
-            sent = route.publish(token, self._me, payload)
-        except Exception:
-            return False
-        listed = self._listed
-        try:
-            claim = Claim("send", listed.shown, listed.digest, self._mode, None, [token, sent.receipt]).pack()
-        except BaseException:
-            sent.release(taken=False)
-            raise
-        return self._claim_and_hear(round_, claim, (), sent)
-
-    def _claim_and_hear(
-        self, round_: Round, claim: bytes, parts: Sequence[Buffer], sent: carriers.Sent | None
-    ) -> bool:
-        """Post ``claim`` (``parts`` in its message; ``sent``: what it published) and hear the verdict; a
-        failure, or no success within the grace, hands the call to a general :class:`Sender`."""
         listed = self._listed
         call = round_[1]
         channel = MailboxChannel(call, listed.ranks, round_[4], _no_store, ATTACHED_MAX_BYTES)
+        sent: carriers.Sent | None = None
         try:
+            try:
+                made = self._claim_of(value)
+            except Exception:
+                return False  # (the general path encodes it again, and posts the error to every partner)
+            if made is None:
+                return False
+            claim, parts, sent, _owner = made  # (_owner holds the bytes of parts while they may be sent)
             call.record(self._entry)  # (before its claim goes: what a first rank past the grace reads)
             if channel.claim_and_hear(claim, parts, listed.success):
                 if sent is not None:
@@ -184,6 +139,54 @@ class SenderRepeat(_Kept):
         self.drop()
         Sender(round_, listed).take_over(channel, sent)
         return True
+
+    def learn_route(self, sender: Sender) -> None:
+        """``sender``, a call of this repeat's key that went the general way, published through its host route:
+        the repeat's payloads past the attached sizes go that way from now on (see :func:`sender_repeat`)."""
+        self._route = sender.route
+
+    def _claim_of(self, value: Any) -> tuple[bytes, Sequence[Buffer], carriers.Sent | None, Any] | None:
+        """The claim of ``value``'s payload, the parts its message carries, what was published for it, and
+        what owns the parts' bytes (a payload's tensors: the parts are views of them, which the channel
+        may send again); None when the repeat cannot send it (nothing published). Raises as encoding or
+        publishing does, having published nothing (the general path then tries again)."""
+        lone = self._lone
+        # (a tensor like the last: its bytes go behind the last payload's head)
+        data = lone.bytes_of(value) if lone is not None else None
+        if lone is not None and data is not None:
+            parts: Sequence[Buffer] = (lone.head, data)
+            nbytes, owner = lone.nbytes, value
+        else:
+            payload = wire.encode(value, root=self._root, keep_device=True)
+            if payload.nbytes > ATTACHED_MAX_BYTES:
+                return self._published(payload)
+            payload = payload.to_cpu()
+            self._lone = wire.LoneHead.of_payload(value, payload)
+            parts, nbytes, owner = payload.buffers(), payload.nbytes, payload
+        self._pool.note_payload(nbytes, pooled=False)
+        size, claim = self._claim
+        if size != nbytes:
+            claim = attached_claim(self._listed, self._mode, nbytes)
+            self._claim = (nbytes, claim)
+        return claim, parts, None, owner
+
+    def _published(
+        self, payload: wire.EncodedPayload
+    ) -> tuple[bytes, Sequence[Buffer], carriers.Sent, None] | None:
+        """``payload``, past the attached sizes, through the host route of the call this repeat was made of
+        (as :meth:`Sender.publish_here`, with a fresh token); None when it has no route."""
+        route = self._route
+        if route is None:
+            return None
+        token = secrets.token_hex(8)
+        sent = route.publish(token, self._me, payload)
+        listed = self._listed
+        try:
+            claim = Claim("send", listed.shown, listed.digest, self._mode, None, [token, sent.receipt]).pack()
+        except BaseException:
+            sent.release(taken=False)
+            raise
+        return claim, (), sent, None
 
 
 class FirstRepeat(_Kept):
@@ -211,8 +214,9 @@ class FirstRepeat(_Kept):
         self._entry = ["first", first.shown, first.digest, first.mode, None, "direct"]  # (Part.record's)
         self._checker = first  # (check_claim reads only what every call of this key shares)
         # What the receiving carriers of a payload past the attached sizes know (None: a workspace, whose
-        # carrier is the call's own; such payloads then go the general way). Fixed for the key: the first
-        # rank, the timeout, the group, where tensors are decoded to; nothing arrives inside its claims.
+        # carrier is the call's own; such payloads then go the general way): the first rank, the timeout
+        # and where tensors are decoded to, all fixed for the key, and the group, which the host's
+        # carriers do not read; whether to pin maps, once CUDA is up; nothing arrives inside its claims.
         self._context: Context | None = None
         if first.workspace_path is None:
             self._context = dataclasses.replace(first.receiving().context, arrived={})
@@ -254,8 +258,11 @@ class FirstRepeat(_Kept):
                 buffer: Any = attached
             else:  # (through the carrier its receipt names, as the general path fetches it)
                 if not receiving:
-                    assert self._context is not None  # (_check takes such a claim only with one)
-                    receiving.append(carriers.Receiving(self._context))
+                    context = self._context
+                    assert context is not None  # (_check takes such a claim only with one)
+                    if not context.pin and FirstRank.pins(decode_to):  # (CUDA came up since)
+                        context = self._context = dataclasses.replace(context, pin=True)
+                    receiving.append(carriers.Receiving(context))
                 token, receipt = claim.body  # type: ignore[misc]  # (a list of two: checked by _check)
                 buffer = receiving[0].fetch(token, rank, receipt)
             lone = heads.get(rank)
