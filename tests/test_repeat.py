@@ -24,8 +24,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distribute_utils import GatherError, PeerLostError, get_configs_parallel, get_tensors_parallel, wire
-from distribute_utils.channel import MailboxChannel
+from distribute_utils import (
+    GatherError,
+    PeerLostError,
+    get_configs_parallel,
+    get_tensors_parallel,
+    sync,
+    wire,
+)
 from distribute_utils.transports import carriers
 
 from harness import Died, RankPool
@@ -184,7 +190,7 @@ _INTERRUPTED_AT = {
     "LoneHead.bytes_of": wire.LoneHead.bytes_of.__code__,
     "wire.encode": wire.encode.__code__,
     "carriers.publish": carriers.publish.__code__,
-    "MailboxChannel.claim_and_hear": MailboxChannel.claim_and_hear.__code__,
+    "Call.record": sync.Call.record.__code__,  # (a sender's repeat records its call as its claim goes)
 }
 
 
@@ -225,7 +231,7 @@ def _interrupted_after_repeats(nbytes: int, where: str) -> tuple[str, list[str],
         (4 * 2**10, "LoneHead.bytes_of"),
         (2**20, "wire.encode"),
         (2**20, "carriers.publish"),
-        (2**20, "MailboxChannel.claim_and_hear"),
+        (2**20, "Call.record"),
     ],
     ids=["in the claim", "in a segment, encoding", "in a segment, publishing", "in a segment, claiming"],
 )
