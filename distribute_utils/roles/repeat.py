@@ -5,9 +5,9 @@ A job gathers the same list with the same options call after call (ModelOpt's ex
 gathers, most of a few KiB), and a small gather's time is the Python each rank runs for it. When a call
 goes well here in a direct round (every rank of the list on this host: :meth:`.part.Part.decide`), a
 sender whose payload went inside its claim message, or through its host route to the first rank (a
-segment, past the attached sizes), keeps a :class:`SenderRepeat`, the first rank a
-:class:`FirstRepeat`, on the group's companion for the incarnation, under the list and every option of
-the call (:func:`key`). The next call with that key runs through it: the same messages, records and
+shared-memory segment, a local-disk file or CUDA IPC, past the attached sizes), keeps a
+:class:`SenderRepeat`, the first rank a :class:`FirstRepeat`, on the group's companion for the
+incarnation, under the list and every option of the call (:func:`key`). The next call with that key runs through it: the same messages, records and
 waits as the general path (:mod:`.sender`, :mod:`.first_rank`), in fewer steps (a sender records its call
 before its claim goes, where the general path records it after: a partner that asks in between hears
 that it sends in this call, which it does). What it does not work out again, and why that is safe:
@@ -110,7 +110,8 @@ class SenderRepeat(_Kept):
         """This rank's part in ``round_``'s call (a sender's), as :meth:`Sender.send` does it; False when the
         call is no repeat: nothing was sent, the general path must run it. Whatever stops it after that
         (an interrupt while it encodes or publishes included) goes to a general :class:`Sender`, with what
-        it published: its partners hear it, and what it published is released."""
+        it published: its partners hear it, and what it published is released (but for an interrupt in
+        the instant between a publish's return and its hand-over, as in the general path)."""
         if carriers.reports.pending() or carriers.hooked():
             return False  # (notes to deliver, fault points to run)
         listed = self._listed
