@@ -7,8 +7,8 @@ goes well here in a direct round (every rank of the list on this host: :meth:`.p
 sender whose payload went inside its claim message, or through its host route to the first rank (a
 shared-memory segment, a local-disk file or CUDA IPC, past the attached sizes), keeps a
 :class:`SenderRepeat`, the first rank a :class:`FirstRepeat`, on the group's companion for the
-incarnation, under the list and every option of the call (:func:`key`). The next call with that key runs through it: the same messages, records and
-waits as the general path (:mod:`.sender`, :mod:`.first_rank`), in fewer steps (a sender records its call
+incarnation, under the list and every option of the call (:func:`key`). The next call with that key
+runs through it: the same messages, records and waits as the general path (:mod:`.sender`, :mod:`.first_rank`), in fewer steps (a sender records its call
 before its claim goes, where the general path records it after: a partner that asks in between hears
 that it sends in this call, which it does). What it does not work out again, and why that is safe:
 
@@ -36,9 +36,9 @@ a value that does not encode or place, a payload past :data:`~.part.ATTACHED_MAX
 route kept, or one the route fails to publish), the general path runs the call instead; a sender's repeat
 learns the host route of such a call (:func:`sender_repeat`). After (no success heard within the grace,
 a claim with notes, or whose payload is neither inside its message nor with a carrier of this host that
-needs no "go", any error or interrupt), the role's general object takes the call over where the repeat
-is (``take_over``, or ``failed`` for an error, with what the repeat published), and the repeat is
-dropped.
+needs no "go", any error), and for an interrupt once the call is the repeat's (while it encodes or
+publishes too), the role's general object takes the call over where the repeat is (``take_over``, or
+``failed`` for an error, with what the repeat published), and the repeat is dropped.
 
 Call order: :func:`key`, then the kept repeat's ``send`` / ``receive`` from ``gather``, inside the call
 (its number taken, this rank's list checked, no error of its own).
@@ -110,8 +110,10 @@ class SenderRepeat(_Kept):
         """This rank's part in ``round_``'s call (a sender's), as :meth:`Sender.send` does it; False when the
         call is no repeat: nothing was sent, the general path must run it. Whatever stops it after that
         (an interrupt while it encodes or publishes included) goes to a general :class:`Sender`, with what
-        it published: its partners hear it, and what it published is released (but for an interrupt in
-        the instant between a publish's return and its hand-over, as in the general path)."""
+        it published: what it published is released (but for an interrupt in the instant between a
+        publish's return and its hand-over, as in the general path), and its partners hear its error when
+        its claim had not gone yet (after, they hear what the first rank made of the claim, as in the
+        general path)."""
         if carriers.reports.pending() or carriers.hooked():
             return False  # (notes to deliver, fault points to run)
         listed = self._listed
@@ -127,16 +129,17 @@ class SenderRepeat(_Kept):
                 return False
             claim, parts, sent, _owner = made  # (_owner holds the bytes of parts while they may be sent)
             call.record(self._entry)  # (before its claim goes: what a first rank past the grace reads)
-            if channel.claim_and_hear(claim, parts, listed.success):
-                if sent is not None:
-                    sent.release(taken=True, answered=True)
-                return True
+            heard = channel.claim_and_hear(claim, parts, listed.success)
         except BaseException as exc:
             self.drop()
             sender = Sender(round_, listed)
             sender.adopt(channel, sent)
             sender.failed(exc, None)
             raise
+        if heard:  # (released outside the guard, as the general sender concludes: the call went well)
+            if sent is not None:
+                sent.release(taken=True, answered=True)
+            return True
         self.drop()
         Sender(round_, listed).take_over(channel, sent)
         return True
