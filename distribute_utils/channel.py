@@ -268,8 +268,9 @@ class MailboxChannel:
         sync = call.sync
         mailbox = sync.mailbox()
         self._message = message = [_CLAIM_LENGTH.pack(len(claim)), claim, *attached]
-        if not mailbox.send_now(sync.addresses[self.first], call.number, sync.rank, _CLAIM, message):
-            self._delivered = call.send_direct(self.first, _CLAIM, message, GRACE_S)
+        address = sync.addresses[self.first]
+        if not mailbox.send_now(address, call.number, sync.rank, _CLAIM, message):
+            self._delivered = mailbox.send_to(address, call.number, sync.rank, _CLAIM, message, GRACE_S)
             return False
         self._delivered = True
         first = {self.first: sync.infos[self.first]}

@@ -8,9 +8,10 @@ sender whose payload went inside its claim message, or through its host route to
 shared-memory segment, a local-disk file or CUDA IPC, past the attached sizes), keeps a
 :class:`SenderRepeat`, the first rank a :class:`FirstRepeat`, on the group's companion for the
 incarnation, under the list and every option of the call (:func:`key`). The next call with that key
-runs through it: the same messages, records and waits as the general path (:mod:`.sender`, :mod:`.first_rank`), in fewer steps (a sender records its call
-before its claim goes, where the general path records it after: a partner that asks in between hears
-that it sends in this call, which it does). What it does not work out again, and why that is safe:
+runs through it: the same messages, records and waits as the general path (:mod:`.sender`,
+:mod:`.first_rank`), in fewer steps (a sender records its call before its claim goes, where the general
+path records it after: a partner that asks in between hears that it sends in this call, which it does).
+What it does not work out again, and why that is safe:
 
 - the list's checks, the direct round's decision, the plan and the first rank's placement rule: each a
   function of the list, the options and where the ranks run, all fixed for the incarnation (the general
@@ -64,7 +65,7 @@ from ..transports.segment_pool import SegmentPool
 from .first_rank import FirstRank
 from .part import ATTACHED_MAX_BYTES, Claim, RankList, Round
 from .placing import place_own
-from .sender import Sender, attached_claim
+from .sender import Sender, attached_claim, sender_claim
 
 __all__ = ["FirstRepeat", "SenderRepeat", "first_repeat", "key", "sender_repeat"]
 
@@ -145,8 +146,9 @@ class SenderRepeat(_Kept):
         return True
 
     def learn_route(self, sender: Sender) -> None:
-        """``sender``, a call of this repeat's key that went the general way, published through its host route:
-        the repeat's payloads past the attached sizes go that way from now on (see :func:`sender_repeat`)."""
+        """``sender``, a call of this repeat's key that went the general way, published through its host
+        route: the repeat's payloads past the attached sizes go that way from now on (see
+        :func:`sender_repeat`)."""
         self._route = sender.route
 
     def _claim_of(self, value: Any) -> tuple[bytes, Sequence[Buffer], carriers.Sent | None, Any] | None:
@@ -184,9 +186,8 @@ class SenderRepeat(_Kept):
             return None
         token = secrets.token_hex(8)
         sent = route.publish(token, self._me, payload)
-        listed = self._listed
         try:
-            claim = Claim("send", listed.shown, listed.digest, self._mode, None, [token, sent.receipt]).pack()
+            claim = sender_claim(self._listed, self._mode, [token, sent.receipt])
         except BaseException:
             sent.release(taken=False)
             raise

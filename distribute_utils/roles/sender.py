@@ -43,17 +43,21 @@ from .part import (
 )
 from .plan import Plan, make_plan
 
-__all__ = ["Sender", "attached_claim"]
+__all__ = ["Sender", "attached_claim", "sender_claim"]
+
+
+def sender_claim(listed: RankList, mode: str, body: list[Any]) -> bytes:
+    """The packed claim of a sender of ``listed`` asking ``mode``, no error and no notes, its payload where
+    ``body`` (``[token, receipt]``) says."""
+    return Claim("send", listed.shown, listed.digest, mode, None, body).pack()
 
 
 def attached_claim(listed: RankList, mode: str, nbytes: int) -> bytes:
-    """The packed claim of a sender of ``listed`` asking ``mode``, its ``nbytes`` payload inside its claim
-    message and no notes: the same call after call (kept per size)."""
+    """:func:`sender_claim` with its ``nbytes`` payload inside its claim message: the same call after call
+    (kept per size)."""
     return listed.kept(
         ("attached", mode, nbytes),
-        lambda: Claim(
-            "send", listed.shown, listed.digest, mode, None, ["", [AttachedCarrier.kind, nbytes]]
-        ).pack(),
+        lambda: sender_claim(listed, mode, ["", [AttachedCarrier.kind, nbytes]]),
     )
 
 
