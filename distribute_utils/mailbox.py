@@ -316,8 +316,9 @@ class Mailbox:
             if polled is not None:
                 size, ancillary, flags = polled
             else:
-                # One system call per message: a blocking read bounded by SO_RCVTIMEO.
-                if wait > 0:
+                # One system call per message: a blocking read bounded by SO_RCVTIMEO, which is set only
+                # when the wait asked for differs much from the one set (checked inline: a call saved per read).
+                if wait > 0 and not (0.8 * self._rcvtimeo <= wait <= self._rcvtimeo):
                     self._wait_at_most(sock, wait)
                 try:
                     size, ancillary, flags, _ = sock.recvmsg_into(
@@ -348,7 +349,7 @@ class Mailbox:
         sock = self._sock
         if sock is None:
             raise self._closed()
-        if timeout > 0:
+        if timeout > 0 and not (0.8 * self._rcvtimeo <= timeout <= self._rcvtimeo):  # (as receive's)
             self._wait_at_most(sock, timeout)
         try:
             size, ancillary, flags, _ = sock.recvmsg_into(
@@ -372,11 +373,11 @@ class Mailbox:
         return None
 
     def _wait_at_most(self, sock: socket.socket, seconds: float) -> None:
-        """A blocking read on ``sock`` returns after ``seconds`` at the latest (``SO_RCVTIMEO``, set only
-        when the wait asked for differs much from the one set: a system call saved per read)."""
-        if not 0.8 * self._rcvtimeo <= seconds <= self._rcvtimeo:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, host_dir.timeval(seconds))
-            self._rcvtimeo = seconds
+        """A blocking read on ``sock`` returns after ``seconds`` at the latest (``SO_RCVTIMEO``). Its callers
+        call it only when the wait asked for differs much from the one set (a system call saved per read),
+        checking that inline (a Python call saved per read)."""
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, host_dir.timeval(seconds))
+        self._rcvtimeo = seconds
 
     def unread(
         self, call: int, messages: Sequence[tuple[int, int, bytearray]], senders: dict[int, ProcessInfo]
