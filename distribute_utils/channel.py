@@ -6,8 +6,8 @@ one *verdict*, which each sender awaits. A :class:`Channel` carries those bytes;
 reads them and never asks which channel it has. Two implementations:
 
 - :class:`StoreChannel`: keys of the call in the group's namespace of the job's store (a sender's
-  claim ``c/<rank>`` and a marker ``v/<rank>``, the first rank's claim ``c/<first>`` and verdict
-  ``v/<first>``); it works between any ranks.
+  claim ``c/<rank>``, the first rank's claim ``c/<first>`` and verdict ``v/<first>``); it works
+  between any ranks.
 - :class:`MailboxChannel`: datagrams between the processes of one host
   (:mod:`distribute_utils.mailbox`), nothing in the store while all goes well; a sender's payload may
   travel inside its claim message (``attached``). A rank that gives up also posts what a store round
@@ -87,8 +87,8 @@ class Channel(Protocol):
         ...
 
     def await_verdict(self, what: str, judge: Judge) -> Buffer:
-        """A sender, its claim posted: its first rank's verdict (or the marker of a rank that does not
-        receive, when it named one as its first rank)."""
+        """A sender, its claim posted: its first rank's verdict (or what stands for the verdict of a rank
+        that does not receive, when it named one as its first rank)."""
         ...
 
     def give_up(self, claim: bytes, verdict: bytes | None = None, failed: Collection[int] = ()) -> None:
@@ -101,9 +101,12 @@ class Channel(Protocol):
 class StoreChannel:
     """Claims and verdicts as keys of ``call`` in the job's store.
 
-    ``marker`` is what a rank that does not receive posts under its own verdict key (a rank that wrongly
-    waits on it hears why at once); ``taken()`` what replaces claims larger than
-    :data:`SMALL_CLAIM_BYTES` once the verdict is posted (their inline payloads are not kept).
+    A rank posts one key, its claim; the first rank its verdict too. ``stand_in(claim)`` is what stands
+    for the verdict of a rank whose claim says it does not receive (None for a receiver's claim): a sender
+    that wrongly takes that rank for its first rank hears it from the watchdog within a fraction of a
+    second (see :meth:`~distribute_utils.sync.Call.wait_verdict`), and no rank posts a verdict key just in
+    case. ``taken()`` is what replaces claims larger than :data:`SMALL_CLAIM_BYTES` once the verdict is
+    posted (their inline payloads are not kept).
     :meth:`claims` hands every claim over, also after ``take`` raised, then raises the first error: a
     failing round can then discard what each sender published.
     """
@@ -119,12 +122,11 @@ class StoreChannel:
         first: int,
         timeout: float,
         *,
-        receiver: bool,
-        marker: Callable[[], bytes],
+        stand_in: Callable[[bytes], bytes | None],
         taken: Callable[[], bytes],
     ) -> None:
-        self.call, self.first, self.timeout, self.receiver = call, first, timeout, receiver
-        self.marker, self.taken = marker, taken
+        self.call, self.first, self.timeout = call, first, timeout
+        self.stand_in, self.taken = stand_in, taken
         self._posted = False
         self._bulky: list[int] = []
 
@@ -134,7 +136,7 @@ class StoreChannel:
 
     def post_claim(self, claim: bytes, attached: Sequence[Buffer] = ()) -> None:
         assert not attached, "the store carries no payload inside a claim (attach_max is 0)"
-        self.call.post({"c": claim} if self.receiver else {"c": claim, "v": self.marker()})
+        self.call.post({"c": claim})
         self._posted = True
 
     def claims(self, senders: Sequence[int], what: str, judge: Judge, take: Take) -> None:
@@ -154,7 +156,7 @@ class StoreChannel:
         self.call.post({"v": verdict}, ("c", bulky, self.taken() if bulky else b""))
 
     def await_verdict(self, what: str, judge: Judge) -> Buffer:
-        return self.call.wait_verdict(self.first, self.timeout, what)
+        return self.call.wait_verdict(self.first, self.timeout, what, self.stand_in)
 
     def give_up(self, claim: bytes, verdict: bytes | None = None, failed: Collection[int] = ()) -> None:
         values: dict[str, bytes] = {}
@@ -162,8 +164,6 @@ class StoreChannel:
             values["c"] = claim
         if verdict is not None:
             values["v"] = verdict
-        elif not self._posted and not self.receiver:
-            values["v"] = self.marker()
         if values:
             self.call.post(values)
             self._posted = True

@@ -4,7 +4,9 @@
   outlasts :data:`GRACE_S`) checks the pids of the local peers a wait depends on, and posts a
   tombstone (:data:`TOMBSTONE` plus the rank) in the key a dead one never posted, so survivors fail
   within a fraction of a second instead of at the timeout. Peers on other hosts are reported when
-  the timeout expires.
+  the timeout expires. A wait may also name a :class:`StandIn`: a key where the awaited rank says
+  whether it will post the awaited key at all; when it says not, the watchdog posts what it stands for
+  there (so that ranks never post keys just in case somebody wrongly waits on them).
 - The **janitor** (:class:`Janitor`, one daemon thread per process) deletes keys of finished calls
   off the critical path, on its own store clients.
 
@@ -40,6 +42,7 @@ __all__ = [
     "WATCHDOG",
     "WATCH_INTERVAL_S",
     "Janitor",
+    "StandIn",
     "Watch",
     "Watchdog",
     "await_last_threads",
@@ -56,12 +59,32 @@ _EXIT_S = 1.0  # how long a dead process's last threads may take to exit (and cl
 _JANITOR_CONNECT_S = 4 * PROBE_TIMEOUT_S  # the janitor's new client: well within its join at exit (5 s)
 
 
+class StandIn:
+    """What the watchdog posts in a wait's key (``key``) for the awaited rank once that rank has said,
+    in ``source``, that it will not post there itself: ``make(source's value)``, or None (it will).
+
+    Made by the waiter (:meth:`distribute_utils.sync.Call.wait_verdict`: a gather's sender awaiting the
+    verdict of a rank whose claim says it does not receive). The watchdog looks for ``source`` in each of
+    its rounds until it is there, once per round however many waits share it (a ``check``, then a ``get``
+    once it is there: a ``compare_set`` would read it in one round trip, but wakes the waiters of a key
+    that is not there, which then read nothing), and posts with ``compare_set`` (never over a value the
+    rank posted). ``posted`` tells the waiter that the key is its to collect.
+    """
+
+    __slots__ = ("key", "make", "posted", "settled", "source")
+
+    def __init__(self, source: str, key: str, make: Callable[[bytes], bytes | None]) -> None:
+        self.source, self.key, self.make = source, key, make
+        self.settled = False  # the rank said it posts the key itself
+        self.posted = False  # the watchdog posted make's value in its place
+
+
 class Watch:
     """One wait in progress: the keys a rank waits on, and whose death would fill them.
 
     ``awaited`` maps a rank to the key its death must fill (with :data:`TOMBSTONE` plus its
     rank number; only its ``get`` is used, for this host's ranks); ``arrived`` (for barriers) tells,
-    through the watch's store, whether the rank had arrived first.
+    through the watch's store, whether the rank had arrived first; ``stand_in``: see :class:`StandIn`.
     """
 
     def __init__(
@@ -70,8 +93,10 @@ class Watch:
         store: dist.Store,
         awaited: Mapping[int, str],
         arrived: Callable[[dist.Store, int], bool] | None,
+        stand_in: StandIn | None = None,
     ) -> None:
         self.source, self.store, self.awaited, self.arrived = source, store, awaited, arrived
+        self.stand_in = stand_in
         self.since = time.monotonic()
 
 
@@ -190,7 +215,31 @@ class Watchdog:
                             self._tombstone(watch, rank)
             except Exception:  # the store may be gone: the waiter will say so
                 logger.debug("watchdog check failed", exc_info=True)
+        said: dict[str, bytes | None] = {}  # each stand-in's source read once per round (None: not there)
+        for watch in due:
+            stand_in = watch.stand_in
+            if stand_in is not None and not (stand_in.settled or stand_in.posted) and self.watching(watch):
+                try:
+                    self._stand_in(watch.store, stand_in, said)
+                except Exception:  # the store may be gone: the waiter will say so
+                    logger.debug("watchdog stand-in failed", exc_info=True)
         return len(alive)
+
+    @staticmethod
+    def _stand_in(store: dist.Store, stand_in: StandIn, said: dict[str, bytes | None]) -> None:
+        """Post ``stand_in``'s value once its source says the awaited rank will not post (see :class:`StandIn`)."""
+        source = stand_in.source
+        if source not in said:
+            said[source] = store.get(source) if store.check([source]) else None
+        value = said[source]
+        if value is None:
+            return  # not said yet: the next round looks again
+        made = stand_in.make(value)
+        if made is None:
+            stand_in.settled = True
+            return
+        stand_in.posted = True  # (before the post: the waiter wakes on it)
+        store.compare_set(stand_in.key, b"", made)  # type: ignore[arg-type]  # torch's stub: compare_set takes bytes too
 
     @staticmethod
     def _tombstone(watch: Watch, rank: int) -> None:

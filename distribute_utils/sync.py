@@ -66,7 +66,7 @@ from .incarnation import (
     short,
     store_lost,
 )
-from .liveness import GRACE_S, JANITOR, TOMBSTONE, WATCH_INTERVAL_S, Watch, exited, wait_watched
+from .liveness import GRACE_S, JANITOR, TOMBSTONE, WATCH_INTERVAL_S, StandIn, Watch, exited, wait_watched
 from .mailbox import ANSWER, Mailbox, MailboxError, address
 from .processes import ProcessInfo, process_alive
 
@@ -159,15 +159,27 @@ class Call:
         key = self.key(tag)
         return self.sync.wait([key], [owner], timeout, what, {owner: key})[0]
 
-    def wait_verdict(self, first: int, timeout: float, what: str) -> bytes:
+    def wait_verdict(
+        self, first: int, timeout: float, what: str, stand_in: Callable[[bytes], bytes | None]
+    ) -> bytes:
         """``first``'s ``v`` value. When it is late but has arrived (posted its ``c`` claim), it
-        is given a second ``timeout``: its own waits are bounded, so its reason will come."""
+        is given a second ``timeout``: its own waits are bounded, so its reason will come.
+
+        A rank that does not receive posts no ``v`` key: ``stand_in(its claim)`` is what stands for it (None
+        for a receiver's claim), posted by the watchdog once the wait outlasts the grace and ``first``'s
+        claim says it does not receive (:class:`~distribute_utils.liveness.StandIn`); this rank then
+        collects that key."""
+        key = self.key("v", first)
+        standing = StandIn(self.key("c", first), key, stand_in)
         try:
-            return self.wait_for("v", [first], timeout, what)[0]
+            value = self.sync.wait([key], [first], timeout, what, {first: key}, standing)[0]
         except PeerLostError as exc:
             if exc.missing != (first,) or not self.sync.has(self.key("c", first)):
                 raise
-        return self.wait_for("v", [first], timeout, what)[0]
+            value = self.sync.wait([key], [first], timeout, what, {first: key}, standing)[0]
+        if standing.posted:
+            self.sync.own_keys.append(key)
+        return value
 
     # -- direct rounds: one host, no store hop (see distribute_utils.mailbox) --------------------
     def record(self, entry: list[Any]) -> None:
@@ -468,11 +480,17 @@ class GroupSync:
             return False
 
     def wait(
-        self, keys: list[str], ranks: Sequence[int], timeout: float, what: str, awaited: dict[int, str] | None
+        self,
+        keys: list[str],
+        ranks: Sequence[int],
+        timeout: float,
+        what: str,
+        awaited: dict[int, str] | None,
+        stand_in: StandIn | None = None,
     ) -> list[bytes]:
         watch = None
         if self.directory is not None and awaited:
-            watch = Watch(self.directory, self.directory.watch_client(timeout), awaited, None)
+            watch = Watch(self.directory, self.directory.watch_client(timeout), awaited, None, stand_in)
         generation, lookup = self.generation if self.generation is not None else (None, None)
         return wait_watched(self.store, keys, ranks, timeout, what, watch, lookup, generation)
 

@@ -44,6 +44,7 @@ __all__ = [
     "modes_differ",
     "not_direct",
     "raise_from",
+    "stand_in",
 ]
 
 logger = logging.getLogger(__name__)
@@ -55,10 +56,10 @@ the receiving process, not at all by the sender's); larger ones as :data:`~distr
 
 class RankList:
     """A checked ranks list, and what every gather call with it shares: its digest, how messages
-    show it, and the packed messages that come back call after call (:attr:`success`, :attr:`marker`,
-    :meth:`kept`). Made once per list and group (by ``gather_on``'s checks); nothing else of it changes."""
+    show it, and the packed messages that come back call after call (:attr:`success`, :meth:`kept`).
+    Made once per list and group (by ``gather_on``'s checks); nothing else of it changes."""
 
-    __slots__ = ("_kept", "digest", "first", "marker", "members", "ranks", "shown", "success", "what")
+    __slots__ = ("_kept", "digest", "first", "members", "ranks", "shown", "success", "what")
 
     def __init__(self, ranks: list[int], digest: str) -> None:
         self.ranks, self.first, self.digest = ranks, ranks[0], digest
@@ -66,9 +67,8 @@ class RankList:
         self.shown = ranks if len(ranks) <= 64 else None  # (in messages: a long list is left out)
         self.what = f"gather to rank {self.first}"
         self._kept: Recent[tuple[Any, ...], bytes] = Recent(256)
-        # The first rank's verdict when all went well and it has no notes to pass on; a non-receiver's marker.
+        # The first rank's verdict when all went well and it has no notes to pass on.
         self.success = Verdict(True, self.shown, digest, None, []).pack()
-        self.marker = Verdict(False, self.shown, digest).pack()
 
     def kept(self, key: tuple[Any, ...], make: Callable[[], bytes]) -> bytes:
         """``make()``, kept under ``key`` (a message of this list: what it says besides the list)."""
@@ -82,11 +82,10 @@ class Claim(NamedTuple):
 
     ``kind`` is "first" (it receives), "send" (``body`` is ``[token, receipt]``: where its
     payload is, in the words of the transport that carried it) or "none"
-    (its own list does not name it: it only checks in). Ranks that do not receive also post a
-    :class:`Verdict` marker under ``v/<rank>``, so that a rank that wrongly takes them for its
-    receiver hears why at once instead of waiting. ``notes`` are the carriers' word for other
-    senders of this gather that this rank holds (a leader let their segments go): the first rank
-    passes them on in its verdict.
+    (its own list does not name it: it only checks in). A rank that wrongly takes a rank that does not
+    receive for its receiver hears why from that rank's claim (:func:`stand_in`), instead of waiting.
+    ``notes`` are the carriers' word for other senders of this gather that this rank holds (a leader
+    let their segments go): the first rank passes them on in its verdict.
     """
 
     kind: str
@@ -106,7 +105,8 @@ class Claim(NamedTuple):
 
 
 class Verdict(NamedTuple):
-    """What a rank posts under ``v/<rank>``: a receiver's verdict, or a non-receiver's marker."""
+    """What a receiver posts under ``v/<rank>``; with ``receiver`` False, what stands for it in the key of
+    a rank that does not receive (:func:`stand_in`)."""
 
     receiver: bool
     ranks: list[int] | None
@@ -120,6 +120,15 @@ class Verdict(NamedTuple):
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> Verdict:
         return cls._make(msgpack.unpackb(data))  # raises TypeError when the fields do not match
+
+
+def stand_in(claim: bytes) -> bytes | None:
+    """What stands for the verdict of the rank that posted ``claim`` when it does not receive: a
+    :class:`Verdict` with ``receiver`` False and that rank's list, which makes a sender that waits on
+    it raise :func:`mismatch`; None for a receiver's claim (its verdict will come). Read by the
+    watchdog (:class:`~distribute_utils.liveness.StandIn`)."""
+    found = Claim.unpack(claim)
+    return None if found.kind == "first" else Verdict(False, found.ranks, found.digest).pack()
 
 
 def error_of(exc: BaseException) -> tuple[Any, ...]:
@@ -227,27 +236,15 @@ class Part:
     ) -> Claim:
         return Claim(kind, self.shown, self.digest, self.mode, error, body, notes or None)
 
-    def marker(self) -> bytes:
-        """What a rank that does not receive posts under its own verdict key (:attr:`RankList.marker`)."""
-        return self.listed.marker
-
     @functools.cached_property
     def channel(self) -> Channel:
         """How this rank's claims and verdicts travel: the store unless :meth:`decide` chose the mailboxes
         (an attribute once read or chosen: no call on the round's path)."""
         return self.store_channel()
 
-    def store_channel(self, receiver: bool | None = None) -> StoreChannel:
-        """Claims and verdicts through the store (``receiver``: whether this rank receives, by default
-        whether it is its list's first rank)."""
-        return StoreChannel(
-            self.call,
-            self.first,
-            self.seconds,
-            receiver=self.me == self.first if receiver is None else receiver,
-            marker=self.marker,
-            taken=self.taken,
-        )
+    def store_channel(self) -> StoreChannel:
+        """Claims and verdicts through the store."""
+        return StoreChannel(self.call, self.first, self.seconds, stand_in=stand_in, taken=self.taken)
 
     def taken(self) -> bytes:
         """What replaces a claim whose inline payload the first rank has taken (a store round's)."""
