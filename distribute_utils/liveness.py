@@ -64,11 +64,12 @@ class StandIn:
     in ``source``, that it will not post there itself: ``make(source's value)``, or None (it will).
 
     Made by the waiter (:meth:`distribute_utils.sync.Call.wait_verdict`: a gather's sender awaiting the
-    verdict of a rank whose claim says it does not receive). The watchdog looks for ``source`` in each of
-    its rounds until it is there, once per round however many waits share it (a ``check``, then a ``get``
-    once it is there: a ``compare_set`` would read it in one round trip, but wakes the waiters of a key
-    that is not there, which then read nothing), and posts with ``compare_set`` (never over a value the
-    rank posted). ``posted`` tells the waiter that the key is its to collect.
+    verdict of a rank whose claim says it does not receive); ``make`` must be a function of the value
+    alone. The watchdog looks for ``source`` in each of its rounds until it is there, once per round
+    however many waits share it (a ``check``, then a ``get`` once it is there: a ``compare_set`` would
+    read it in one round trip, but wakes the waiters of a key that is not there, which then read
+    nothing), and posts with ``compare_set`` (never over a value the rank posted). ``posted`` tells the
+    waiter that the key is its to collect.
     """
 
     __slots__ = ("key", "make", "posted", "settled", "source")
@@ -215,31 +216,38 @@ class Watchdog:
                             self._tombstone(watch, rank)
             except Exception:  # the store may be gone: the waiter will say so
                 logger.debug("watchdog check failed", exc_info=True)
-        said: dict[str, bytes | None] = {}  # each stand-in's source read once per round (None: not there)
-        for watch in due:
-            stand_in = watch.stand_in
-            if stand_in is not None and not (stand_in.settled or stand_in.posted) and self.watching(watch):
-                try:
-                    self._stand_in(watch.store, stand_in, said)
-                except Exception:  # the store may be gone: the waiter will say so
-                    logger.debug("watchdog stand-in failed", exc_info=True)
+        self._stand_ins(due)
         return len(alive)
 
-    @staticmethod
-    def _stand_in(store: dist.Store, stand_in: StandIn, said: dict[str, bytes | None]) -> None:
-        """Post ``stand_in``'s value once its source says the awaited rank will not post (see :class:`StandIn`)."""
-        source = stand_in.source
-        if source not in said:
-            said[source] = store.get(source) if store.check([source]) else None
-        value = said[source]
-        if value is None:
-            return  # not said yet: the next round looks again
-        made = stand_in.make(value)
-        if made is None:
-            stand_in.settled = True
+    def _stand_ins(self, due: Sequence[Watch]) -> None:
+        """Post what stands in for the awaited ranks of ``due`` waits that said they will not post (see
+        :class:`StandIn`): each source read and made once per round, and the lock held once (the waits of
+        one process, thousands in a simulation, take it too as they come and go)."""
+        waiting = [w for w in due if w.stand_in is not None and not (w.stand_in.settled or w.stand_in.posted)]
+        if not waiting:
             return
-        stand_in.posted = True  # (before the post: the waiter wakes on it)
-        store.compare_set(stand_in.key, b"", made)  # type: ignore[arg-type]  # torch's stub: compare_set takes bytes too
+        with self._lock:
+            waiting = [w for w in waiting if self._watches.get(id(w)) is w]  # (not a wait that ended)
+        said: dict[str, tuple[bool, bytes | None]] = {}  # source: (there, what stands in)
+        for watch in waiting:
+            stand_in = watch.stand_in
+            assert stand_in is not None
+            try:
+                found = said.get(stand_in.source)
+                if found is None:
+                    there = watch.store.check([stand_in.source])
+                    made = stand_in.make(watch.store.get(stand_in.source)) if there else None
+                    found = said[stand_in.source] = (there, made)
+                there, made = found
+                if not there:
+                    continue  # not said yet: the next round looks again
+                if made is None:
+                    stand_in.settled = True
+                    continue
+                stand_in.posted = True  # (before the post: the waiter wakes on it)
+                watch.store.compare_set(stand_in.key, b"", made)  # type: ignore[arg-type]  # torch's stub: compare_set takes bytes too
+            except Exception:  # the store may be gone: the waiter will say so
+                logger.debug("watchdog stand-in failed", exc_info=True)
 
     @staticmethod
     def _tombstone(watch: Watch, rank: int) -> None:
