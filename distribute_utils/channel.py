@@ -103,9 +103,8 @@ class StoreChannel:
 
     A rank posts one key, its claim; the first rank its verdict too. ``stand_in(claim)`` is what stands
     for the verdict of a rank whose claim says it does not receive (None for a receiver's claim): a sender
-    that wrongly takes that rank for its first rank hears it from the watchdog within a fraction of a
-    second (see :meth:`~distribute_utils.sync.Call.wait_verdict`), and no rank posts a verdict key just in
-    case. ``taken()`` is what replaces claims larger than :data:`SMALL_CLAIM_BYTES` once the verdict is
+    that wrongly takes that rank for its first rank hears it from the watchdog within about a second
+    (see :meth:`~distribute_utils.sync.Call.wait_verdict`), and no rank posts a verdict key just in case. ``taken()`` is what replaces claims larger than :data:`SMALL_CLAIM_BYTES` once the verdict is
     posted (their inline payloads are not kept).
     :meth:`claims` hands every claim over, also after ``take`` raised, then raises the first error: a
     failing round can then discard what each sender published.

@@ -38,6 +38,7 @@ from .processes import ProcessInfo, process_alive
 __all__ = [
     "GRACE_S",
     "JANITOR",
+    "STAND_IN_S",
     "TOMBSTONE",
     "WATCHDOG",
     "WATCH_INTERVAL_S",
@@ -57,6 +58,8 @@ WATCH_INTERVAL_S = 0.1  # how often the watchdog looks at the peers of a wait pa
 GRACE_S = 0.05  # waits shorter than this never cost the watchdog (or the CPU) anything
 _EXIT_S = 1.0  # how long a dead process's last threads may take to exit (and close its sockets)
 _JANITOR_CONNECT_S = 4 * PROBE_TIMEOUT_S  # the janitor's new client: well within its join at exit (5 s)
+STAND_IN_S = 1.0  # how long a wait with a stand-in lasts before the watchdog first reads its source
+_STAND_IN_MAX_S = 8.0  # the longest gap between its reads of a source that is not there yet
 
 
 class StandIn:
@@ -65,17 +68,21 @@ class StandIn:
 
     Made by the waiter (:meth:`distribute_utils.sync.Call.wait_verdict`: a gather's sender awaiting the
     verdict of a rank whose claim says it does not receive); ``make`` must be a function of the value
-    alone. The watchdog looks for ``source`` in each of its rounds until it is there, once per round
-    however many waits share it (a ``check``, then a ``get`` once it is there: a ``compare_set`` would
-    read it in one round trip, but wakes the waiters of a key that is not there, which then read
-    nothing), and posts with ``compare_set`` (never over a value the rank posted). ``posted`` tells the
-    waiter that the key is its to collect.
+    alone. The watchdog first looks for ``source`` once the wait has lasted :data:`STAND_IN_S` (a wait
+    that ends sooner costs the store nothing), then again after a gap that doubles up to 8 s while it is
+    not there (as :meth:`~distribute_utils.incarnation.PeerDirectory.local_peers` backs off: every process
+    of a job may be waiting); once per round however many waits of the process share it. A look is a
+    ``check``, then a ``get`` once it is there (a ``compare_set`` would read it in one round trip, but
+    wakes the waiters of a key that is not there, which then read nothing). It posts with ``compare_set``
+    (never over a value the rank posted); ``posted`` tells the waiter that the key is its to collect.
     """
 
-    __slots__ = ("key", "make", "posted", "settled", "source")
+    __slots__ = ("gap", "key", "make", "next_look", "posted", "settled", "source")
 
     def __init__(self, source: str, key: str, make: Callable[[bytes], bytes | None]) -> None:
         self.source, self.key, self.make = source, key, make
+        self.next_look = time.monotonic() + STAND_IN_S  # (monotonic seconds)
+        self.gap = STAND_IN_S  # until the look after the next one
         self.settled = False  # the rank said it posts the key itself
         self.posted = False  # the watchdog posted make's value in its place
 
@@ -223,7 +230,12 @@ class Watchdog:
         """Post what stands in for the awaited ranks of ``due`` waits that said they will not post (see
         :class:`StandIn`): each source read and made once per round, and the lock held once (the waits of
         one process, thousands in a simulation, take it too as they come and go)."""
-        waiting = [w for w in due if w.stand_in is not None and not (w.stand_in.settled or w.stand_in.posted)]
+        now = time.monotonic()
+        waiting = [
+            w
+            for w in due
+            if (s := w.stand_in) is not None and not (s.settled or s.posted) and now >= s.next_look
+        ]
         if not waiting:
             return
         with self._lock:
@@ -235,17 +247,24 @@ class Watchdog:
             try:
                 found = said.get(stand_in.source)
                 if found is None:
+                    found = said[stand_in.source] = (False, None)  # (a read that fails is not tried again)
                     there = watch.store.check([stand_in.source])
                     made = stand_in.make(watch.store.get(stand_in.source)) if there else None
                     found = said[stand_in.source] = (there, made)
                 there, made = found
-                if not there:
-                    continue  # not said yet: the next round looks again
+                if not there:  # not said yet (or not read): look again after the gap, doubled
+                    stand_in.next_look = now + stand_in.gap
+                    stand_in.gap = min(2 * stand_in.gap, _STAND_IN_MAX_S)
+                    continue
                 if made is None:
                     stand_in.settled = True
                     continue
                 stand_in.posted = True  # (before the post: the waiter wakes on it)
-                watch.store.compare_set(stand_in.key, b"", made)  # type: ignore[arg-type]  # torch's stub: compare_set takes bytes too
+                try:
+                    watch.store.compare_set(stand_in.key, b"", made)  # type: ignore[arg-type]  # torch's stub: compare_set takes bytes too
+                except Exception:
+                    stand_in.posted = False  # (the next round tries again)
+                    raise
             except Exception:  # the store may be gone: the waiter will say so
                 logger.debug("watchdog stand-in failed", exc_info=True)
 

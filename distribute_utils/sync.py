@@ -166,16 +166,21 @@ class Call:
         is given a second ``timeout``: its own waits are bounded, so its reason will come.
 
         A rank that does not receive posts no ``v`` key: ``stand_in(its claim)`` is what stands for it (None
-        for a receiver's claim), posted by the watchdog once the wait outlasts the grace and ``first``'s
+        for a receiver's claim), posted by the watchdog once the wait has lasted a second and ``first``'s
         claim says it does not receive (:class:`~distribute_utils.liveness.StandIn`); this rank then
-        collects that key."""
-        key = self.key("v", first)
-        standing = StandIn(self.key("c", first), key, stand_in)
+        collects that key. When ``first`` is named late or dead, its claim is read: a rank that does not
+        receive, its process gone once its own gather went well, is named for what it did."""
+        key, claim_key = self.key("v", first), self.key("c", first)
+        standing = StandIn(claim_key, key, stand_in)
         try:
             value = self.sync.wait([key], [first], timeout, what, {first: key}, standing)[0]
         except PeerLostError as exc:
-            if exc.missing != (first,) or not self.sync.has(self.key("c", first)):
+            claim = self.sync.read(claim_key) if exc.missing == (first,) else None
+            if claim is None:
                 raise
+            made = stand_in(claim)
+            if made is not None:
+                return made
             value = self.sync.wait([key], [first], timeout, what, {first: key}, standing)[0]
         if standing.posted:
             self.sync.own_keys.append(key)
@@ -473,11 +478,12 @@ class GroupSync:
         self._calls += 1
         return call
 
-    def has(self, key: str) -> bool:
+    def read(self, key: str) -> bytes | None:
+        """``key``'s value, None when it is not there (or the store does not answer)."""
         try:
-            return bool(self.store.check([key]))
+            return self.store.get(key) if self.store.check([key]) else None
         except Exception:
-            return False
+            return None
 
     def wait(
         self,

@@ -311,9 +311,9 @@ def test_a_sender_whose_claim_cannot_be_built_tells_everyone_at_once(
 
 def _wait_for_key(group: sync.GroupSync, key: str) -> bool:
     deadline = time.monotonic() + 30
-    while not group.has(key) and time.monotonic() < deadline:
+    while group.read(key) is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    return group.has(key)
+    return group.read(key) is not None
 
 
 def _sender_outwaits_its_timeout(workspace: str | None, tag: str) -> dict[str, Any]:
@@ -996,6 +996,117 @@ def test_a_round_of_watchdog_checks_reads_each_source_once_however_many_waits() 
     assert other.calls == 0, "a wait that had ended was looked at"
     assert busy.first_ops <= 3, f"{busy.first_ops} store operations to read 7 local peers' infos"
     assert len(directories[0].local_peers()) == 7
+
+
+def test_a_stand_in_reads_its_source_after_a_second_then_less_often_and_posts_once_it_is_there() -> None:
+    """A sender's wait for a verdict names a stand-in (the awaited rank's claim, read by the watchdog):
+    the first look comes after a second (a wait that ends sooner costs the store nothing), and while the
+    source is not there, each look puts the next further off (up to 8 s: every process of a job may be
+    waiting). Once it is there, what stands in is posted where the rank posts nothing, and the waiter is
+    told to collect it. The watchdog's rounds are counted through the watch's source, never timed."""
+    from distribute_utils.incarnation import PeerDirectory, this_process
+
+    class Store:
+        """An in-process store that counts checks and gets (a clone is itself: the watch client)."""
+
+        def __init__(self) -> None:
+            self.inner, self.checks, self.gets = dist.HashStore(), 0, 0
+            self.posted = threading.Event()
+
+        def clone(self) -> Store:
+            return self
+
+        def check(self, keys: list[str]) -> bool:
+            self.checks += 1
+            return self.inner.check(keys)
+
+        def get(self, key: str) -> bytes:
+            self.gets += 1
+            return self.inner.get(key)
+
+        def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+            found = self.inner.compare_set(key, expected, desired)  # type: ignore[arg-type]
+            self.posted.set()
+            return found
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    class Rounds:
+        """The watch's source: counts the watchdog's rounds (each reads the local peers once)."""
+
+        def __init__(self, directory: PeerDirectory) -> None:
+            self.directory, self.count, self.changed = directory, 0, threading.Condition()
+
+        def local_peers(self) -> dict[int, Any]:
+            with self.changed:
+                self.count += 1
+                self.changed.notify_all()
+            return self.directory.local_peers()
+
+        def wait_for(self, count: int) -> None:
+            with self.changed:
+                assert self.changed.wait_for(lambda: self.count >= count, 60), "the watchdog stopped"
+
+    store = Store()
+    rounds = Rounds(PeerDirectory(dist.HashStore(), "si", 0, this_process()))  # (its reads not counted)
+    before = time.monotonic()
+    stand_in = liveness.StandIn("c/1", "v/1", lambda claim: b"stands for " + claim)
+    assert stand_in.next_look >= before + liveness.STAND_IN_S, "the first look comes after a second"
+    watch = liveness.Watch(cast(PeerDirectory, rounds), cast(dist.Store, store), {1: "v/1"}, None, stand_in)
+    watch.since -= 10 * liveness.GRACE_S  # due at once
+    stand_in.next_look, stand_in.gap = 0.0, 3600.0  # look now; the next look an hour later
+    dog = liveness.Watchdog()
+    ident = dog.add(watch)
+    try:
+        rounds.wait_for(1)
+        looked = time.monotonic()
+        rounds.wait_for(5)
+        assert (store.checks, store.gets) == (1, 0), "a source that is not there was read more than once"
+        assert stand_in.next_look >= looked + 3600 - 1, "the next look is not a gap away"
+        assert stand_in.gap == 8.0, "the gap doubles up to 8 s"
+        store.inner.set("c/1", b"its claim")
+        stand_in.next_look = 0.0
+        assert store.posted.wait(60), "nothing was posted"
+        assert store.inner.get("v/1") == b"stands for its claim"
+        assert stand_in.posted and (store.checks, store.gets) == (2, 1)
+        count = rounds.count
+        rounds.wait_for(count + 3)
+        assert (store.checks, store.gets) == (2, 1), "a source was read again once its stand-in was posted"
+    finally:
+        dog.remove(ident)
+        dog.close()
+
+
+def _a_confused_rank_waits_on_a_sender_that_exits(workspace: str) -> str | None:
+    """Store round: rank 2 passes [1, 2] (it takes rank 1, a sender, for its first rank); ranks 0 and 1
+    pass [0, 1], rank 3 [3]. Rank 1 exits once its own gather went well. What each rank raised."""
+    rank = dist.get_rank()
+    ranks = {0: [0, 1], 1: [0, 1], 2: [1, 2], 3: [3]}[rank]
+    try:
+        with get_tensors_parallel(
+            torch.ones(1), ranks, timeout=60, transport="workspace", workspace_path=workspace
+        ):
+            pass
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if rank == 1:
+        os._exit(0)
+    return None
+
+
+def test_a_rank_that_waits_on_a_sender_gone_after_its_gather_hears_that_lists_disagree(
+    fresh_job: Any, tmp_path: Path
+) -> None:
+    """The watchdog finds the awaited rank dead before its stand-in is due, and posts a tombstone in its
+    verdict key: the waiter reads the dead rank's claim, which says it did not receive, and raises the
+    disagreement (what the marker it no longer posts said), not that the rank exited."""
+    results = fresh_job(4).run(
+        _a_confused_rank_waits_on_a_sender_that_exits, str(tmp_path), expect_deaths=True
+    )
+    assert results[0] is None and results[3] is None, results
+    assert "ranks disagree on a gather: rank 2 passed ranks=[1, 2], but rank 1" in results[2], results[2]
+    assert "passed ranks=[0, 1]" in results[2], results[2]
 
 
 def test_a_direct_domain_read_from_a_store_that_is_gone_names_the_store() -> None:

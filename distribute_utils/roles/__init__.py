@@ -41,8 +41,8 @@ its first rank's info for it, the first rank its participants'):
 - **store round** (otherwise): keys in the group's namespace. A sender posts its claim
   ``c/<rank>`` and waits for ``v/<first>``; the first rank posts its own claim ``c/<first>``
   and its verdict ``v/<first>``. A rank that wrongly takes a sender for its receiver hears why
-  from the watchdog within a fraction of a second: it reads that rank's claim and posts what stands
-  for its verdict (:func:`.part.stand_in`). A rank of a direct round that fails posts the same keys,
+  from the watchdog within about a second: it reads that rank's claim and posts what stands for its
+  verdict (:func:`.part.stand_in`). A rank of a direct round that fails posts the same keys,
   so that a partner that went through the store hears it there.
 
 Senders on another host than the first rank wait for its plan (``plan``): the first

@@ -248,7 +248,7 @@ class Part:
 
     def taken(self) -> bytes:
         """What replaces a claim whose inline payload the first rank has taken (a store round's)."""
-        return Claim("taken", None, self.digest, self.mode, None).pack()
+        return Claim("taken", self.shown, self.digest, self.mode, None).pack()
 
     def decide(self, error: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
         """A participant: take the direct round (claims and verdicts through the ranks' mailboxes) when
