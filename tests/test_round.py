@@ -1004,15 +1004,16 @@ def test_a_stand_in_reads_its_source_after_a_second_then_less_often_and_posts_on
     """A sender's wait for a verdict names a stand-in (the awaited rank's claim, read by the watchdog):
     the first look comes after a second (a wait that ends sooner costs the store nothing), and while the
     source is not there, each look puts the next further off (up to 8 s: every process of a job may be
-    waiting). Once it is there, what stands in is posted where the rank posts nothing, and the waiter is
-    told to collect it. The watchdog's rounds are counted through the watch's source, never timed."""
+    waiting). Once it is there, what stands in is posted where the rank posts nothing (a post that fails
+    is tried again the next round), and the waiter is told to collect it. The watchdog's rounds are
+    counted through the watch's source, never timed."""
     from distribute_utils.incarnation import PeerDirectory, this_process
 
     class Store:
         """An in-process store that counts checks and gets (a clone is itself: the watch client)."""
 
         def __init__(self) -> None:
-            self.inner, self.checks, self.gets = dist.HashStore(), 0, 0
+            self.inner, self.checks, self.gets, self.posts = dist.HashStore(), 0, 0, 0
             self.posted = threading.Event()
 
         def clone(self) -> Store:
@@ -1027,6 +1028,9 @@ def test_a_stand_in_reads_its_source_after_a_second_then_less_often_and_posts_on
             return self.inner.get(key)
 
         def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+            self.posts += 1
+            if self.posts == 1:
+                raise RuntimeError("the store hiccups once")
             found = self.inner.compare_set(key, expected, desired)  # type: ignore[arg-type]
             self.posted.set()
             return found
@@ -1069,12 +1073,12 @@ def test_a_stand_in_reads_its_source_after_a_second_then_less_often_and_posts_on
         assert stand_in.gap == 8.0, "the gap doubles up to 8 s"
         store.inner.set("c/1", b"its claim")
         stand_in.next_look = 0.0
-        assert store.posted.wait(60), "nothing was posted"
-        assert store.inner.get("v/1") == b"stands for its claim"
-        assert stand_in.posted and (store.checks, store.gets) == (2, 1)
+        assert store.posted.wait(60), "a post that failed was not tried again"
+        assert store.inner.get("v/1") == b"stands for its claim" and store.posts == 2
+        assert stand_in.posted and (store.checks, store.gets) == (3, 2)
         count = rounds.count
         rounds.wait_for(count + 3)
-        assert (store.checks, store.gets) == (2, 1), "a source was read again once its stand-in was posted"
+        assert (store.checks, store.gets) == (3, 2), "a source was read again once its stand-in was posted"
     finally:
         dog.remove(ident)
         dog.close()
