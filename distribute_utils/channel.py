@@ -35,7 +35,8 @@ from typing import Any, Protocol
 
 from .errors import PayloadError
 from .liveness import GRACE_S
-from .sync import RETRY_S, Call
+from .mailbox import Line
+from .sync import RETRY_S, Call, GroupSync
 
 __all__ = ["Buffer", "Channel", "Judge", "Known", "MailboxChannel", "StoreChannel", "Take"]
 
@@ -258,15 +259,34 @@ class MailboxChannel:
         return found[self.first]
 
     # -- a repeat's (distribute_utils.roles.repeat): the round that goes well, without the general wait --
-    def claim_and_hear(self, claim: bytes, attached: Sequence[Buffer], expected: bytes) -> bool:
-        """A sender: :meth:`post_claim`, then whether the one message its first rank sent it within the grace
-        is the verdict ``expected`` (anything else it read is put back for :meth:`await_verdict`). A claim
-        that cannot go at once is posted as :meth:`post_claim` posts it, and False is returned:
-        :meth:`await_verdict` then waits for the verdict."""
+    @staticmethod
+    def claim_line(sync: GroupSync, first: int) -> Line:
+        """A sender's kept :class:`~distribute_utils.mailbox.Line` to ``first``, its first rank in a direct
+        round of ``sync``'s group: its claim messages (:meth:`claim_message`) out, its verdict back. A repeat
+        that sent its claim through it and heard no success hands the call over with :meth:`claimed`; one
+        whose line did not send posts it with :meth:`claim_and_hear`."""
+        return sync.mailbox().line(sync.rank, first, sync.infos[first], _CLAIM, _VERDICT)
+
+    @staticmethod
+    def claim_message(claim: bytes, attached: Sequence[Buffer]) -> list[Buffer]:
+        """The parts of a direct claim message: ``claim``, then the payload ``attached`` to it."""
+        return [_CLAIM_LENGTH.pack(len(claim)), claim, *attached]
+
+    def claimed(self, message: list[Buffer]) -> None:
+        """A repeat sent this call's claim ``message`` (:meth:`claim_message`) itself: the channel holds it,
+        delivered, for :meth:`await_verdict` (and a give-up)."""
+        self._message, self._delivered = message, True
+
+    def claim_and_hear(self, message: list[Buffer], expected: bytes) -> bool:
+        """A sender: post the claim ``message`` (:meth:`claim_message`) as :meth:`post_claim` posts a claim,
+        then whether the one message its first rank sent it within the grace is the verdict ``expected``
+        (anything else it read is put back for :meth:`await_verdict`). A claim that cannot go at once is
+        posted as :meth:`post_claim` posts it, and False is returned: :meth:`await_verdict` then waits
+        for the verdict."""
         call = self.call
         sync = call.sync
         mailbox = sync.mailbox()
-        self._message = message = [_CLAIM_LENGTH.pack(len(claim)), claim, *attached]
+        self._message = message
         address = sync.addresses[self.first]
         if not mailbox.send_now(address, call.number, sync.rank, _CLAIM, message):
             self._delivered = mailbox.send_to(address, call.number, sync.rank, _CLAIM, message, GRACE_S)

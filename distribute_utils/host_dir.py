@@ -264,6 +264,11 @@ class Connections:
             self.forget(path)
         return bool(sent)
 
+    def kept(self, path: str) -> socket.socket | None:
+        """The socket kept connected to ``path``, if any: a caller that sends through it itself (closed
+        once forgotten, so a send through it then fails) sends as :meth:`send_now` does."""
+        return self._socks.get(path)
+
     def send_now(self, path: str, parts: Sequence[Any]) -> bool:
         """One datagram to the socket at ``path`` through the socket kept connected to it, at once: False
         when none is kept or it cannot go now (nothing was sent: :meth:`send` then does what it does)."""

@@ -63,6 +63,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "POLL_S",
     "FaultHook",
+    "Line",
     "Mailbox",
     "MailboxError",
     "address",
@@ -229,6 +230,11 @@ class Mailbox:
     def address_of(self, peer: ProcessInfo) -> str:
         """``peer``'s mailbox of this group (:func:`address`), for :meth:`send_to`."""
         return self._to(peer, self.namespace)
+
+    def line(self, rank: int, peer_rank: int, peer: ProcessInfo, kind: int, answer: int) -> Line:
+        """A kept :class:`Line` from ``rank`` (this process's) to ``peer_rank``, whose process is ``peer``:
+        messages of ``kind`` go out, one of ``answer`` is expected back."""
+        return Line(self, rank, peer_rank, peer, kind, answer)
 
     def send_to(
         self, address: str, call: int, rank: int, kind: int, parts: Sequence[Buffer], timeout: float = 0.0
@@ -442,6 +448,83 @@ class Mailbox:
                 info = senders.get(rank)
                 if info is not None and info.pid == pid:
                     found.append((rank, kind, data))
+
+
+class Line:
+    """One peer's way to and from a :class:`Mailbox`, kept by a caller that sends it a message and waits
+    for one answer call after call (a repeated round's claim and verdict): :meth:`send` is :meth:`Mailbox.send_now`,
+    :meth:`hear` is :meth:`Mailbox.take_next` for that one answer, each one Python call. Made by
+    :meth:`Mailbox.line`; used from the mailbox's thread (as the mailbox is).
+
+    Call order: :meth:`send`, then, when it sent, :meth:`hear`; when it did not, the caller sends as
+    :meth:`Mailbox.send_to` does (nothing went)."""
+
+    __slots__ = ("_answer", "_box", "_kind", "_out", "_path", "_peer", "_pid", "_rank", "_senders")
+
+    def __init__(
+        self, box: Mailbox, rank: int, peer_rank: int, peer: ProcessInfo, kind: int, answer: int
+    ) -> None:
+        self._box, self._rank, self._kind, self._answer = box, rank, kind, answer
+        self._peer, self._pid, self._senders = peer_rank, peer.pid, {peer_rank: peer}
+        self._path = box.address_of(peer)
+        self._out: socket.socket | None = None  # (the mailbox's socket kept connected to the peer)
+
+    def send(self, call: int, parts: Sequence[Buffer], nbytes: int) -> bool:
+        """Send ``parts`` (``nbytes`` in all) as a message of call ``call`` when it can go at once through the
+        socket the mailbox keeps connected to the peer; False when it cannot (nothing was sent: no socket
+        is kept, the peer's queue is full or it closed, or the mailbox waits otherwise than sleeping:
+        :meth:`Mailbox.send_to` then does what it does)."""
+        box = self._box
+        if box._sock is None or nbytes + _HEADER.size > MAX_MESSAGE_BYTES or len(parts) >= _MAX_PARTS:
+            return False  # (send_to raises or copies)
+        out = self._out
+        if out is None:
+            out = self._out = box._peers.kept(self._path)
+            if out is None:
+                return False
+        try:
+            out.sendmsg([_HEADER.pack(call, self._rank, self._kind), *parts], (), _NO_WAIT)
+        except (FileNotFoundError, ConnectionRefusedError):  # (its peer closed: as send_now forgets it)
+            self._out = None
+            box._peers.forget(self._path)
+            return False
+        except OSError:  # (its queue is full, or the socket was closed once its mailbox forgot it)
+            self._out = None
+            return False
+        return True
+
+    def hear(self, call: int, expected: Buffer, timeout: float) -> bool:
+        """Whether the next message, within about ``timeout`` seconds, is the peer's answer of call ``call``
+        and is ``expected`` (checked as :meth:`Mailbox.take_next` checks it). Anything else it read is
+        filed as :meth:`Mailbox.receive` files it, so that the next :meth:`Mailbox.receive` gives it first."""
+        box = self._box
+        sock = box._sock
+        if sock is None or box._kept or box._poll_s:  # (the general way)
+            found = box.receive(call, self._senders, timeout)
+            if len(found) == 1 and found[0][1] == self._answer and found[0][2] == expected:
+                return True
+        else:
+            if timeout > 0 and not (0.8 * box._rcvtimeo <= timeout <= box._rcvtimeo):  # (as receive's)
+                box._wait_at_most(sock, timeout)
+            try:
+                size, ancillary, flags, _ = sock.recvmsg_into(
+                    box._buffers, ANCILLARY_SIZE, 0 if timeout > 0 else _NO_WAIT
+                )
+            except BlockingIOError:  # nothing came in time
+                return False
+            buffer = box._buffer
+            if (
+                size >= _HEADER.size
+                and not flags & _TRUNCATED
+                and _HEADER.unpack_from(buffer) == (call, self._peer, self._answer)
+                and sender_pid(ancillary, box._uid) == self._pid
+                and buffer[_HEADER.size : size] == expected
+            ):
+                return True
+            found = []
+            box._sort(size, ancillary, flags, call, self._senders, found)
+        box.unread(call, found, self._senders)
+        return False
 
 
 # -- answering inquiries -------------------------------------------------------------------------

@@ -57,6 +57,8 @@ import torch
 from .. import wire
 from ..caches import Recent
 from ..channel import Buffer, MailboxChannel
+from ..liveness import GRACE_S
+from ..mailbox import Line
 from ..owners import owned
 from ..transports import carriers
 from ..transports.base import Context
@@ -96,7 +98,7 @@ class _Kept:
 class SenderRepeat(_Kept):
     """A sender's repeat (see the module doc), made by :func:`sender_repeat`."""
 
-    __slots__ = ("_claim", "_entry", "_listed", "_lone", "_me", "_mode", "_pool", "_root", "_route")
+    __slots__ = ("_claim", "_entry", "_line", "_listed", "_lone", "_me", "_mode", "_pool", "_root", "_route")
 
     def __init__(self, sender: Sender, at: Recent[Any, Any], call_key: Hashable) -> None:
         super().__init__(at, call_key)
@@ -105,7 +107,9 @@ class SenderRepeat(_Kept):
         self._pool = owned(SegmentPool)
         self._route = sender.route  # (None: its payload went inside its claim message)
         self._lone: wire.LoneHead | None = None  # the head of its last payload, when that was one tensor
-        self._claim: tuple[int, bytes] = (-1, b"")  # its last claim, and the payload size it states
+        # The parts before the payload of its last claim message, their length, and the payload size it states.
+        self._claim: tuple[int, list[Buffer], int] = (-1, [], 0)
+        self._line: Line | None = None  # (made at its first repeat)
 
     def send(self, round_: Round, value: Any) -> bool:
         """This rank's part in ``round_``'s call (a sender's), as :meth:`Sender.send` does it; False when the
@@ -114,13 +118,17 @@ class SenderRepeat(_Kept):
         it published: what it published is released (but for an interrupt in the instant between a
         publish's return and its hand-over, as in the general path), and its partners hear its error when
         its claim had not gone yet (after, they hear what the first rank made of the claim, as in the
-        general path)."""
+        general path).
+
+        Its claim goes, and its verdict is read, through a line kept to the first rank
+        (:meth:`MailboxChannel.claim_line`); the call's channel is made only when that line does not carry
+        the round (it did not send, no success came within the grace, or anything raised)."""
         if carriers.reports.pending() or carriers.hooked():
             return False  # (notes to deliver, fault points to run)
-        listed = self._listed
         call = round_[1]
-        channel = MailboxChannel(call, listed.ranks, round_[4], _no_store, ATTACHED_MAX_BYTES)
         sent: carriers.Sent | None = None
+        message: list[Buffer] | None = None
+        delivered = False
         try:
             try:
                 made = self._claim_of(value)
@@ -128,22 +136,41 @@ class SenderRepeat(_Kept):
                 return False  # (the general path encodes it again, and posts the error to every partner)
             if made is None:
                 return False
-            claim, parts, sent, _owner = made  # (_owner holds the bytes of parts while they may be sent)
+            message, nbytes, sent, _owner = made  # (_owner holds the bytes of message while it may be sent)
             call.record(self._entry)  # (before its claim goes: what a first rank past the grace reads)
-            heard = channel.claim_and_hear(claim, parts, listed.success)
+            line = self._line
+            if line is None:
+                line = self._line = MailboxChannel.claim_line(round_[0], self._listed.first)
+            delivered = line.send(call.number, message, nbytes)
+            if delivered:
+                if line.hear(call.number, self._listed.success, min(GRACE_S, round_[4])):
+                    if sent is not None:  # (released as the general sender concludes: the call went well)
+                        sent.release(taken=True, answered=True)
+                    return True
+                channel = self._channel(round_, message, delivered)
+            else:
+                channel = self._channel(round_, None, False)
+                if channel.claim_and_hear(message, self._listed.success):
+                    if sent is not None:
+                        sent.release(taken=True, answered=True)
+                    return True
         except BaseException as exc:
             self.drop()
-            sender = Sender(round_, listed)
-            sender.adopt(channel, sent)
+            sender = Sender(round_, self._listed)
+            sender.adopt(self._channel(round_, message, delivered), sent)
             sender.failed(exc, None)
             raise
-        if heard:  # (released outside the guard, as the general sender concludes: the call went well)
-            if sent is not None:
-                sent.release(taken=True, answered=True)
-            return True
         self.drop()
-        Sender(round_, listed).take_over(channel, sent)
+        Sender(round_, self._listed).take_over(channel, sent)
         return True
+
+    def _channel(self, round_: Round, message: list[Buffer] | None, delivered: bool) -> MailboxChannel:
+        """``round_``'s channel, for the general path: holding the claim ``message`` when it was ``delivered``
+        (a channel that ran :meth:`MailboxChannel.claim_and_hear` holds what it sent itself)."""
+        channel = MailboxChannel(round_[1], self._listed.ranks, round_[4], _no_store, ATTACHED_MAX_BYTES)
+        if delivered and message is not None:
+            channel.claimed(message)
+        return channel
 
     def learn_route(self, sender: Sender) -> None:
         """``sender``, a call of this repeat's key that went the general way, published through its host
@@ -151,11 +178,11 @@ class SenderRepeat(_Kept):
         :func:`sender_repeat`)."""
         self._route = sender.route
 
-    def _claim_of(self, value: Any) -> tuple[bytes, Sequence[Buffer], carriers.Sent | None, Any] | None:
-        """The claim of ``value``'s payload, the parts its message carries, what was published for it, and
-        what owns the parts' bytes (a payload's tensors: the parts are views of them, which the channel
-        may send again); None when the repeat cannot send it (nothing published). Raises as encoding or
-        publishing does, having published nothing (the general path then tries again)."""
+    def _claim_of(self, value: Any) -> tuple[list[Buffer], int, carriers.Sent | None, Any] | None:
+        """The claim message of ``value``'s payload (:meth:`MailboxChannel.claim_message`), its length, what was
+        published for it, and what owns the bytes the message views (a payload's tensors, which the
+        channel may send again); None when the repeat cannot send it (nothing published). Raises as
+        encoding or publishing does, having published nothing (the general path then tries again)."""
         lone = self._lone
         # (a tensor like the last: its bytes go behind the last payload's head)
         data = lone.bytes_of(value) if lone is not None else None
@@ -170,15 +197,16 @@ class SenderRepeat(_Kept):
             self._lone = wire.LoneHead.of_payload(value, payload)
             parts, nbytes, owner = payload.buffers(), payload.nbytes, payload
         self._pool.note_payload(nbytes, pooled=False)
-        size, claim = self._claim
+        size, prefix, length = self._claim
         if size != nbytes:
-            claim = attached_claim(self._listed, self._mode, nbytes)
-            self._claim = (nbytes, claim)
-        return claim, parts, None, owner
+            prefix = MailboxChannel.claim_message(attached_claim(self._listed, self._mode, nbytes), ())
+            length = sum(map(len, prefix))
+            self._claim = (nbytes, prefix, length)
+        return [*prefix, *parts], length + nbytes, None, owner
 
     def _published(
         self, payload: wire.EncodedPayload
-    ) -> tuple[bytes, Sequence[Buffer], carriers.Sent, None] | None:
+    ) -> tuple[list[Buffer], int, carriers.Sent, None] | None:
         """``payload``, past the attached sizes, through the host route of the call this repeat was made of
         (as :meth:`Sender.publish_here`, with a fresh token); None when it has no route."""
         route = self._route
@@ -187,11 +215,13 @@ class SenderRepeat(_Kept):
         token = secrets.token_hex(8)
         sent = route.publish(token, self._me, payload)
         try:
-            claim = sender_claim(self._listed, self._mode, [token, sent.receipt])
+            message = MailboxChannel.claim_message(
+                sender_claim(self._listed, self._mode, [token, sent.receipt]), ()
+            )
         except BaseException:
             sent.release(taken=False)
             raise
-        return claim, (), sent, None
+        return message, sum(map(len, message)), sent, None
 
 
 class FirstRepeat(_Kept):
