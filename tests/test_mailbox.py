@@ -207,6 +207,62 @@ def test_send_now_goes_only_through_a_kept_socket_and_sends_nothing_send_to_woul
     assert sent > 0 and len(_queued(parent_box, 10, me)) == sent
 
 
+def test_a_line_sends_through_the_kept_socket_and_hears_only_the_answer_it_expects(
+    parent_box: Mailbox,
+) -> None:
+    """A repeated round's line (``Mailbox.line``): ``send`` goes only through the socket kept connected to the
+    peer, at once, and sends nothing ``send_to`` would refuse; ``hear`` is True only for the peer's answer of
+    the call with the bytes expected, and files anything else as ``receive`` does."""
+    me, here = {1: this_process()}, parent_box.path
+    line = parent_box.line(
+        1, 1, this_process(), 0, 1
+    )  # (this process as rank 1, to itself: claims out, kind 1 back)
+    assert line.send(4, [b"none kept yet"], 13) is False
+    assert parent_box.send_to(here, 5, 1, 0, [b"x"])  # (connects, and keeps the socket)
+    assert line.send(5, [b"cl", memoryview(b"aim")], 5) is True
+    assert line.send(9, [bytes(MAX_MESSAGE_BYTES)], MAX_MESSAGE_BYTES) is False
+    assert _queued(parent_box, 5, me) == [(1, 0, b"x"), (1, 0, b"claim")]
+    assert _queued(parent_box, 4, me) == [] and _queued(parent_box, 9, me) == []
+    for call, kind, data in [(5, 1, b"success"), (5, 1, b"a failure"), (5, 0, b"a claim"), (7, 1, b"later")]:
+        assert parent_box.send_to(here, call, 1, kind, [data])
+    assert line.hear(5, b"success", 0.0) is True
+    assert line.hear(5, b"success", 0.0) is False  # another verdict: for the next receive
+    assert parent_box.receive(5, me, 0.0) == [(1, 1, b"a failure")]
+    assert line.hear(5, b"success", 0.0) is False  # another kind
+    assert parent_box.receive(5, me, 0.0) == [(1, 0, b"a claim")]
+    assert line.hear(5, b"success", 0.0) is False  # a later call's: kept for it
+    assert parent_box.receive(7, me, 0.0) == [(1, 1, b"later")]
+    assert line.hear(5, b"success", 0.0) is False  # nothing came
+    assert parent_box.send_to(here, 6, 1, 1, [b"success"])
+    assert line.hear(6, b"success", 0.0) is True  # (the general read, with nothing kept: the same answer)
+
+
+def test_a_line_whose_peer_closed_sends_nothing_and_lets_its_mailbox_connect_anew(
+    parent_box: Mailbox,
+) -> None:
+    """A line to a peer that exited: ``send`` says False and forgets the kept socket, as ``send_now`` does, so
+    that ``send_to`` then finds nobody listening (False) instead of failing on a socket the kernel
+    disconnected."""
+    read, write = os.pipe()
+
+    def listen_until_told(fd: int) -> None:
+        os.close(write)
+        box = Mailbox(NS, this_process())
+        _announce(fd)
+        os.read(read, 1)  # (until the parent closes its end; then it exits, its socket with it)
+        assert box.path
+
+    pid, child = _in_child(listen_until_told)
+    os.close(read)
+    there = address(child, NS)
+    assert parent_box.send_to(there, 5, 1, 0, [b"hello"])  # (connects, and keeps the socket)
+    line = parent_box.line(1, 2, child, 0, 1)
+    os.close(write)
+    assert _reap(pid) == 0
+    assert line.send(6, [b"claim"], 5) is False
+    assert parent_box.send_to(there, 6, 1, 0, [b"claim"]) is False
+
+
 def _intruder(fd: int) -> None:
     """As another user: try to list the private directory, take this group's address of a process
     that has not bound it yet, and send into the parent's socket; report what the kernel said."""
