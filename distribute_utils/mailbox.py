@@ -452,20 +452,21 @@ class Mailbox:
 
 class Line:
     """One peer's way to and from a :class:`Mailbox`, kept by a caller that sends it a message and waits
-    for one answer call after call (a repeated round's claim and verdict): :meth:`send` is :meth:`Mailbox.send_now`,
-    :meth:`hear` is :meth:`Mailbox.take_next` for that one answer, each one Python call. Made by
-    :meth:`Mailbox.line`; used from the mailbox's thread (as the mailbox is).
+    for one answer call after call (a repeated round's claim and verdict): :meth:`send` is
+    :meth:`Mailbox.send_now` in one Python call (no framing call, no lookup of the kept socket);
+    :meth:`hear` reads the answer with :meth:`Mailbox.take_next` and compares it with the one expected.
+    Made by :meth:`Mailbox.line`; used from the mailbox's thread (as the mailbox is).
 
     Call order: :meth:`send`, then, when it sent, :meth:`hear`; when it did not, the caller sends as
     :meth:`Mailbox.send_to` does (nothing went)."""
 
-    __slots__ = ("_answer", "_box", "_kind", "_out", "_path", "_peer", "_pid", "_rank", "_senders")
+    __slots__ = ("_answer", "_box", "_kind", "_out", "_path", "_rank", "_senders")
 
     def __init__(
         self, box: Mailbox, rank: int, peer_rank: int, peer: ProcessInfo, kind: int, answer: int
     ) -> None:
         self._box, self._rank, self._kind, self._answer = box, rank, kind, answer
-        self._peer, self._pid, self._senders = peer_rank, peer.pid, {peer_rank: peer}
+        self._senders = {peer_rank: peer}
         self._path = box.address_of(peer)
         self._out: socket.socket | None = None  # (the mailbox's socket kept connected to the peer)
 
@@ -495,35 +496,15 @@ class Line:
 
     def hear(self, call: int, expected: Buffer, timeout: float) -> bool:
         """Whether the next message, within about ``timeout`` seconds, is the peer's answer of call ``call``
-        and is ``expected`` (checked as :meth:`Mailbox.take_next` checks it). Anything else it read is
-        filed as :meth:`Mailbox.receive` files it, so that the next :meth:`Mailbox.receive` gives it first."""
+        and is ``expected`` (read as :meth:`Mailbox.take_next` reads it). Anything else it read is filed as
+        :meth:`Mailbox.receive` files it, so that the next :meth:`Mailbox.receive` gives it first."""
         box = self._box
-        sock = box._sock
-        if sock is None or box._kept or box._poll_s:  # (the general way)
-            found = box.receive(call, self._senders, timeout)
-            if len(found) == 1 and found[0][1] == self._answer and found[0][2] == expected:
-                return True
-        else:
-            if timeout > 0 and not (0.8 * box._rcvtimeo <= timeout <= box._rcvtimeo):  # (as receive's)
-                box._wait_at_most(sock, timeout)
-            try:
-                size, ancillary, flags, _ = sock.recvmsg_into(
-                    box._buffers, ANCILLARY_SIZE, 0 if timeout > 0 else _NO_WAIT
-                )
-            except BlockingIOError:  # nothing came in time
-                return False
-            buffer = box._buffer
-            if (
-                size >= _HEADER.size
-                and not flags & _TRUNCATED
-                and _HEADER.unpack_from(buffer) == (call, self._peer, self._answer)
-                and sender_pid(ancillary, box._uid) == self._pid
-                and buffer[_HEADER.size : size] == expected
-            ):
-                return True
-            found = []
-            box._sort(size, ancillary, flags, call, self._senders, found)
-        box.unread(call, found, self._senders)
+        got = box.take_next(call, self._senders, self._answer, timeout)
+        if got is None:
+            return False
+        if got[1] == expected:
+            return True
+        box.unread(call, [(got[0], self._answer, got[1])], self._senders)
         return False
 
 
