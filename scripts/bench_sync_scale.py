@@ -478,9 +478,8 @@ def verdicts(report: dict[int, dict[str, Any]]) -> list[tuple[str, bool, str]]:
                     f"{slope:.2f} (of the time, not judged: {timed:.2f})",
                 )
             )
-        if all(report[n][f"{kind}/steady"].get("server_us") for n in ns):
-            cpu = growth(report, f"{kind}/steady", server_cpu)
-            assert cpu is not None
+        cpu = growth(report, f"{kind}/steady", server_cpu)
+        if cpu is not None and all(report[n][f"{kind}/steady"].get("server_us") for n in ns):
             per = ", ".join(f"{report[n][kind + '/steady']['server_us']:.0f}" for n in ns)
             out.append(
                 (

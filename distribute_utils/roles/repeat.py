@@ -129,6 +129,7 @@ class SenderRepeat(_Kept):
         sent: carriers.Sent | None = None
         message: list[Buffer] | None = None
         delivered = False
+        channel: MailboxChannel | None = None  # (made only when the line does not carry the round)
         try:
             try:
                 made = self._claim_of(value)
@@ -143,25 +144,22 @@ class SenderRepeat(_Kept):
                 line = self._line = MailboxChannel.claim_line(round_[0], self._listed.first)
             delivered = line.send(call.number, message, nbytes)
             if delivered:
-                if line.hear(call.number, self._listed.success, min(GRACE_S, round_[4])):
-                    if sent is not None:  # (released as the general sender concludes: the call went well)
-                        sent.release(taken=True, answered=True)
-                    return True
-                channel = self._channel(round_, message, delivered)
+                heard = line.hear(call.number, self._listed.success, min(GRACE_S, round_[4]))
             else:
                 channel = self._channel(round_, None, False)
-                if channel.claim_and_hear(message, self._listed.success):
-                    if sent is not None:
-                        sent.release(taken=True, answered=True)
-                    return True
+                heard = channel.claim_and_hear(message, self._listed.success)
         except BaseException as exc:
             self.drop()
             sender = Sender(round_, self._listed)
-            sender.adopt(self._channel(round_, message, delivered), sent)
+            sender.adopt(channel or self._channel(round_, message, delivered), sent)
             sender.failed(exc, None)
             raise
+        if heard:  # (released outside the guard, as the general sender concludes: the call went well)
+            if sent is not None:
+                sent.release(taken=True, answered=True)
+            return True
         self.drop()
-        Sender(round_, self._listed).take_over(channel, sent)
+        Sender(round_, self._listed).take_over(channel or self._channel(round_, message, True), sent)
         return True
 
     def _channel(self, round_: Round, message: list[Buffer] | None, delivered: bool) -> MailboxChannel:
