@@ -208,7 +208,7 @@ class MailboxChannel:
     def post_claim(self, claim: bytes, attached: Sequence[Buffer] = ()) -> None:
         if self.receiver:
             return  # its claim is its record: a sender past the grace asks for it
-        self._message = [_CLAIM_LENGTH.pack(len(claim)), claim, *attached]
+        self._message = self.claim_message(claim, attached)
         self._delivered = self.call.send_direct(self.first, _CLAIM, self._message, GRACE_S)
 
     def claims(self, senders: Sequence[int], what: str, judge: Judge, take: Take) -> None:
@@ -269,7 +269,8 @@ class MailboxChannel:
 
     @staticmethod
     def claim_message(claim: bytes, attached: Sequence[Buffer]) -> list[Buffer]:
-        """The parts of a direct claim message: ``claim``, then the payload ``attached`` to it."""
+        """The parts of a direct claim message: ``claim``, then the payload ``attached`` to it (what
+        :meth:`post_claim` sends; a sender's repeat makes its claims' once per claim)."""
         return [_CLAIM_LENGTH.pack(len(claim)), claim, *attached]
 
     def claimed(self, message: list[Buffer]) -> None:
@@ -277,12 +278,12 @@ class MailboxChannel:
         delivered, for :meth:`await_verdict` (and a give-up)."""
         self._message, self._delivered = message, True
 
-    def claim_and_hear(self, message: list[Buffer], expected: bytes) -> bool:
-        """A sender: post the claim ``message`` (:meth:`claim_message`) as :meth:`post_claim` posts a claim,
-        then whether the one message its first rank sent it within the grace is the verdict ``expected``
-        (anything else it read is put back for :meth:`await_verdict`). A claim that cannot go at once is
-        posted as :meth:`post_claim` posts it, and False is returned: :meth:`await_verdict` then waits
-        for the verdict."""
+    def claim_and_hear(self, line: Line, message: list[Buffer], expected: bytes) -> bool:
+        """A sender's repeat whose ``line`` (:meth:`claim_line`) did not send: post the claim ``message``
+        (:meth:`claim_message`) as :meth:`post_claim` posts a claim, then whether the one message its first
+        rank sent it within the grace is the verdict ``expected`` (``line.hear``: anything else it read is
+        put back for :meth:`await_verdict`). A claim that cannot go at once is posted as :meth:`post_claim`
+        posts it, and False is returned: :meth:`await_verdict` then waits for the verdict."""
         call = self.call
         sync = call.sync
         mailbox = sync.mailbox()
@@ -292,14 +293,7 @@ class MailboxChannel:
             self._delivered = mailbox.send_to(address, call.number, sync.rank, _CLAIM, message, GRACE_S)
             return False
         self._delivered = True
-        first = {self.first: sync.infos[self.first]}
-        got = mailbox.take_next(call.number, first, _VERDICT, min(GRACE_S, self.timeout))
-        if got is None:
-            return False
-        if got[1] == expected:
-            return True
-        self.unread([(got[0], _VERDICT, got[1])], first)
-        return False
+        return line.hear(call.number, expected, min(GRACE_S, self.timeout))
 
     def take_known(self, senders: Sequence[int], known: Known) -> list[int]:
         """The first rank: hand each of ``senders``' claims that come within the grace to ``known`` (as
@@ -346,5 +340,5 @@ class MailboxChannel:
                     if rank not in failed:
                         self.call.send_direct(rank, _VERDICT, [verdict], wait)
             elif not self.receiver and not self._delivered:
-                self.call.send_direct(self.first, _CLAIM, [_CLAIM_LENGTH.pack(len(claim)), claim], wait)
+                self.call.send_direct(self.first, _CLAIM, self.claim_message(claim, ()), wait)
         self.store().give_up(claim, verdict, failed)

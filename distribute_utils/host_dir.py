@@ -265,8 +265,9 @@ class Connections:
         return bool(sent)
 
     def kept(self, path: str) -> socket.socket | None:
-        """The socket kept connected to ``path``, if any: a caller that sends through it itself (closed
-        once forgotten, so a send through it then fails) sends as :meth:`send_now` does."""
+        """The socket kept connected to ``path``, if any, for a caller that sends through it itself and
+        handles what :meth:`send_now` handles (:class:`~distribute_utils.mailbox.Line`); a socket forgotten
+        since is closed, so a send through it fails."""
         return self._socks.get(path)
 
     def send_now(self, path: str, parts: Sequence[Any]) -> bool:

@@ -233,7 +233,8 @@ class Mailbox:
 
     def line(self, rank: int, peer_rank: int, peer: ProcessInfo, kind: int, answer: int) -> Line:
         """A kept :class:`Line` from ``rank`` (this process's) to ``peer_rank``, whose process is ``peer``:
-        messages of ``kind`` go out, one of ``answer`` is expected back."""
+        messages of ``kind`` go out, one of ``answer`` is expected back (made by
+        :meth:`~distribute_utils.channel.MailboxChannel.claim_line` for a sender's repeat)."""
         return Line(self, rank, peer_rank, peer, kind, answer)
 
     def send_to(
@@ -472,9 +473,10 @@ class Line:
 
     def send(self, call: int, parts: Sequence[Buffer], nbytes: int) -> bool:
         """Send ``parts`` (``nbytes`` in all) as a message of call ``call`` when it can go at once through the
-        socket the mailbox keeps connected to the peer; False when it cannot (nothing was sent: no socket
-        is kept, the peer's queue is full or it closed, or the mailbox waits otherwise than sleeping:
-        :meth:`Mailbox.send_to` then does what it does)."""
+        socket the mailbox keeps connected to the peer; False when it cannot (nothing was sent: the mailbox
+        is closed, the message is one :meth:`Mailbox.send_to` refuses or copies, no socket is kept, the
+        peer's queue is full or it closed: :meth:`Mailbox.send_to` then does what it does). It checks and
+        handles what :meth:`Mailbox.send_now` does, inline: one Python call per message."""
         box = self._box
         if box._sock is None or nbytes + _HEADER.size > MAX_MESSAGE_BYTES or len(parts) >= _MAX_PARTS:
             return False  # (send_to raises or copies)

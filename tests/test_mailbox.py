@@ -263,6 +263,48 @@ def test_a_line_whose_peer_closed_sends_nothing_and_lets_its_mailbox_connect_ane
     assert parent_box.send_to(there, 6, 1, 0, [b"claim"]) is False
 
 
+def test_a_line_takes_up_the_socket_its_mailbox_connects_anew(parent_box: Mailbox) -> None:
+    """A line's kept socket, once its mailbox has closed it (the peer closed its socket and bound a new one at
+    the same path, and a send of the mailbox connected anew): the line's next send says False, nothing sent,
+    and the one after goes through the mailbox's new socket, to the peer."""
+    go_read, go_write = os.pipe()
+    said_read, said_write = os.pipe()
+
+    def listen_twice(fd: int) -> None:
+        os.close(go_write)
+        os.close(said_read)
+        parent = pickle.loads(bytes.fromhex(os.environ["PARENT_INFO"]))
+        first = Mailbox(NS, this_process())
+        _announce(fd)
+        os.read(go_read, 1)
+        first.close()
+        again = Mailbox(NS, this_process())  # (the same path)
+        os.write(said_write, b"bound")
+        got = _receive_all(again, 9, {1: parent}, 1)
+        os.write(said_write, repr([(rank, kind, bytes(data)) for rank, kind, data in got]).encode())
+
+    pid, child = _in_child(listen_twice)
+    os.close(go_read)
+    os.close(said_write)
+    try:
+        there = address(child, NS)
+        assert parent_box.send_to(there, 5, 1, 0, [b"hello"])  # (connects, and keeps the socket)
+        line = parent_box.line(1, 2, child, 0, 1)
+        assert line.send(6, [b"one"], 3) is True
+        os.write(go_write, b"x")
+        assert os.read(said_read, 5) == b"bound"
+        assert parent_box.send_to(
+            there, 7, 1, 0, [b"two"]
+        )  # (refused on the old socket: forgotten, connected anew)
+        assert line.send(8, [b"three"], 5) is False  # (its socket was closed when forgotten)
+        assert line.send(9, [b"four"], 4) is True
+        assert os.read(said_read, 100) == repr([(1, 0, b"four")]).encode()
+    finally:
+        os.close(go_write)
+        os.close(said_read)
+        assert _reap(pid) == 0
+
+
 def _intruder(fd: int) -> None:
     """As another user: try to list the private directory, take this group's address of a process
     that has not bound it yet, and send into the parent's socket; report what the kernel said."""

@@ -147,7 +147,7 @@ class SenderRepeat(_Kept):
                 heard = line.hear(call.number, self._listed.success, min(GRACE_S, round_[4]))
             else:
                 channel = self._channel(round_, None, False)
-                heard = channel.claim_and_hear(message, self._listed.success)
+                heard = channel.claim_and_hear(line, message, self._listed.success)
         except BaseException as exc:
             self.drop()
             sender = Sender(round_, self._listed)
@@ -197,8 +197,9 @@ class SenderRepeat(_Kept):
         self._pool.note_payload(nbytes, pooled=False)
         size, prefix, length = self._claim
         if size != nbytes:
-            prefix = MailboxChannel.claim_message(attached_claim(self._listed, self._mode, nbytes), ())
-            length = sum(map(len, prefix))
+            prefix, length = _sized(
+                MailboxChannel.claim_message(attached_claim(self._listed, self._mode, nbytes), ())
+            )
             self._claim = (nbytes, prefix, length)
         return [*prefix, *parts], length + nbytes, None, owner
 
@@ -213,13 +214,15 @@ class SenderRepeat(_Kept):
         token = secrets.token_hex(8)
         sent = route.publish(token, self._me, payload)
         try:
-            message = MailboxChannel.claim_message(
-                sender_claim(self._listed, self._mode, [token, sent.receipt]), ()
+            message, length = _sized(
+                MailboxChannel.claim_message(
+                    sender_claim(self._listed, self._mode, [token, sent.receipt]), ()
+                )
             )
         except BaseException:
             sent.release(taken=False)
             raise
-        return message, sum(map(len, message)), sent, None
+        return message, length, sent, None
 
 
 class FirstRepeat(_Kept):
@@ -359,6 +362,11 @@ def _carried(body: Any, routed: bool) -> int | None:
     if not routed or carrier is None or carrier.scope != "host" or carrier.needs_go:
         return None
     return -1
+
+
+def _sized(message: list[Buffer]) -> tuple[list[Buffer], int]:
+    """A claim message of bytes (no payload attached yet) and its length."""
+    return message, sum(map(len, message))
 
 
 def _no_store() -> Any:
