@@ -270,7 +270,7 @@ class MailboxChannel:
     @staticmethod
     def claim_message(claim: bytes, attached: Sequence[Buffer]) -> list[Buffer]:
         """The parts of a direct claim message: ``claim``, then the payload ``attached`` to it (what
-        :meth:`post_claim` sends; a sender's repeat makes its claims' once per claim)."""
+        :meth:`post_claim` sends; a sender's repeat makes the parts before its payload once per claim)."""
         return [_CLAIM_LENGTH.pack(len(claim)), claim, *attached]
 
     def claimed(self, message: list[Buffer]) -> None:
