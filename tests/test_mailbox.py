@@ -235,6 +235,12 @@ def test_a_line_sends_through_the_kept_socket_and_hears_only_the_answer_it_expec
     assert line.hear(5, b"success", 0.0) is False  # nothing came
     assert parent_box.send_to(here, 6, 1, 1, [b"success"])
     assert line.hear(6, b"success", 0.0) is True  # (the general read, with nothing kept: the same answer)
+    assert (
+        line.send(10, [b"p"] * 512, 512) is False
+    )  # (more parts than the kernel gathers: send_to copies them)
+    assert _queued(parent_box, 10, me) == []
+    parent_box.close()
+    assert line.send(11, [b"after close"], 11) is False  # (send_to says the mailbox is closed)
 
 
 def test_a_line_whose_peer_closed_sends_nothing_and_lets_its_mailbox_connect_anew(
