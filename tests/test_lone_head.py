@@ -39,6 +39,10 @@ def test_a_kept_head_encodes_and_decodes_as_the_wire_does(dtype: torch.dtype, sh
     again = sender.head + bytes(behind)
     assert len(again) == sender.nbytes == encode(second).nbytes
     assert again == _bytes(encode(second))  # the bytes encode makes, padding included
+    carried = sender.payload(second)  # (what a repeat hands its host route, past the attached sizes)
+    written = bytearray(carried.nbytes)
+    carried.write_into(written)  # (as a pooled segment is written)
+    assert carried.nbytes == sender.nbytes and _bytes(carried) == bytes(written) == again
 
     received = bytearray(_bytes(made))
     value = decode(received)

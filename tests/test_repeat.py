@@ -196,7 +196,7 @@ def _interrupt_at(code: types.CodeType, landed: list[bool]) -> None:
 
 _INTERRUPTED_AT = {
     "LoneHead.bytes_of": wire.LoneHead.bytes_of.__code__,
-    "wire.encode": wire.encode.__code__,
+    "LoneHead.payload": wire.LoneHead.payload.__code__,  # (a lone tensor's payload past the attached sizes)
     "carriers.publish": carriers.publish.__code__,
     "Call.record": sync.Call.record.__code__,  # (a sender's repeat records its call as its claim goes)
 }
@@ -245,11 +245,16 @@ def _interrupted_after_repeats(
     ("nbytes", "where"),
     [
         (4 * 2**10, "LoneHead.bytes_of"),
-        (2**20, "wire.encode"),
+        (2**20, "LoneHead.payload"),
         (2**20, "carriers.publish"),
         (2**20, "Call.record"),
     ],
-    ids=["in the claim", "in a segment, encoding", "in a segment, publishing", "in a segment, claiming"],
+    ids=[
+        "in the claim",
+        "in a segment, making its payload",
+        "in a segment, publishing",
+        "in a segment, claiming",
+    ],
 )
 def test_an_interrupt_inside_a_repeat_reaches_every_rank(ranks4: RankPool, nbytes: int, where: str) -> None:
     """The interrupted rank raises it, inside its repeat, and its partners hear that it failed with it well
@@ -330,10 +335,10 @@ def test_a_rank_gone_after_repeats_is_named(
 
 
 def _profiled_repeats(values: list[torch.Tensor]) -> Any:
-    """cProfile's stats of repeated 4 KiB gathers of ``values`` (after 50 that make the repeat), on ranks 0
-    and 1 (None on the others)."""
+    """cProfile's stats of repeated gathers of ``values`` (after 50 of their size that make the repeat), on
+    ranks 0 and 1 (None on the others)."""
     for i in range(50):
-        _gather(i)
+        _gather(i, values[0].nbytes)
     dist.barrier()
     profile = cProfile.Profile()
     profile.enable()
@@ -462,24 +467,32 @@ def test_a_payload_of_the_same_size_but_another_dtype_or_shape_is_decoded_as_sen
     assert ranks4.run(_same_size_other_kinds, side) == [[], [], [], []]
 
 
-def _codec_calls_per_repeat(rounds: int) -> tuple[float, float] | None:
-    """``wire.encode`` and ``wire.decode`` calls per repeated 4 KiB gather on ranks 0 and 1 (each call's
-    tensors new)."""
-    stats = _profiled_repeats([_value(dist.get_rank(), i) for i in range(rounds)])
+def _codec_calls_per_repeat(rounds: int, nbytes: int) -> tuple[float, float, float] | None:
+    """``wire.encode``, ``wire.decode`` and claim (or verdict) unpacking calls per repeated gather of
+    ``nbytes`` on ranks 0 and 1 (each call's tensors new)."""
+    stats = _profiled_repeats([_value(dist.get_rank(), i, nbytes) for i in range(rounds)])
     if stats is None:
         return None
     calls = collections.Counter({(f.rsplit("/", 1)[-1], name): s[1] for (f, _, name), s in stats.items()})
-    return calls[("encoding.py", "encode")] / rounds, calls[("decoding.py", "decode")] / rounds
+    return tuple(  # type: ignore[return-value]
+        calls[key] / rounds
+        for key in [("encoding.py", "encode"), ("decoding.py", "decode"), ("part.py", "unpack")]
+    )
 
 
-def test_a_repeated_tensor_gather_encodes_and_decodes_no_payload_head_again(ranks4: RankPool) -> None:
+@pytest.mark.parametrize("nbytes", [4 * 2**10, 2**20], ids=["4 KiB, in the claim", "1 MiB, in a segment"])
+def test_a_repeated_tensor_gather_encodes_and_decodes_no_payload_head_and_unpacks_no_claim_again(
+    ranks4: RankPool, nbytes: int
+) -> None:
     """A sender sends the next tensor of its last one's dtype and shape behind that payload's head, and the
-    first rank views a payload whose head is its sender's last one (wire.LoneHead)."""
-    first, sender, *_ = ranks4.run(_codec_calls_per_repeat, 100)
-    # Without: 3 decodes per round on the first rank, 1 encode on a sender. A round that goes the general
-    # way (a rank past the repeat's grace on a loaded machine) starts a new repeat, whose first payloads
-    # are decoded: a few in 100 rounds.
-    assert first is not None and first[1] < 0.5, first
+    first rank views a payload whose head is its sender's last one (wire.LoneHead); a sender's repeat
+    sends a segment it sent before in the same claim bytes (under the repeat's token), which the first
+    rank does not unpack and check again."""
+    first, sender, *_ = ranks4.run(_codec_calls_per_repeat, 100, nbytes)
+    # Without: 3 decodes per round on the first rank, 1 encode on a sender; at 1 MiB, with a fresh token per
+    # call, 3 claims unpacked per round. A round that goes the general way (a rank past the repeat's grace
+    # on a loaded machine) starts a new repeat, whose first payloads are decoded: a few in 100 rounds.
+    assert first is not None and first[1] < 0.5 and first[2] < 0.5, first
     assert sender is not None and sender[0] < 0.5, sender
 
 

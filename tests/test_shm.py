@@ -181,6 +181,32 @@ def test_a_notice_from_another_process_than_the_receiver_is_ignored() -> None:
     pool.discard(seg)
 
 
+def test_a_closed_pools_segment_is_freed_by_the_notice_another_pool_reads() -> None:
+    """A pool closed while its segment is lent (its group is gone) still hears the receiver's notice: the
+    next group's pool, which reads this process's notices at its sends, frees its own segments first and
+    hands it the rest; the closed pool's segment is then given back."""
+    _empty_pools()
+    old_pool, new_pool = shm.SegmentPool(), shm.SegmentPool()
+    big = torch.arange(2**20, dtype=torch.float32)  # 4 MiB: pooled
+    old, new = shm.SharedMemoryTransport(pool=old_pool), shm.SharedMemoryTransport(pool=new_pool)
+    earlier = wire.decode(
+        old.fetch("00000000000000c0", 1, old.publish("00000000000000c0", 1, wire.encode(big)))
+    )
+    old_pool.close()  # (its segment is lent: it stays, retiring)
+    assert old_pool.held()[0] == 1
+    later = wire.decode(
+        new.fetch("00000000000000c1", 1, new.publish("00000000000000c1", 1, wire.encode(big * 2)))
+    )
+    exact = torch.equal(earlier, big) and torch.equal(later, big * 2)
+    del earlier, later  # (two notices to this process's socket: one for each pool's segment)
+    new_pool.note_payload(big.nbytes, pooled=True)  # (a send reads the notices)
+    assert exact
+    assert old_pool.held() == (0, 0), "the closed pool's segment is given back once freed"
+    assert [seg.busy for seg in new_pool.segments.values()] == [False], "its own is free again"
+    new_pool.close()
+    _empty_pools()
+
+
 def _empty_pools() -> None:
     """Earlier tests' views are gone: hand their reports back, then release every pooled segment and kept map."""
     REPORTS.heed(1, REPORTS.take({PID: 1}))

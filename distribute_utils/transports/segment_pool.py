@@ -209,7 +209,7 @@ class SegmentPool:
         retiring = self._pools.retiring
         if not self._segments and not retiring:
             return
-        heed_notices()
+        heed_notices(self)
         bound = 2 * min(max(self._recent, default=0), max(self._recent_any))
         for pool in (self, *retiring):
             pool._drop_unneeded(bound)
@@ -240,7 +240,7 @@ class SegmentPool:
         """Give back the free big segments no recent payload needed (:attr:`BIG_BYTES`), and busy ones
         whose receiver died, after reading the notices that came; True while it still holds a big
         segment (any thread)."""
-        heed_notices()
+        heed_notices(self)
         with self._lock:
             now = time.monotonic()
             dropped = [
@@ -272,7 +272,7 @@ class SegmentPool:
         Returns:
             The bytes given back now.
         """
-        heed_notices()
+        heed_notices(self)
         with self._lock:
             free = [s for s in self._segments.values() if not s.busy]
             for seg in free:
@@ -299,7 +299,7 @@ class SegmentPool:
         if nbytes < self.MIN_BYTES or not hasattr(os, "O_TMPFILE") or self.closed:
             return None
         if self._segments and not self._fits(nbytes):  # a notice since the last send may free one
-            heed_notices()
+            heed_notices(self)
         with self._lock:
             if self.closed:  # (closed since the look above: a segment made now would never be given back)
                 return None
@@ -354,18 +354,23 @@ class SegmentPool:
         if dropped:
             self._retired_when_empty()
 
-    def heed(self, notices: Collection[tuple[int, str]]) -> None:
+    def heed(self, notices: Collection[tuple[int, str]]) -> list[tuple[int, str]]:
         """Free the segments of these notices ``(receiver pid, segment id)``: each from the process the
-        segment was lent to (any process of this user when that was not said)."""
+        segment was lent to (any process of this user when that was not said). Returns the notices that
+        name none of its segments (another pool's)."""
         if not notices:
-            return
+            return []
+        others = []
         with self._lock:
             idents = set()
             for pid, ident in notices:
                 seg = self._segments.get(ident)
-                if seg is not None and (seg.receiver is None or seg.receiver.pid == pid):
+                if seg is None:
+                    others.append((pid, ident))
+                elif seg.receiver is None or seg.receiver.pid == pid:
                     idents.add(ident)
         self.freed(idents)
+        return others
 
     def drop(self, ident: str) -> None:
         """Forget segment ``ident`` (its receiver may still map it; the kernel frees it later)."""
@@ -598,13 +603,17 @@ class BigSegmentWatch:
         self._holders = weakref.WeakSet()
 
 
-def heed_notices() -> None:
+def heed_notices(first: SegmentPool | None = None) -> None:
     """Read this process's notices (never waits) and free the segments they name, in whichever pool
-    holds them (a retiring one included)."""
+    holds them (a retiring one included): ``first``'s (the caller's own pool) before the others, which
+    are looked up only for the notices it does not hold."""
     notices = process_owned(Notices).take()
+    if notices and first is not None:
+        notices = first.heed(notices)
     if notices:
         for pool in process_owned(Pools):
-            pool.heed(notices)
+            if pool is not first:
+                notices = pool.heed(notices)
 
 
 class FreedReports:

@@ -36,6 +36,7 @@ import os
 from typing import Any
 
 from .. import interrupts
+from ..caches import Recent
 from ..errors import PayloadError
 from ..owners import owned, process_owned
 from ..processes import SHM_DIR, ProcessInfo
@@ -230,8 +231,20 @@ def remove_segments_of(rank: int | None, pid: int) -> list[str]:
     return remove_named(SHM_DIR, rank, pid)
 
 
-def _parse_receipt(receipt: str, rank: int) -> tuple[str, int, str, str, int, int, str]:
-    """``(kind, pid, id, fd, inode, nbytes, notice)`` of a receipt, checked (it came from another process)."""
+_Parsed = tuple[str, int, str, str, int, int, str]
+_PARSED: Recent[str, _Parsed] = Recent(256)  # receipts parsed, as they were: a repeat's come again and again
+
+
+def _parse_receipt(receipt: str, rank: int) -> _Parsed:
+    """``(kind, pid, id, fd, inode, nbytes, notice)`` of a receipt, checked (it came from another process;
+    a function of its text, kept for the text)."""
+    if type(receipt) is not str:
+        return _parsed(receipt, rank)
+    found = _PARSED.get(receipt)
+    return found if found is not None else _PARSED.put(receipt, _parsed(receipt, rank))
+
+
+def _parsed(receipt: str, rank: int) -> _Parsed:
     parts = str(receipt).split(":")
     try:
         if parts[0] == "n" and len(parts) == 3:

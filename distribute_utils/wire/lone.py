@@ -8,7 +8,8 @@ dtype and shape. A :class:`LoneHead` keeps those bytes:
 - a sender makes one with :meth:`LoneHead.of_payload` from a payload :func:`.encode` made of one plain
   tensor; :meth:`LoneHead.bytes_of` then gives the bytes that follow the head in another such tensor's
   payload, without encoding it again: the head and these are the bytes :func:`.encode` would give (None
-  for any other value: encode it);
+  for any other value: encode it); :meth:`LoneHead.payload` gives that payload as an object, for a
+  carrier;
 - a receiver makes one with :meth:`LoneHead.of_decoded` from a payload :func:`.decode` took (its head
   checked); :meth:`LoneHead.view` then decodes a payload of the same head bytes and length as
   :func:`.decode` would, into a view of its bytes (None for any other: decode it). Every check
@@ -74,6 +75,11 @@ class LoneHead:
         if not _plain(value) or value.dtype is not self.dtype or value.shape != self.shape:
             return None
         return tensor_bytes(value)
+
+    def payload(self, value: torch.Tensor) -> EncodedPayload:
+        """The payload :func:`.encode` makes of ``value``, a tensor for which :meth:`bytes_of` gave bytes:
+        this head, then the tensor (what a carrier writes, past the sizes a claim message holds)."""
+        return EncodedPayload(self.nbytes, self.head, ((len(self.head), value),))
 
     def view(self, buffer: Any) -> torch.Tensor | None:
         """The tensor of the payload in ``buffer`` (bytes-like) when it is writable, exactly the payload's
