@@ -20,12 +20,9 @@ What it does not work out again, and why that is safe:
   segment pool, which sizes itself by every payload, as the attached carrier does); one past the attached
   sizes goes through the host route a general call of the key made (:meth:`.sender.Sender.publish_here`),
   kept with its carriers: the route to the same first rank, whose process, and whether it may open this
-  process's descriptors, are fixed for the incarnation. Its payloads there go under one token, the
-  repeat's (the general path makes one per call): what a carrier names after a token (a named segment, a
-  file, a CUDA IPC hold) is gone before the next call publishes, since the repeat runs only after its
-  last call went well (the first rank took and removed the payload before its verdict, and the sender
-  released it after hearing it). So a pooled segment sent again goes in the same claim bytes;
-  the first rank fetches such a payload through the carrier its receipt names, as the general path does,
+  process's descriptors, are fixed for the incarnation (a fresh token each time, as the general path's:
+  a named segment's name, which other users can see, must not be guessable from an earlier one's); the
+  first rank fetches such a payload through the carrier its receipt names, as the general path does,
   from a context kept for the key (the first rank, the timeout, the group, where tensors are decoded to);
   with a workspace, whose carrier is each call's own, neither role does;
 - a claim's unpacking and checks, on the first rank, when its bytes are those of a claim it checked
@@ -103,20 +100,7 @@ class _Kept:
 class SenderRepeat(_Kept):
     """A sender's repeat (see the module doc), made by :func:`sender_repeat`."""
 
-    __slots__ = (
-        "_claim",
-        "_entry",
-        "_line",
-        "_listed",
-        "_lone",
-        "_me",
-        "_mode",
-        "_pool",
-        "_root",
-        "_route",
-        "_routed",
-        "_token",
-    )
+    __slots__ = ("_claim", "_entry", "_line", "_listed", "_lone", "_me", "_mode", "_pool", "_root", "_route")
 
     def __init__(self, sender: Sender, at: Recent[Any, Any], call_key: Hashable) -> None:
         super().__init__(at, call_key)
@@ -128,10 +112,6 @@ class SenderRepeat(_Kept):
         # The parts before the payload of its last claim message, their length, and the payload size it states.
         self._claim: tuple[int, list[Buffer], int] = (-1, [], 0)
         self._line: Line | None = None  # (made at its first repeat)
-        # Its payloads' token through the route (see the module doc), and its last claim message there:
-        # the receipt it names, the message and its length.
-        self._token = secrets.token_hex(8)
-        self._routed: tuple[Any, list[Buffer], int] = (None, [], 0)
 
     def send(self, round_: Round, value: Any) -> bool:
         """This rank's part in ``round_``'s call (a sender's), as :meth:`Sender.send` does it; False when the
@@ -231,25 +211,22 @@ class SenderRepeat(_Kept):
         self, payload: wire.EncodedPayload
     ) -> tuple[list[Buffer], int, carriers.Sent, None] | None:
         """``payload``, past the attached sizes, through the host route of the call this repeat was made of
-        (as :meth:`Sender.publish_here`, under the repeat's token); None when it has no route. A receipt
-        like the last one's goes in the same claim message."""
+        (as :meth:`Sender.publish_here`, with a fresh token: a segment's name others can see must not be
+        guessable); None when it has no route."""
         route = self._route
         if route is None:
             return None
-        token = self._token
+        token = secrets.token_hex(8)
         sent = route.publish(token, self._me, payload)
-        receipt, message, length = self._routed
-        if sent.receipt != receipt:
-            try:
-                message, length = _sized(
-                    MailboxChannel.claim_message(
-                        sender_claim(self._listed, self._mode, [token, sent.receipt]), ()
-                    )
+        try:
+            message, length = _sized(
+                MailboxChannel.claim_message(
+                    sender_claim(self._listed, self._mode, [token, sent.receipt]), ()
                 )
-            except BaseException:
-                sent.release(taken=False)
-                raise
-            self._routed = (sent.receipt, message, length)
+            )
+        except BaseException:
+            sent.release(taken=False)
+            raise
         return message, length, sent, None
 
 
@@ -358,10 +335,10 @@ class FirstRepeat(_Kept):
         return FirstRank(round_, listed).take_over(channel, claims, found, decode_to, self._what)
 
     def _check(self, rank: int, data: bytes, claims: dict[int, Claim]) -> tuple[Claim, int] | None:
-        """``rank``'s claim, not seen before: checked as the general path checks it (raises as it does), and
-        kept: a plain attached one with the size it states, one whose payload is with a carrier of this
-        host that needs no "go" with size -1 (a sender's repeat names a pooled segment it sends again in
-        the same bytes). None for any other: the general path takes it."""
+        """``rank``'s claim, not seen before: checked as the general path checks it (raises as it does). A
+        plain attached one is kept, with the size it states; one whose payload is with a carrier of this
+        host that needs no "go" is taken (size -1), not kept (its token is fresh every call). None for
+        any other: the general path takes it."""
         try:
             claim = Claim.unpack(data)
         except (ValueError, TypeError):
@@ -373,7 +350,7 @@ class FirstRepeat(_Kept):
         nbytes = _carried(claim.body, self._context is not None)
         if nbytes is None:
             return None
-        return self._checked.put(data, (claim, nbytes))
+        return self._checked.put(data, (claim, nbytes)) if nbytes >= 0 else (claim, nbytes)
 
 
 def _carried(body: Any, routed: bool) -> int | None:
