@@ -29,6 +29,10 @@ Fault injection (tests): :func:`inject` sets one hook per process, called as ``h
   ``"inquiries"``, ``"direct messages of group <namespace>"``); an ``OSError`` raised there fails it
   as the kernel's refusal would (:class:`MailboxError` "cannot listen for ...", so the process takes
   no part in direct rounds).
+- ``"send"``: before a message goes to a peer's mailbox (``what``: its address), through
+  :meth:`Mailbox.send_to`, :meth:`Mailbox.send_now`, :meth:`Mailbox.send_each` or a :class:`Line`; an
+  ``OSError`` raised there makes that send go as a full queue makes it: nothing is sent, and it says
+  False (at once: it does not wait for room).
 
 Call order: one thread at a time per mailbox (a group's calls are; see :mod:`distribute_utils.sync`).
 :meth:`Mailbox.send` and :meth:`Mailbox.receive` never wait longer than they are told to.
@@ -121,6 +125,17 @@ def inject(hook: FaultHook | None) -> FaultHook | None:
     """Call ``hook`` at this process's mailbox fault points (see module doc; None: no hook). Returns
     the hook it replaces, to put back."""
     return _FAULTS.inject(hook)
+
+
+def _refused(address: str) -> bool:
+    """Whether the fault point ``"send"`` refuses a message to ``address`` (its hook raised an ``OSError``)."""
+    hook = _FAULTS.hook
+    try:
+        if hook is not None:
+            hook("send", address)
+    except OSError:
+        return True
+    return False
 
 
 def _socket(process: ProcessInfo, namespace: str, what: str) -> tuple[socket.socket, str]:
@@ -242,7 +257,10 @@ class Mailbox:
     ) -> bool:
         """:meth:`send` to the mailbox at ``address`` (:meth:`address_of` the peer; a caller that sends to
         the same peers call after call keeps it)."""
-        return self._peers.send(address, self._framed(call, rank, kind, parts), timeout)
+        framed = self._framed(call, rank, kind, parts)
+        if _FAULTS.hook is not None and _refused(address):
+            return False
+        return self._peers.send(address, framed, timeout)
 
     def send_now(self, address: str, call: int, rank: int, kind: int, parts: Sequence[Buffer]) -> bool:
         """:meth:`send_to`, when the message can go at once through the socket kept connected to ``address``
@@ -251,6 +269,8 @@ class Mailbox:
         try:
             framed = self._framed(call, rank, kind, parts)
         except MailboxError:  # (send_to raises it)
+            return False
+        if _FAULTS.hook is not None and _refused(address):
             return False
         return self._peers.send_now(address, framed)
 
@@ -266,10 +286,11 @@ class Mailbox:
         """:meth:`send_to` one message to each of ``addresses`` (a first rank's verdict to its senders), framed
         once; the positions in ``addresses`` of those not sent to."""
         framed, now, send = self._framed(call, rank, kind, parts), self._peers.send_now, self._peers.send
+        hooked = _FAULTS.hook is not None
         return [
             i
             for i, address in enumerate(addresses)
-            if not (now(address, framed) or send(address, framed, timeout))
+            if (hooked and _refused(address)) or not (now(address, framed) or send(address, framed, timeout))
         ]
 
     def _framed(self, call: int, rank: int, kind: int, parts: Sequence[Buffer]) -> list[Buffer]:
@@ -486,6 +507,8 @@ class Line:
             if out is None:
                 return False
         try:
+            if _FAULTS.hook is not None:
+                _FAULTS.hook("send", self._path)
             out.sendmsg([_HEADER.pack(call, self._rank, self._kind), *parts], (), _NO_WAIT)
         except (FileNotFoundError, ConnectionRefusedError):  # (its peer closed: as send_now forgets it)
             self._out = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import cProfile
+import errno
 import os
 import select
 import sys
@@ -30,6 +31,7 @@ from distribute_utils import (
     PeerLostError,
     get_configs_parallel,
     get_tensors_parallel,
+    mailbox,
     sync,
     wire,
 )
@@ -88,6 +90,44 @@ def _late(who: int) -> list[str]:
         threading.Event().wait(LATE_S)  # (only steers the path: any outcome but the exact one fails)
     problems += _gather(WARM)
     return problems + _warm(WARM + 1)  # and the calls after it go well
+
+
+def _claim_refused_after_repeats(refused: int) -> tuple[list[str], int, float]:
+    """After repeats, rank 1's next ``refused`` sends are refused as a full queue refuses them (the mailbox
+    fault point ``"send"``): its claim through its line, then as the call's channel posts it at once, then
+    within the grace. The first rank's problems, the sends refused, and the seconds the call took."""
+    rank = dist.get_rank()
+    problems = _warm()
+    count = [0]
+
+    def full(point: str, what: str) -> None:
+        if point == "send" and count[0] < refused:
+            count[0] += 1
+            raise BlockingIOError(errno.EAGAIN, "the first rank's queue is full (injected)")
+
+    dist.barrier()
+    started = time.monotonic()
+    before = mailbox.inject(full) if rank == 1 else None
+    try:
+        problems += _gather(WARM)
+    finally:
+        if rank == 1:
+            mailbox.inject(before)
+    return problems, count[0], time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    "refused", [1, 2, 3], ids=["its line", "its line and the post at once", "every try within the grace"]
+)
+def test_a_claim_that_cannot_go_is_posted_again_until_it_does(ranks4: RankPool, refused: int) -> None:
+    """A repeated sender whose claim cannot go (the first rank's queue full) posts it as the general path
+    does; one that could not go within the grace is handed to the general sender as not delivered, which
+    sends it again until it goes: the call ends exactly and at once, not at the 30 s timeout (a hand-over
+    that took the claim for delivered would wait for a verdict to a claim the first rank never got)."""
+    for rank, (problems, count, took) in enumerate(ranks4.run(_claim_refused_after_repeats, refused)):
+        assert problems == [], (rank, problems)
+        assert count == (refused if rank == 1 else 0), (rank, count)
+        assert took < 10, (rank, took)  # (generous: a loaded machine; broken, they wait the 30 s)
 
 
 @pytest.mark.parametrize("who", [0, 3], ids=["first rank late", "sender late"])
