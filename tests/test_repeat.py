@@ -84,12 +84,24 @@ def test_sizes_across_the_attached_bound_stay_exact(
     assert ranks4.run(_sizes_across_the_attached_bound, **options) == [[], [], [], []]
 
 
-def _late(who: int) -> list[str]:
+def _late(who: int) -> tuple[list[str], int]:
+    """After repeats, rank ``who`` comes late to a call; the problems of that call and the next, and the
+    messages this rank sent to a mailbox in that call (the mailbox fault point ``"send"``, counting)."""
     problems = _warm()
+    sends = [0]
+
+    def counted(point: str, what: str) -> None:
+        if point == "send":
+            sends[0] += 1
+
     if dist.get_rank() == who:
         threading.Event().wait(LATE_S)  # (only steers the path: any outcome but the exact one fails)
-    problems += _gather(WARM)
-    return problems + _warm(WARM + 1)  # and the calls after it go well
+    before = mailbox.inject(counted)
+    try:
+        problems += _gather(WARM)
+    finally:
+        mailbox.inject(before)
+    return problems + _warm(WARM + 1), sends[0]  # and the calls after it go well
 
 
 def _claim_refused_after_repeats(refused: int) -> tuple[list[str], int, float]:
@@ -132,7 +144,10 @@ def test_a_claim_that_cannot_go_is_posted_again_until_it_does(ranks4: RankPool, 
 
 @pytest.mark.parametrize("who", [0, 3], ids=["first rank late", "sender late"])
 def test_a_late_rank_is_taken_over_exactly(ranks4: RankPool, who: int) -> None:
-    assert ranks4.run(_late, who) == [[], [], [], []]
+    """The ranks on time hear nothing within the grace and hand the call to the general roles, which end it
+    exactly; a claim that went is not sent again (a hand-over that took it for undelivered would), and the
+    first rank sends each sender its verdict."""
+    assert ranks4.run(_late, who) == [([], 3), ([], 1), ([], 1), ([], 1)]
 
 
 def _error_after_repeats(case: str) -> list[str]:
@@ -310,6 +325,52 @@ def test_an_interrupt_inside_a_repeat_reaches_every_rank(ranks4: RankPool, nbyte
             assert "rank 2" in outcome and "KeyboardInterrupt" in outcome, (rank, outcome)
             assert took < 15, (rank, took)  # (generous: a loaded machine; broken, they wait the 30 s)
         assert problems == [] and left == [], (rank, problems, left)
+
+
+def _interrupted_after_its_claim() -> tuple[str, list[bool], int, list[str]]:
+    """After repeats, rank 2's call is interrupted as it waits for its verdict, its claim gone through its
+    line; every rank's outcome, whether the interrupt landed in a sender's repeat (rank 2), the messages
+    this rank sent to a mailbox in that call (the mailbox fault point ``"send"``, counting), and the
+    problems of the calls around it."""
+    rank = dist.get_rank()
+    problems = _warm()
+    sends = [0]
+    landed: list[bool] = []
+
+    def counted(point: str, what: str) -> None:
+        if point == "send":
+            sends[0] += 1
+
+    tracer = sys.gettrace()  # (a coverage tool's, put back)
+    before = mailbox.inject(counted)
+    try:
+        if rank == 2:
+            _interrupt_at(mailbox.Mailbox.take_next.__code__, landed)
+        try:
+            try:
+                problems += _gather(WARM)
+            finally:
+                sys.settrace(tracer)
+        except KeyboardInterrupt:
+            outcome = "KeyboardInterrupt"
+        else:
+            outcome = "no error"
+    finally:
+        mailbox.inject(before)
+    return outcome, landed, sends[0], problems + _warm(WARM + 1)
+
+
+def test_a_sender_interrupted_after_its_claim_went_sends_nothing_more(ranks4: RankPool) -> None:
+    """An interrupt once a repeated sender's claim has gone through its line is raised there, and the call
+    goes well for its partners (the first rank took the claim); the give-up sends no second claim to the
+    first rank, which has its claim already (one that took it for undelivered would), and the next calls
+    go well."""
+    assert ranks4.run(_interrupted_after_its_claim) == [
+        ("no error", [], 3, []),
+        ("no error", [], 1, []),
+        ("KeyboardInterrupt", [True], 1, []),
+        ("no error", [], 1, []),
+    ]
 
 
 def _rank_gone(
