@@ -10,6 +10,7 @@ gather enough times for the repeat to be kept, then changes one thing.
 from __future__ import annotations
 
 import collections
+import contextlib
 import cProfile
 import errno
 import os
@@ -19,7 +20,7 @@ import threading
 import time
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -84,23 +85,31 @@ def test_sizes_across_the_attached_bound_stay_exact(
     assert ranks4.run(_sizes_across_the_attached_bound, **options) == [[], [], [], []]
 
 
-def _late(who: int) -> tuple[list[str], int]:
-    """After repeats, rank ``who`` comes late to a call; the problems of that call and the next, and the
-    messages this rank sent to a mailbox in that call (the mailbox fault point ``"send"``, counting)."""
-    problems = _warm()
+@contextlib.contextmanager
+def _sends_counted() -> Iterator[list[int]]:
+    """Counts (in the list it gives, one item) the messages this process sends to a mailbox meanwhile: the
+    mailbox fault point ``"send"``, counting."""
     sends = [0]
 
     def counted(point: str, what: str) -> None:
         if point == "send":
             sends[0] += 1
 
-    if dist.get_rank() == who:
-        threading.Event().wait(LATE_S)  # (only steers the path: any outcome but the exact one fails)
     before = mailbox.inject(counted)
     try:
-        problems += _gather(WARM)
+        yield sends
     finally:
         mailbox.inject(before)
+
+
+def _late(who: int) -> tuple[list[str], int]:
+    """After repeats, rank ``who`` comes late to a call; the problems of that call and the next, and the
+    messages this rank sent to a mailbox in that call."""
+    problems = _warm()
+    if dist.get_rank() == who:
+        threading.Event().wait(LATE_S)  # (only steers the path: any outcome but the exact one fails)
+    with _sends_counted() as sends:
+        problems += _gather(WARM)
     return problems + _warm(WARM + 1), sends[0]  # and the calls after it go well
 
 
@@ -330,20 +339,12 @@ def test_an_interrupt_inside_a_repeat_reaches_every_rank(ranks4: RankPool, nbyte
 def _interrupted_after_its_claim() -> tuple[str, list[bool], int, list[str]]:
     """After repeats, rank 2's call is interrupted as it waits for its verdict, its claim gone through its
     line; every rank's outcome, whether the interrupt landed in a sender's repeat (rank 2), the messages
-    this rank sent to a mailbox in that call (the mailbox fault point ``"send"``, counting), and the
-    problems of the calls around it."""
+    this rank sent to a mailbox in that call, and the problems of the calls around it."""
     rank = dist.get_rank()
     problems = _warm()
-    sends = [0]
     landed: list[bool] = []
-
-    def counted(point: str, what: str) -> None:
-        if point == "send":
-            sends[0] += 1
-
     tracer = sys.gettrace()  # (a coverage tool's, put back)
-    before = mailbox.inject(counted)
-    try:
+    with _sends_counted() as sends:
         if rank == 2:
             _interrupt_at(mailbox.Mailbox.take_next.__code__, landed)
         try:
@@ -355,8 +356,6 @@ def _interrupted_after_its_claim() -> tuple[str, list[bool], int, list[str]]:
             outcome = "KeyboardInterrupt"
         else:
             outcome = "no error"
-    finally:
-        mailbox.inject(before)
     return outcome, landed, sends[0], problems + _warm(WARM + 1)
 
 
