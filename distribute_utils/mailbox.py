@@ -506,9 +506,9 @@ class Line:
             out = self._out = box._peers.kept(self._path)
             if out is None:
                 return False
+        if _FAULTS.hook is not None and _refused(self._path):
+            return False
         try:
-            if _FAULTS.hook is not None:
-                _FAULTS.hook("send", self._path)
             out.sendmsg([_HEADER.pack(call, self._rank, self._kind), *parts], (), _NO_WAIT)
         except (FileNotFoundError, ConnectionRefusedError):  # (its peer closed: as send_now forgets it)
             self._out = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
@@ -25,6 +26,7 @@ from distribute_utils.mailbox import (
     MailboxError,
     address,
     answer_inquiries,
+    inject,
 )
 from distribute_utils.processes import ProcessInfo, this_process
 
@@ -241,6 +243,43 @@ def test_a_line_sends_through_the_kept_socket_and_hears_only_the_answer_it_expec
     assert _queued(parent_box, 10, me) == []
     parent_box.close()
     assert line.send(11, [b"after close"], 11) is False  # (send_to says the mailbox is closed)
+
+
+def test_the_send_fault_point_makes_a_send_to_an_address_go_as_a_full_queue_makes_it(
+    parent_box: Mailbox,
+) -> None:
+    """A hook at the fault point ``"send"`` that raises an ``OSError`` for one address: every way of sending
+    there sends nothing and says so (``send_each`` gives its position), a line keeps its socket (its next
+    send goes: a full queue is no peer gone), and the sends to another address go."""
+    me, here = {1: this_process()}, parent_box.path
+    other = Mailbox(NS + "-other", this_process())  # (a second mailbox of this process: another address)
+    try:
+        there = other.path
+        assert parent_box.send_to(here, 5, 1, 0, [b"x"]) and parent_box.send_to(there, 5, 1, 0, [b"x"])
+        line = parent_box.line(1, 1, this_process(), 0, 1)  # (to this process's mailbox: ``here``)
+        tried: list[tuple[str, str]] = []
+
+        def full(point: str, what: str) -> None:
+            tried.append((point, what))
+            if point == "send" and what == here:
+                raise BlockingIOError(errno.EAGAIN, "the queue is full (injected)")
+
+        before = inject(full)
+        try:
+            assert parent_box.send_to(here, 6, 1, 0, [b"a"], 0.5) is False
+            assert parent_box.send_now(here, 6, 1, 0, [b"b"]) is False
+            assert line.send(6, [b"c"], 1) is False
+            assert parent_box.send_each([there, here, there], 6, 1, 0, [b"d"]) == [1]
+        finally:
+            inject(before)
+        assert ("send", there) in tried and ("send", here) in tried
+        assert line.send(7, [b"e"], 1) is True
+        assert _queued(parent_box, 5, me) == [(1, 0, b"x")] and _queued(parent_box, 6, me) == []
+        assert _queued(parent_box, 7, me) == [(1, 0, b"e")]
+        assert _queued(other, 5, me) == [(1, 0, b"x")]
+        assert _queued(other, 6, me) == [(1, 0, b"d"), (1, 0, b"d")]
+    finally:
+        other.close()
 
 
 def test_a_line_whose_peer_closed_sends_nothing_and_lets_its_mailbox_connect_anew(

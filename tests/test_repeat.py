@@ -87,8 +87,9 @@ def test_sizes_across_the_attached_bound_stay_exact(
 
 @contextlib.contextmanager
 def _sends_counted() -> Iterator[list[int]]:
-    """Counts (in the list it gives, one item) the messages this process sends to a mailbox meanwhile: the
-    mailbox fault point ``"send"``, counting."""
+    """Counts (in the list it gives, one item) this process's tries to send a message to a mailbox
+    meanwhile: the mailbox fault point ``"send"``, counting (a send that cannot go at once and is tried
+    again counts twice; after repeats, the sockets to the peers are kept, and each send goes at once)."""
     sends = [0]
 
     def counted(point: str, what: str) -> None:
@@ -261,6 +262,7 @@ def _interrupt_at(code: types.CodeType, landed: list[bool]) -> None:
 _INTERRUPTED_AT = {
     "LoneHead.bytes_of": wire.LoneHead.bytes_of.__code__,
     "LoneHead.payload": wire.LoneHead.payload.__code__,  # (a lone tensor's payload past the attached sizes)
+    "wire.encode": wire.encode.__code__,  # (a tensor of a new shape: the repeat encodes it)
     "carriers.publish": carriers.publish.__code__,
     "Call.record": sync.Call.record.__code__,  # (a sender's repeat records its call as its claim goes)
 }
@@ -285,9 +287,10 @@ def _interrupted_after_repeats(
             if rank == 2:
                 _interrupt_at(_INTERRUPTED_AT[where], landed)
             try:
-                with get_tensors_parallel(
-                    _value(rank, WARM, nbytes), RANKS, timeout=30
-                ):  # (the repeat's key)
+                value = _value(rank, WARM, nbytes)
+                if where == "wire.encode":
+                    value = value.reshape(2, -1)  # (no head kept for this shape: encoded)
+                with get_tensors_parallel(value, RANKS, timeout=30):  # (the repeat's key)
                     pass
             finally:
                 sys.settrace(tracer)
@@ -310,12 +313,14 @@ def _interrupted_after_repeats(
     [
         (4 * 2**10, "LoneHead.bytes_of"),
         (2**20, "LoneHead.payload"),
+        (2**20, "wire.encode"),
         (2**20, "carriers.publish"),
         (2**20, "Call.record"),
     ],
     ids=[
         "in the claim",
         "in a segment, making its payload",
+        "in a segment, encoding a new shape",
         "in a segment, publishing",
         "in a segment, claiming",
     ],
@@ -336,27 +341,35 @@ def test_an_interrupt_inside_a_repeat_reaches_every_rank(ranks4: RankPool, nbyte
         assert problems == [] and left == [], (rank, problems, left)
 
 
-def _interrupted_after_its_claim() -> tuple[str, list[bool], int, list[str]]:
+def _interrupted_after_its_claim() -> tuple[str, int, list[str]]:
     """After repeats, rank 2's call is interrupted as it waits for its verdict, its claim gone through its
-    line; every rank's outcome, whether the interrupt landed in a sender's repeat (rank 2), the messages
-    this rank sent to a mailbox in that call, and the problems of the calls around it."""
+    line; every rank's outcome of that call, this rank's tries to send in it, and the problems of the calls
+    around it. (A rank past a repeat's grace, on a loaded machine, drops its repeat: its next call goes the
+    general way, which reads its verdict otherwise; the next one is tried then, a few at most.)"""
     rank = dist.get_rank()
     problems = _warm()
-    landed: list[bool] = []
     tracer = sys.gettrace()  # (a coverage tool's, put back)
-    with _sends_counted() as sends:
-        if rank == 2:
-            _interrupt_at(mailbox.Mailbox.take_next.__code__, landed)
-        try:
+    for i in range(WARM, WARM + 5):
+        landed: list[bool] = []
+        with _sends_counted() as sends:
+            if rank == 2:
+                _interrupt_at(mailbox.Mailbox.take_next.__code__, landed)
             try:
-                problems += _gather(WARM)
-            finally:
-                sys.settrace(tracer)
-        except KeyboardInterrupt:
-            outcome = "KeyboardInterrupt"
-        else:
-            outcome = "no error"
-    return outcome, landed, sends[0], problems + _warm(WARM + 1)
+                try:
+                    problems += _gather(i)
+                finally:
+                    sys.settrace(tracer)
+            except KeyboardInterrupt:
+                outcome = "KeyboardInterrupt"
+            else:
+                outcome = "no error"
+        if rank == 2 and landed not in ([], [True]):
+            outcome += " outside its repeat"
+        heard = torch.tensor([len(landed)])
+        dist.all_reduce(heard)  # (whether rank 2 was interrupted: every rank then stops trying)
+        if heard.item():
+            break
+    return outcome, sends[0], problems + _warm(i + 1)
 
 
 def test_a_sender_interrupted_after_its_claim_went_sends_nothing_more(ranks4: RankPool) -> None:
@@ -365,10 +378,10 @@ def test_a_sender_interrupted_after_its_claim_went_sends_nothing_more(ranks4: Ra
     first rank, which has its claim already (one that took it for undelivered would), and the next calls
     go well."""
     assert ranks4.run(_interrupted_after_its_claim) == [
-        ("no error", [], 3, []),
-        ("no error", [], 1, []),
-        ("KeyboardInterrupt", [True], 1, []),
-        ("no error", [], 1, []),
+        ("no error", 3, []),
+        ("no error", 1, []),
+        ("KeyboardInterrupt", 1, []),
+        ("no error", 1, []),
     ]
 
 

@@ -233,12 +233,13 @@ def remove_segments_of(rank: int | None, pid: int) -> list[str]:
 
 _Parsed = tuple[str, int, str, str, int, int, str]
 _PARSED: Recent[str, _Parsed] = Recent(256)  # receipts parsed, as they were: a repeat's come again and again
+_PARSED_MAX_CHARS = 128  # (a receipt is about 70 characters; a longer text is parsed, not kept)
 
 
 def _parse_receipt(receipt: str, rank: int) -> _Parsed:
     """``(kind, pid, id, fd, inode, nbytes, notice)`` of a receipt, checked (it came from another process;
     a function of its text, kept for the text)."""
-    if type(receipt) is not str:
+    if type(receipt) is not str or len(receipt) > _PARSED_MAX_CHARS:
         return _parsed(receipt, rank)
     found = _PARSED.get(receipt)
     return found if found is not None else _PARSED.put(receipt, _parsed(receipt, rank))
