@@ -571,6 +571,49 @@ def _same_size_other_kinds(side: int) -> list[str]:
     return problems
 
 
+def _tokens_past_the_attached_sizes() -> tuple[list[tuple[str, bool]], list[str]]:
+    """Gathers of 1 MiB: in pooled segments, then in named ones (the seam ``pooling``), then pooled again;
+    each payload's token through the shared-memory carrier on this rank, whether a name was made of it
+    (a segment named after it in /dev/shm), and the first rank's problems."""
+    from distribute_utils.transports import shm
+
+    published: list[tuple[str, bool]] = []
+    publish = shm.SharedMemoryTransport.publish
+
+    def spy(self: shm.SharedMemoryTransport, token: str, r: int, payload: Any) -> str:
+        receipt = publish(self, token, r, payload)
+        published.append((token, os.path.exists(shm.segment_path(token, r, os.getpid()))))
+        return receipt
+
+    shm.SharedMemoryTransport.publish = spy  # type: ignore[method-assign]
+    problems: list[str] = []
+    try:
+        for i in range(18):
+            shm.SharedMemoryTransport.pooling = not 6 <= i < 12  # (documented seam: named segments only)
+            problems += _gather(i, 2**20)
+    finally:
+        shm.SharedMemoryTransport.publish = publish  # type: ignore[method-assign]
+        shm.SharedMemoryTransport.pooling = True
+    return published, problems
+
+
+def test_a_repeat_keeps_its_token_only_while_no_name_was_made_of_it(ranks4: RankPool) -> None:
+    """A sender's repeat publishes a payload past the attached sizes under its last payload's token while
+    that named nothing (a pooled segment: the same claim bytes, checked once), and a token of which a name
+    was made (a named segment, which other users can see) is never used again: no name can be predicted
+    from an earlier one."""
+    first, *senders = ranks4.run(_tokens_past_the_attached_sizes)
+    assert first == ([], []), first
+    for rank, (published, problems) in enumerate(senders, 1):
+        assert problems == [] and len(published) == 18, (rank, published)
+        assert [named for _, named in published] == [i in range(6, 12) for i in range(18)], (rank, published)
+        for i, (token, named) in enumerate(published):
+            if named:
+                assert token not in [t for t, _ in published[i + 1 :]], (rank, i, published)
+        pooled = [t for t, named in published if not named]
+        assert len(set(pooled)) < len(pooled), (rank, published)  # (kept while it named nothing)
+
+
 @pytest.mark.parametrize("side", [32, 512], ids=["4 KiB, in the claim", "1 MiB, in a segment"])
 def test_a_payload_of_the_same_size_but_another_dtype_or_shape_is_decoded_as_sent(
     ranks4: RankPool, side: int
@@ -580,14 +623,15 @@ def test_a_payload_of_the_same_size_but_another_dtype_or_shape_is_decoded_as_sen
     assert ranks4.run(_same_size_other_kinds, side) == [[], [], [], []]
 
 
-def _codec_calls_per_repeat(rounds: int, nbytes: int) -> tuple[float, float] | None:
-    """``wire.encode`` and ``wire.decode`` calls per repeated gather of ``nbytes`` on ranks 0 and 1 (each
-    call's tensors new)."""
+def _codec_calls_per_repeat(rounds: int, nbytes: int) -> tuple[float, ...] | None:
+    """``wire.encode``, ``wire.decode`` and claim (or verdict) unpacking calls per repeated gather of
+    ``nbytes`` on ranks 0 and 1 (each call's tensors new)."""
     stats = _profiled_repeats([_value(dist.get_rank(), i, nbytes) for i in range(rounds)])
     if stats is None:
         return None
     calls = collections.Counter({(f.rsplit("/", 1)[-1], name): s[1] for (f, _, name), s in stats.items()})
-    return calls[("encoding.py", "encode")] / rounds, calls[("decoding.py", "decode")] / rounds
+    counted = [("encoding.py", "encode"), ("decoding.py", "decode"), ("part.py", "unpack")]
+    return tuple(calls[key] / rounds for key in counted)
 
 
 @pytest.mark.parametrize("nbytes", [4 * 2**10, 2**20], ids=["4 KiB, in the claim", "1 MiB, in a segment"])
@@ -596,12 +640,14 @@ def test_a_repeated_tensor_gather_encodes_and_decodes_no_payload_head_again(
 ) -> None:
     """A sender sends the next tensor of its last one's dtype and shape behind that payload's head, inside
     its claim message or through its host route, and the first rank views a payload whose head is its
-    sender's last one (wire.LoneHead)."""
+    sender's last one (wire.LoneHead); a sender's repeat sends a pooled segment again in the same claim
+    bytes (under the token it keeps while no name was made of it), which the first rank does not unpack
+    and check again."""
     first, sender, *_ = ranks4.run(_codec_calls_per_repeat, 100, nbytes)
-    # Without: 3 decodes per round on the first rank, 1 encode on a sender. A round that goes the general
-    # way (a rank past the repeat's grace on a loaded machine) starts a new repeat, whose first payloads
-    # are decoded: a few in 100 rounds.
-    assert first is not None and first[1] < 0.5, first
+    # Without: 3 decodes per round on the first rank, 1 encode on a sender; at 1 MiB, with a fresh token
+    # per call, 3 claims unpacked per round. A round that goes the general way (a rank past the repeat's
+    # grace on a loaded machine) starts a new repeat, whose first payloads are decoded: a few in 100 rounds.
+    assert first is not None and first[1] < 0.5 and first[2] < 0.5, first
     assert sender is not None and sender[0] < 0.5, sender
 
 

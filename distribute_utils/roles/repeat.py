@@ -20,9 +20,12 @@ What it does not work out again, and why that is safe:
   segment pool, which sizes itself by every payload, as the attached carrier does); one past the attached
   sizes goes through the host route a general call of the key made (:meth:`.sender.Sender.publish_here`),
   kept with its carriers: the route to the same first rank, whose process, and whether it may open this
-  process's descriptors, are fixed for the incarnation (a fresh token each time, as the general path's:
-  a named segment's name, which other users can see, must not be guessable from an earlier one's); the
-  first rank fetches such a payload through the carrier its receipt names, as the general path does,
+  process's descriptors, are fixed for the incarnation. Its token is kept from payload to payload while
+  no name is made of it (a pooled segment has none; the carrier says, :meth:`.base.Sent.names_token`),
+  and a fresh one follows a payload that was given one (a named segment, whose name other users can see:
+  no token names two things, nor is used after it named one); the general path makes one per call. So a
+  pooled segment sent again goes in the same claim bytes, which the first rank checks once; the first
+  rank fetches such a payload through the carrier its receipt names, as the general path does,
   from a context kept for the key (the first rank, the timeout, the group, where tensors are decoded to);
   with a workspace, whose carrier is each call's own, neither role does;
 - a claim's unpacking and checks, on the first rank, when its bytes are those of a claim it checked
@@ -100,7 +103,20 @@ class _Kept:
 class SenderRepeat(_Kept):
     """A sender's repeat (see the module doc), made by :func:`sender_repeat`."""
 
-    __slots__ = ("_claim", "_entry", "_line", "_listed", "_lone", "_me", "_mode", "_pool", "_root", "_route")
+    __slots__ = (
+        "_claim",
+        "_entry",
+        "_line",
+        "_listed",
+        "_lone",
+        "_me",
+        "_mode",
+        "_pool",
+        "_root",
+        "_route",
+        "_routed",
+        "_token",
+    )
 
     def __init__(self, sender: Sender, at: Recent[Any, Any], call_key: Hashable) -> None:
         super().__init__(at, call_key)
@@ -112,6 +128,10 @@ class SenderRepeat(_Kept):
         # The parts before the payload of its last claim message, their length, and the payload size it states.
         self._claim: tuple[int, list[Buffer], int] = (-1, [], 0)
         self._line: Line | None = None  # (made at its first repeat)
+        # The token of its last payload through the route, while no name was made of it (see the module doc),
+        # and its last claim message there: the token and receipt it names, the message, its length.
+        self._token: str | None = None
+        self._routed: tuple[Any, list[Buffer], int] = (None, [], 0)
 
     def send(self, round_: Round, value: Any) -> bool:
         """This rank's part in ``round_``'s call (a sender's), as :meth:`Sender.send` does it; False when the
@@ -211,22 +231,27 @@ class SenderRepeat(_Kept):
         self, payload: wire.EncodedPayload
     ) -> tuple[list[Buffer], int, carriers.Sent, None] | None:
         """``payload``, past the attached sizes, through the host route of the call this repeat was made of
-        (as :meth:`Sender.publish_here`, with a fresh token: a segment's name others can see must not be
-        guessable); None when it has no route."""
+        (as :meth:`Sender.publish_here`), under the last payload's token while no name was made of it, else a
+        fresh one (see the module doc); None when it has no route. A claim like the last one (its token and
+        receipt) goes in the same message."""
         route = self._route
         if route is None:
             return None
-        token = secrets.token_hex(8)
+        token = self._token or secrets.token_hex(8)
         sent = route.publish(token, self._me, payload)
-        try:
-            message, length = _sized(
-                MailboxChannel.claim_message(
-                    sender_claim(self._listed, self._mode, [token, sent.receipt]), ()
+        self._token = None if sent.names_token() else token
+        made, message, length = self._routed
+        if made != (token, sent.data):
+            try:
+                message, length = _sized(
+                    MailboxChannel.claim_message(
+                        sender_claim(self._listed, self._mode, [token, sent.receipt]), ()
+                    )
                 )
-            )
-        except BaseException:
-            sent.release(taken=False)
-            raise
+            except BaseException:
+                sent.release(taken=False)
+                raise
+            self._routed = ((token, sent.data), message, length)
         return message, length, sent, None
 
 
@@ -335,10 +360,10 @@ class FirstRepeat(_Kept):
         return FirstRank(round_, listed).take_over(channel, claims, found, decode_to, self._what)
 
     def _check(self, rank: int, data: bytes, claims: dict[int, Claim]) -> tuple[Claim, int] | None:
-        """``rank``'s claim, not seen before: checked as the general path checks it (raises as it does). A
-        plain attached one is kept, with the size it states; one whose payload is with a carrier of this
-        host that needs no "go" is taken (size -1), not kept (its token is fresh every call). None for
-        any other: the general path takes it."""
+        """``rank``'s claim, not seen before: checked as the general path checks it (raises as it does), and
+        kept: a plain attached one with the size it states, one whose payload is with a carrier of this
+        host that needs no "go" with size -1 (a sender's repeat sends a pooled segment again in the same
+        claim bytes). None for any other: the general path takes it."""
         try:
             claim = Claim.unpack(data)
         except (ValueError, TypeError):
@@ -350,7 +375,7 @@ class FirstRepeat(_Kept):
         nbytes = _carried(claim.body, self._context is not None)
         if nbytes is None:
             return None
-        return self._checked.put(data, (claim, nbytes)) if nbytes >= 0 else (claim, nbytes)
+        return self._checked.put(data, (claim, nbytes))
 
 
 def _carried(body: Any, routed: bool) -> int | None:

@@ -183,6 +183,11 @@ class SharedMemoryTransport:
             os.close(fd)
         return f"n:{os.getpid()}:{payload.nbytes}"
 
+    @staticmethod
+    def names_token(receipt: str) -> bool:
+        """A named segment's name is made from the token (others can see it); a pooled one has no name."""
+        return not receipt.startswith("p:")
+
     def fetch(self, token: str, rank: int, receipt: str) -> Any:
         """The payload ``rank`` published: a named segment mapped privately (and unlinked at once), a
         pooled one lent from a shared map of it.
