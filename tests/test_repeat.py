@@ -614,6 +614,60 @@ def test_a_repeat_keeps_its_token_only_while_no_name_was_made_of_it(ranks4: Rank
         assert len(set(pooled)) < len(pooled), (rank, published)  # (kept while it named nothing)
 
 
+def _tokens_around_a_failed_publish() -> tuple[list[tuple[str, str]], list[str]]:
+    """Gathers of 1 MiB through shared memory only: pooled, then named (the seam ``pooling``) while another
+    process of this user holds the name the kept token would give (made here, as one that guessed it
+    would), then pooled again; each publication's token through the carrier on this rank and what came of
+    it ("pooled", "named" or "failed"), and the first rank's problems."""
+    from distribute_utils.transports import shm
+
+    published: list[tuple[str, str]] = []
+    publish = shm.SharedMemoryTransport.publish
+
+    def spy(self: shm.SharedMemoryTransport, token: str, r: int, payload: Any) -> str:
+        try:
+            receipt = publish(self, token, r, payload)
+        except OSError:
+            published.append((token, "failed"))
+            raise
+        named = os.path.exists(shm.segment_path(token, r, os.getpid()))
+        published.append((token, "named" if named else "pooled"))
+        return receipt
+
+    shm.SharedMemoryTransport.publish = spy  # type: ignore[method-assign]
+    problems: list[str] = []
+    taken: list[str] = []
+    try:
+        for i in range(12):
+            shm.SharedMemoryTransport.pooling = not 6 <= i < 9  # (documented seam: named segments only)
+            if i == 6 and dist.get_rank() != 0 and published:
+                path = shm.segment_path(published[-1][0], dist.get_rank(), os.getpid())
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                taken.append(path)
+            problems += _gather(i, 2**20, transport="shm")
+    finally:
+        shm.SharedMemoryTransport.publish = publish  # type: ignore[method-assign]
+        shm.SharedMemoryTransport.pooling = True
+        for path in taken:
+            os.unlink(path)
+    return published, problems
+
+
+def test_a_token_whose_publish_failed_is_not_used_again(ranks4: RankPool) -> None:
+    """A sender's repeat whose publish under its kept token fails (the name taken: a named segment is made
+    O_EXCL) takes a fresh token for the next one: a name a failed publish made, or that another process
+    holds, is never tried again (with the token kept, every later call would fail there and go the
+    general way)."""
+    first, *senders = ranks4.run(_tokens_around_a_failed_publish)
+    assert first == ([], []), first
+    for rank, (published, problems) in enumerate(senders, 1):
+        assert problems == [], (rank, problems)
+        assert sum(outcome == "failed" for _, outcome in published) == 1, (rank, published)
+        for i, (token, outcome) in enumerate(published):
+            if outcome != "pooled":
+                assert token not in [t for t, _ in published[i + 1 :]], (rank, i, published)
+
+
 @pytest.mark.parametrize("side", [32, 512], ids=["4 KiB, in the claim", "1 MiB, in a segment"])
 def test_a_payload_of_the_same_size_but_another_dtype_or_shape_is_decoded_as_sent(
     ranks4: RankPool, side: int

@@ -238,10 +238,12 @@ class SenderRepeat(_Kept):
         if route is None:
             return None
         token = self._token or secrets.token_hex(8)
+        self._token = None  # (a publish that fails may have made a name of it, and removed it)
         sent = route.publish(token, self._me, payload)
-        self._token = None if sent.names_token() else token
+        if not sent.names_token():
+            self._token = token
         made, message, length = self._routed
-        if made != (token, sent.data):
+        if made != (token, sent.receipt):
             try:
                 message, length = _sized(
                     MailboxChannel.claim_message(
@@ -251,7 +253,7 @@ class SenderRepeat(_Kept):
             except BaseException:
                 sent.release(taken=False)
                 raise
-            self._routed = ((token, sent.data), message, length)
+            self._routed = ((token, sent.receipt), message, length)
         return message, length, sent, None
 
 
@@ -360,10 +362,11 @@ class FirstRepeat(_Kept):
         return FirstRank(round_, listed).take_over(channel, claims, found, decode_to, self._what)
 
     def _check(self, rank: int, data: bytes, claims: dict[int, Claim]) -> tuple[Claim, int] | None:
-        """``rank``'s claim, not seen before: checked as the general path checks it (raises as it does), and
-        kept: a plain attached one with the size it states, one whose payload is with a carrier of this
-        host that needs no "go" with size -1 (a sender's repeat sends a pooled segment again in the same
-        claim bytes). None for any other: the general path takes it."""
+        """``rank``'s claim, not seen before: checked as the general path checks it (raises as it does). A
+        plain attached one is kept, with the size it states; one whose payload is with a carrier of this
+        host that needs no "go" is taken (size -1), and kept when no name was made of its token (a sender's
+        repeat sends a pooled segment again in the same claim bytes; any other token is fresh every call).
+        None for any other: the general path takes it."""
         try:
             claim = Claim.unpack(data)
         except (ValueError, TypeError):
@@ -375,6 +378,8 @@ class FirstRepeat(_Kept):
         nbytes = _carried(claim.body, self._context is not None)
         if nbytes is None:
             return None
+        if nbytes < 0 and carriers.names_token(claim.body[1]):  # type: ignore[index]  # (checked by _carried)
+            return claim, nbytes  # (its token is fresh every call: not kept)
         return self._checked.put(data, (claim, nbytes))
 
 

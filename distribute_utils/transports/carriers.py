@@ -49,6 +49,7 @@ __all__ = [
     "carrier_of",
     "hooked",
     "inject",
+    "names_token",
     "publish",
     "published",
     "remove_left_by",
@@ -108,6 +109,13 @@ def published(sent: Sent) -> Sent:
             sent.release(taken=False)
             raise
     return sent
+
+
+def names_token(receipt: list[Any]) -> bool:
+    """Whether the publication of ``receipt`` (``[kind, data]``, of a known kind) has a name made from its
+    token (the carrier's optional ``names_token``, see :class:`.base.Carrier`; absent: it has)."""
+    names = getattr(KINDS[receipt[0]], "names_token", None)
+    return True if names is None else bool(names(receipt[1]))
 
 
 def carrier_of(receipt: Any, rank: int) -> type[Carrier]:
