@@ -273,36 +273,46 @@ def _interrupted_after_repeats(
 ) -> tuple[str, list[str], list[str], list[bool], float]:
     """After repeats (past the attached sizes in named segments, which could be left), rank 2's call is
     interrupted in ``where``; every rank's outcome, the next calls' problems, its segments left, whether
-    the interrupt landed in a sender's repeat (rank 2), and the seconds the call took."""
+    the interrupt landed in a sender's repeat (rank 2), and the seconds the call took. (A rank past a
+    repeat's grace, on a loaded machine, drops its repeat, and its next call goes the general way: where
+    the interrupt did not land in rank 2's repeat, the repeats are made again and it is tried again, a
+    few times at most.)"""
     from distribute_utils.transports import shm
 
     shm.SharedMemoryTransport.pooling = False  # (documented seam: every segment a named one)
     tracer = sys.gettrace()  # (a coverage tool's, put back)
-    landed: list[bool] = []
     try:
         rank = dist.get_rank()
-        problems = [p for i in range(WARM) for p in _gather(i, nbytes)]
-        started = time.monotonic()
-        try:
-            if rank == 2:
-                _interrupt_at(_INTERRUPTED_AT[where], landed)
+        problems: list[str] = []
+        for attempt in range(3):
+            base = 10 * WARM * attempt
+            problems = [p for i in range(base, base + WARM) for p in _gather(i, nbytes)]
+            landed: list[bool] = []
+            started = time.monotonic()
             try:
-                value = _value(rank, WARM, nbytes)
-                if where == "wire.encode":
-                    value = value.reshape(2, -1)  # (no head kept for this shape: encoded)
-                with get_tensors_parallel(value, RANKS, timeout=30):  # (the repeat's key)
-                    pass
-            finally:
-                sys.settrace(tracer)
-        except (KeyboardInterrupt, GatherError) as exc:
-            outcome = f"{type(exc).__name__}: {exc}"
-        else:
-            outcome = "no error"
-        took = time.monotonic() - started
+                if rank == 2:
+                    _interrupt_at(_INTERRUPTED_AT[where], landed)
+                try:
+                    value = _value(rank, base + WARM, nbytes)
+                    if where == "wire.encode":
+                        value = value.reshape(2, -1)  # (no head kept for this shape: encoded)
+                    with get_tensors_parallel(value, RANKS, timeout=30):  # (the repeat's key)
+                        pass
+                finally:
+                    sys.settrace(tracer)
+            except (KeyboardInterrupt, GatherError) as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
+            else:
+                outcome = "no error"
+            took = time.monotonic() - started
+            in_repeat = torch.tensor([int(landed == [True])])
+            dist.all_reduce(in_repeat)  # (whether rank 2's interrupt landed in its repeat: all stop trying)
+            if in_repeat.item():
+                break
         left = sorted(
             n for n in os.listdir("/dev/shm") if n.startswith("du_") and n.endswith(f"_{os.getpid()}")
         )
-        later = [p for i in range(WARM + 1, 2 * WARM) for p in _gather(i, nbytes)]
+        later = [p for i in range(base + WARM + 1, base + 2 * WARM) for p in _gather(i, nbytes)]
         return outcome, problems + later, left, landed, took
     finally:
         shm.SharedMemoryTransport.pooling = True
