@@ -21,7 +21,7 @@ What it does not work out again, and why that is safe:
   sizes goes through the host route a general call of the key made (:meth:`.sender.Sender.publish_here`),
   kept with its carriers: the route to the same first rank, whose process, and whether it may open this
   process's descriptors, are fixed for the incarnation. Its token is kept from payload to payload while
-  no name is made of it (a pooled segment has none; the carrier says, :meth:`.base.Sent.names_token`),
+  no name is made of it (a pooled segment has none; the carrier says, :func:`.carriers.names_token`),
   and a fresh one follows a payload that was given one (a named segment, whose name other users can see:
   no token names two things, nor is used after it named one); the general path makes one per call. So a
   pooled segment sent again goes in the same claim bytes, which the first rank checks once; the first
@@ -240,7 +240,7 @@ class SenderRepeat(_Kept):
         token = self._token or secrets.token_hex(8)
         self._token = None  # (a publish that fails may have made a name of it, and removed it)
         sent = route.publish(token, self._me, payload)
-        if not sent.names_token():
+        if not carriers.names_token(sent.receipt):
             self._token = token
         made, message, length = self._routed
         if made != (token, sent.receipt):

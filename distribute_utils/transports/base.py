@@ -143,7 +143,7 @@ class Carrier(Protocol):
     # Optional too (read with getattr; absent: every publication does): ``names_token(data) -> bool``, static,
     # says whether what ``publish`` made for the receipt ``data`` has a name made from the token, which
     # other users may see (a named segment in /dev/shm). A sender may publish again under a token of
-    # which no name was made (:meth:`Sent.names_token`); one that named something is never used again.
+    # which no name was made (:func:`.carriers.names_token`); one that named something is never used again.
 
     @property
     def label(self) -> str:
@@ -194,12 +194,6 @@ class Sent:
     def __init__(self, carrier: Carrier, token: str, data: Any, rank: int) -> None:
         self.carrier, self.token, self.data, self.rank = carrier, token, data, rank
         self.receipt: list[Any] = [carrier.kind, data]
-
-    def names_token(self) -> bool:
-        """Whether what was published has a name made from its token (see :class:`Carrier`:
-        ``names_token``); a token of which no name was made may be published under again."""
-        names = getattr(self.carrier, "names_token", None)
-        return True if names is None else bool(names(self.data))
 
     def release(self, taken: bool, answered: bool = False) -> None:
         """Remove what was published, once the receiver is done (``taken``) or gave up; ``answered``: a

@@ -112,8 +112,10 @@ def published(sent: Sent) -> Sent:
 
 
 def names_token(receipt: list[Any]) -> bool:
-    """Whether the publication of ``receipt`` (``[kind, data]``, of a known kind) has a name made from its
-    token (the carrier's optional ``names_token``, see :class:`.base.Carrier`; absent: it has)."""
+    """Whether the publication of ``receipt`` (``[kind, data]``, of a known kind: a :attr:`.base.Sent.receipt`
+    or one a claim carries) has a name made from its token (the carrier's optional ``names_token``, see
+    :class:`.base.Carrier`; absent: it has). Read by a sender's repeat after each publish and by the first
+    rank's for each new claim."""
     names = getattr(KINDS[receipt[0]], "names_token", None)
     return True if names is None else bool(names(receipt[1]))
 
